@@ -1,0 +1,3 @@
+from vlaforge.cli import main
+
+main()

@@ -1,0 +1,126 @@
+"""TOML recipes, dotted CLI overrides (`--train.steps=10`), and one-line validation errors."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from pydantic import BaseModel, ValidationError
+
+from vlaforge.config.schema import VLAConfig
+from vlaforge.errors import ConfigError
+from vlaforge.registry import did_you_mean
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """['--train.steps=10', '--model.cameras=["a","b"]'] -> nested dict. Values parse as TOML, else as strings."""
+    nested: dict[str, Any] = {}
+    for arg in args:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"override {arg!r} is not of the form --section.key=value (e.g. --train.steps=10)")
+        key, raw = arg[2:].split("=", 1)
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {arg!r} sets a key below a plain value")
+        node[leaf] = _parse_value(raw)
+    return nested
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; give a TOML recipe such as recipes/tiny_metaworld.toml")
+    try:
+        return tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> VLAConfig:
+    """Recipe file (optional) + overrides -> validated VLAConfig.
+
+    Raises:
+        ConfigError: one line naming the field path, the problem and the allowed values.
+    """
+    raw = read_toml(path) if path is not None else {}
+    if overrides:
+        raw = deep_merge(raw, parse_overrides(overrides) if isinstance(overrides, list) else overrides)
+    return validate(raw)
+
+
+def validate(raw: dict[str, Any]) -> VLAConfig:
+    try:
+        return VLAConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """The first problem of a pydantic error as 'config: a.b.c: message', with a suggestion for unknown keys."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    path = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        siblings = _field_names(VLAConfig, loc[:-1])
+        hint = did_you_mean(loc[-1], siblings)
+        return f"config: unknown key {path}{hint}; allowed keys here: {', '.join(siblings)}"
+    msg = err["msg"].removeprefix("Value error, ")
+    more = f" (and {len(exc.errors()) - 1} more problem(s))" if len(exc.errors()) > 1 else ""
+    return f"config: {path}: {msg} (got {err.get('input')!r}){more}"
+
+
+def _field_names(model: type[BaseModel], loc: list[str]) -> list[str]:
+    for part in loc:
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def to_dict(cfg: VLAConfig) -> dict[str, Any]:
+    """Plain-data form of the config (None values dropped: TOML has no null)."""
+    return cfg.model_dump(mode="json", exclude_none=True)
+
+
+def dump_toml(cfg: VLAConfig) -> str:
+    return tomli_w.dumps(to_dict(cfg))
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Write to a temporary file beside `path`, then rename: readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

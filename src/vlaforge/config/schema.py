@@ -1,0 +1,237 @@
+"""Config classes (pydantic v2). Unknown keys, wrong types and bad values fail before any model is built.
+
+Values that later work will implement (precision beyond fp32/bf16, checkpointing, offload, parallel degrees
+above 1, LeRobot data) are validated already and rejected with a clear "not available yet" message, never
+silently ignored. The serializable description lives here; runtime objects are built elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from vlaforge import COMPONENTS
+
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+Checkpointing = Literal["none", "full", "selective", "selective_attn", "selective_ffn", "every_nth"]
+Offload = Literal["none", "cpu", "nvme"]
+
+AVAILABLE_PRECISIONS = ("fp32", "bf16")
+
+
+def not_yet(value: object, arrives_with: str, use: str) -> ValueError:
+    return ValueError(f"{value!r} is not available yet (arrives with {arrives_with}); use {use}")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PretrainedSource(Section):
+    pretrained: str | None = Field(None, description="local save_pretrained folder; None builds from the flavor")
+
+
+class ActionHeadConfig(Section):
+    kind: str = Field("regression", description="action head from the registry: regression | flow_matching")
+    hidden: int | None = Field(None, ge=8, description="head width; None takes the flavor's")
+    flow_steps: int = Field(10, ge=1, description="Euler integration steps of the flow matching head")
+    layers: int = Field(2, ge=1, description="transformer layers of the flow matching velocity network")
+
+    @field_validator("kind")
+    @classmethod
+    def _known_head(cls, v: str) -> str:
+        from vlaforge.models.action_heads import ACTION_HEADS
+
+        if v not in ACTION_HEADS:
+            raise ValueError(ACTION_HEADS.unknown_message(v))
+        return v
+
+
+class ModelConfig(Section):
+    flavor: str = "tiny"
+    frames: int = Field(1, ge=1, description="time steps of images per sample")
+    cameras: list[str] = Field(default_factory=lambda: ["corner"], min_length=1)
+    image_size: int | None = Field(None, ge=8, description="pixels per side; None takes the flavor's")
+    action_chunk: int = Field(8, ge=1, description="T: actions predicted per step")
+    action_dim: int = Field(4, ge=1)
+    state_dim: int = Field(4, ge=1)
+    vision: PretrainedSource = Field(default_factory=PretrainedSource)
+    llm: PretrainedSource = Field(default_factory=PretrainedSource)
+    action_head: ActionHeadConfig = Field(default_factory=ActionHeadConfig)
+
+    @field_validator("flavor")
+    @classmethod
+    def _known_flavor(cls, v: str) -> str:
+        from vlaforge.models.flavors import FLAVORS
+
+        if v not in FLAVORS:
+            raise ValueError(FLAVORS.unknown_message(v))
+        return v
+
+    @property
+    def frames_per_sample(self) -> int:
+        """F: images per sample (time steps x cameras)."""
+        return self.frames * len(self.cameras)
+
+
+class ComponentConfig(Section):
+    """Per-component policy: precision, memory techniques, optimizer settings, freezing."""
+
+    precision: Precision = "fp32"
+    checkpointing: Checkpointing = "none"
+    offload: Offload = "none"
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    trainable: bool = True
+    unfreeze_at_step: int | None = Field(None, ge=0, description="a frozen component starts training here")
+    unfreeze_last_blocks: int | None = Field(None, ge=1, description="at unfreeze_at_step, train only the last K "
+                                                                      "blocks (and what follows them)")
+
+    @field_validator("precision")
+    @classmethod
+    def _precision_available(cls, v: str) -> str:
+        if v not in AVAILABLE_PRECISIONS:
+            raise not_yet(v, "per-component mixed precision", "'fp32' or 'bf16'")
+        return v
+
+    @field_validator("checkpointing")
+    @classmethod
+    def _checkpointing_available(cls, v: str) -> str:
+        if v != "none":
+            raise not_yet(v, "activation checkpointing", "'none'")
+        return v
+
+    @field_validator("offload")
+    @classmethod
+    def _offload_available(cls, v: str) -> str:
+        if v != "none":
+            raise not_yet(v, "activation offload", "'none'")
+        return v
+
+    @model_validator(mode="after")
+    def _freeze_schedule(self) -> "ComponentConfig":
+        if self.unfreeze_at_step is not None and self.trainable:
+            raise ValueError("unfreeze_at_step needs trainable = false (the component is frozen until then)")
+        if self.unfreeze_last_blocks is not None and self.unfreeze_at_step is None:
+            raise ValueError("unfreeze_last_blocks needs unfreeze_at_step")
+        return self
+
+
+class ComponentsConfig(Section):
+    vision: ComponentConfig = Field(default_factory=lambda: ComponentConfig(lr=1e-5))
+    projector: ComponentConfig = Field(default_factory=lambda: ComponentConfig(lr=1e-4))
+    llm: ComponentConfig = Field(default_factory=lambda: ComponentConfig(lr=1e-4, weight_decay=0.1))
+    action_head: ComponentConfig = Field(default_factory=lambda: ComponentConfig(lr=5e-4, weight_decay=0.01))
+
+    def items(self) -> list[tuple[str, ComponentConfig]]:
+        return [(name, getattr(self, name)) for name in COMPONENTS]
+
+
+LossTerm = Literal["contrastive", "language", "action"]
+
+
+class LossConfig(Section):
+    weighting: Literal["static", "uncertainty", "dwa", "gradnorm"] = "static"
+    weights: dict[LossTerm, float] = Field(
+        default_factory=lambda: {"contrastive": 0.3, "language": 0.4, "action": 0.3},
+        description="static weights; a term with weight 0 is not computed (also under dynamic weighting)")
+    action: Literal["l1", "mse", "huber"] = "huber"
+    huber_delta: float = Field(1.0, gt=0)
+    smoothness: float = Field(0.0, ge=0, description="weight of the consecutive-action smoothness term")
+    dwa_temperature: float = Field(2.0, gt=0)
+    gradnorm_alpha: float = Field(1.5, ge=0)
+    weighting_lr: float = Field(0.025, gt=0, description="lr of learned loss weights (uncertainty, gradnorm)")
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, v: dict[str, float]) -> dict[str, float]:
+        if any(w < 0 for w in v.values()):
+            raise ValueError("loss weights must be >= 0")
+        if v.get("action", 0.0) <= 0:
+            raise ValueError("the action term needs a weight > 0 (it is what the policy is for)")
+        return v
+
+
+class ParallelConfig(Section):
+    dp_replicate: int = Field(1, ge=1)
+    dp_shard: int = Field(-1, ge=-1, description="-1: the rest of the world size")
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    cp_method: Literal["ring", "ulysses", "allgather", "auto"] = "ring"
+    backend: Literal["fsdp2", "ddp", "deepspeed"] = "fsdp2"
+
+    @field_validator("dp_replicate", "tp", "pp", "cp")
+    @classmethod
+    def _degree_available(cls, v: int) -> int:
+        if v > 1:
+            raise not_yet(v, "distributed scale-out", "1")
+        return v
+
+    @field_validator("dp_shard")
+    @classmethod
+    def _shard_available(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("dp_shard must be -1 (the rest of the world) or >= 1")
+        if v > 1:
+            raise not_yet(v, "distributed scale-out", "-1 or 1")
+        return v
+
+
+class DataConfig(Section):
+    source: Literal["synthetic", "lerobot"] = "synthetic"
+    path: str | None = Field(None, description="LeRobotDataset v3 folder (source = 'lerobot')")
+    num_samples: int = Field(1024, ge=1, description="synthetic: samples per epoch")
+    num_tasks: int = Field(4, ge=1, description="synthetic: distinct tasks (instruction + goal)")
+    max_instruction_tokens: int = Field(16, ge=1)
+    max_text_tokens: int = Field(8, ge=0, description="length of language-loss targets; 0 disables them")
+    num_workers: int = Field(0, ge=0)
+
+    @field_validator("source")
+    @classmethod
+    def _source_available(cls, v: str) -> str:
+        if v == "lerobot":
+            raise not_yet(v, "the LeRobotDataset reader", "'synthetic'")
+        return v
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, ge=1, description="optimizer steps")
+    batch_size: int = Field(8, ge=1, description="micro-batch per rank per forward")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    precision_master: Literal["fp32", "bf16"] = "fp32"
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of each group's lr")
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+    lr_ratio_warning: float = Field(50.0, gt=1, description="warn when max/min component lr exceeds this")
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    output_dir: str = "runs/default"
+    resume: str | None = Field(None, description="'latest' (in output_dir), a run folder or a checkpoint folder")
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
+    keep_checkpoints: int = Field(2, ge=1)
+    tensorboard: bool = True
+    progress: bool = True
+
+    @field_validator("precision_master")
+    @classmethod
+    def _master_available(cls, v: str) -> str:
+        if v != "fp32":
+            raise not_yet(v, "per-component mixed precision", "'fp32'")
+        return v
+
+
+class VLAConfig(Section):
+    """A whole run: `[model]`, `[components.*]`, `[loss]`, `[parallel]`, `[data]`, `[train]`."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    components: ComponentsConfig = Field(default_factory=ComponentsConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)

@@ -1,0 +1,1 @@
+"""Data: the typed `Batch` contract at the model boundary, datasets and loaders."""

@@ -1,0 +1,117 @@
+"""Action heads: turn the LLM's hidden states at the action-query tokens into a chunk of continuous actions.
+
+Every head owns the learned action-query embeddings (T, D) that the VLA appends to the LLM input, and is called
+only through `forward`, so per-component wrappers (precision, checkpointing, FSDP) see all of its compute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vlaforge.registry import Registry
+
+
+@dataclass
+class ActionHeadOutput:
+    """prediction is compared with target by the action loss; actions is the head's estimate of the chunk."""
+
+    prediction: torch.Tensor  # (B, T, A)
+    target: torch.Tensor  # (B, T, A)
+    actions: torch.Tensor  # (B, T, A)
+
+
+class ActionHead(nn.Module):
+    """Base: learned action queries plus a state embedding shared by all heads."""
+
+    def __init__(self, llm_dim: int, action_dim: int, state_dim: int, chunk: int, hidden: int, **_: object):
+        super().__init__()
+        self.chunk, self.action_dim = chunk, action_dim
+        self.queries = nn.Parameter(torch.randn(chunk, llm_dim) * 0.02)  # (T, D)
+        self.state_proj = nn.Linear(state_dim, hidden)
+
+    def forward(self, hidden: torch.Tensor, state: torch.Tensor,
+                actions: torch.Tensor | None = None) -> ActionHeadOutput | torch.Tensor:
+        """Training (actions given): an ActionHeadOutput. Inference: the predicted chunk (B, T, A)."""
+        raise NotImplementedError
+
+
+ACTION_HEADS: Registry[type[ActionHead]] = Registry("action head")
+
+
+@ACTION_HEADS.register("regression")
+class RegressionHead(ActionHead):
+    """OpenVLA-OFT style: one parallel decoding pass, an MLP per action query, L1/Huber regression."""
+
+    def __init__(self, llm_dim: int, action_dim: int, state_dim: int, chunk: int, hidden: int, **kw: object):
+        super().__init__(llm_dim, action_dim, state_dim, chunk, hidden)
+        self.in_proj = nn.Linear(llm_dim, hidden)
+        self.mlp = nn.Sequential(nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, action_dim))
+
+    def forward(self, hidden, state, actions=None):
+        x = self.in_proj(hidden) + self.state_proj(state)[:, None, :]  # (B, T, H)
+        pred = self.mlp(x)  # (B, T, A)
+        if actions is None:
+            return pred
+        return ActionHeadOutput(prediction=pred, target=actions, actions=pred)
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding of flow times t (B,) in [0, 1] -> (B, dim)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    angles = 1000.0 * t.float()[:, None] * freqs[None, :]
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+@ACTION_HEADS.register("flow_matching")
+class FlowMatchingHead(ActionHead):
+    """pi0 style conditional flow matching: x_t = t*noise + (1-t)*actions, the network predicts
+    the velocity noise - actions; inference integrates from t=1 (noise) to t=0 with Euler steps.
+
+    The velocity network is a small transformer over the T action tokens, conditioned on the LLM's hidden
+    states at the action queries, the robot state and the flow time.
+    """
+
+    def __init__(self, llm_dim: int, action_dim: int, state_dim: int, chunk: int, hidden: int,
+                 flow_steps: int = 10, layers: int = 2, **kw: object):
+        super().__init__(llm_dim, action_dim, state_dim, chunk, hidden)
+        self.flow_steps = flow_steps
+        self.cond_proj = nn.Linear(llm_dim, hidden)
+        self.action_in = nn.Linear(action_dim, hidden)
+        self.time_mlp = nn.Sequential(nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        layer = nn.TransformerEncoderLayer(hidden, nhead=max(1, hidden // 64), dim_feedforward=4 * hidden,
+                                           dropout=0.0, batch_first=True, norm_first=True)
+        self.net = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+        self.action_out = nn.Linear(hidden, action_dim)
+
+    def velocity(self, x_t: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Velocity (B, T, A) at noisy actions x_t (B, T, A), times t (B,), condition (B, T, H)."""
+        temb = self.time_mlp(timestep_embedding(t, cond.shape[-1]).to(cond.dtype))  # (B, H)
+        h = self.action_in(x_t) + cond + temb[:, None, :]
+        return self.action_out(self.net(h))
+
+    def forward(self, hidden, state, actions=None):
+        cond = self.cond_proj(hidden) + self.state_proj(state)[:, None, :]  # (B, T, H)
+        if actions is None:
+            return self.sample(cond)
+        b = actions.shape[0]
+        noise = torch.randn_like(actions)
+        # pi0's time distribution: Beta(1.5, 1) leans towards noisy inputs, never exactly 0.
+        t = torch.distributions.Beta(1.5, 1.0).sample((b,)).to(actions.device) * 0.999 + 0.001
+        tt = t[:, None, None].to(actions.dtype)
+        x_t = tt * noise + (1 - tt) * actions
+        v = self.velocity(x_t, t, cond)
+        return ActionHeadOutput(prediction=v, target=noise - actions, actions=x_t - tt * v)
+
+    def sample(self, cond: torch.Tensor) -> torch.Tensor:
+        b = cond.shape[0]
+        x = torch.randn(b, self.chunk, self.action_dim, device=cond.device, dtype=cond.dtype)
+        dt = 1.0 / self.flow_steps
+        for i in range(self.flow_steps):
+            t = torch.full((b,), 1.0 - i * dt, device=cond.device)
+            x = x - dt * self.velocity(x, t, cond)
+        return x

@@ -1,0 +1,93 @@
+"""Model flavors: named shapes for the four components, looked up by name.
+
+Only plain data lives here (no torch import) so configs can validate a flavor name cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlaforge.registry import Registry
+
+
+@dataclass(frozen=True)
+class Flavor:
+    """Architecture of one VLA size.
+
+    Args:
+        vision: keyword arguments of `transformers.SiglipVisionConfig`.
+        llm: keyword arguments of `transformers.LlamaConfig`.
+        projector_hidden: width of the projector MLP's hidden layer.
+        action_hidden: width of the action head's MLP / flow network.
+        nominal_params: the published size of each pretrained component this flavor mirrors.
+    """
+
+    description: str
+    vision: dict[str, Any]
+    llm: dict[str, Any]
+    projector_hidden: int
+    action_hidden: int
+    nominal_params: dict[str, float] = field(default_factory=dict)
+
+
+FLAVORS: Registry[Flavor] = Registry("model flavor")
+
+FLAVORS.add("tiny", Flavor(
+    description="trains on CPU in minutes; for tests, the demo and quick starts",
+    vision=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                image_size=64, patch_size=16),
+    llm=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024),
+    projector_hidden=128,
+    action_hidden=128,
+))
+
+# SigLIP-base/16 at 224 px + a Qwen2-0.5B-shaped Llama (GQA 14/2, tied embeddings).
+FLAVORS.add("small", Flavor(
+    description="~0.5B LLM; real-GPU experiments and benchmarks",
+    vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                image_size=224, patch_size=16),
+    llm=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+             num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+             max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    projector_hidden=2048,
+    action_hidden=512,
+    nominal_params={"vision": 86e6, "llm": 494e6},
+))
+
+# OpenVLA-like: SigLIP-so400m/14 at 224 px + Llama-2-7B.
+FLAVORS.add("vla-7b", Flavor(
+    description="SigLIP-so400m + Llama-2-7B shapes (OpenVLA-like)",
+    vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                image_size=224, patch_size=14),
+    llm=dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+             num_key_value_heads=32, vocab_size=32000, max_position_embeddings=32768),
+    projector_hidden=4096,
+    action_hidden=1024,
+    nominal_params={"vision": 0.413e9, "llm": 6.74e9}  # so400m without its pooling head,
+))
+
+# ~1.1B ViT (ViT-g-like) + a 30B Llama with GQA 48/8.
+FLAVORS.add("vla-30b", Flavor(
+    description="~1.1B ViT + ~30B Llama-family LLM",
+    vision=dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=40, num_attention_heads=16,
+                image_size=224, patch_size=14),
+    llm=dict(hidden_size=6144, intermediate_size=22016, num_hidden_layers=60, num_attention_heads=48,
+             num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768),
+    projector_hidden=6144,
+    action_hidden=1024,
+    nominal_params={"vision": 1.13e9, "llm": 30e9},
+))
+
+# ~3B ViT + Llama-2-70B.
+FLAVORS.add("vla-70b", Flavor(
+    description="~3B ViT + Llama-2-70B shapes",
+    vision=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=60, num_attention_heads=16,
+                image_size=224, patch_size=14),
+    llm=dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+             num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768),
+    projector_hidden=8192,
+    action_hidden=1024,
+    nominal_params={"vision": 3e9, "llm": 69e9},
+))

@@ -1,0 +1,35 @@
+"""Per-component parameter counts and bytes of a flavor, built under fake tensors."""
+
+from __future__ import annotations
+
+from vlaforge import COMPONENTS
+
+
+def summarize(flavor: str) -> dict:
+    """{'flavor', 'components': {name: {'params', 'fp32_bytes', 'bf16_bytes', 'nominal_params'?}}, 'total'}."""
+    from vlaforge.config.schema import ModelConfig
+    from vlaforge.errors import VlaforgeError
+    from vlaforge.models.build import build_vla, parameter_counts
+    from vlaforge.models.flavors import FLAVORS
+
+    if flavor not in FLAVORS:
+        raise VlaforgeError(FLAVORS.unknown_message(flavor))
+    spec = FLAVORS.get(flavor)
+    counts = parameter_counts(build_vla(ModelConfig(flavor=flavor), fake=True))
+    rows = {}
+    for name in (*COMPONENTS, "total"):
+        row = {"params": counts[name], "fp32_bytes": 4 * counts[name], "bf16_bytes": 2 * counts[name]}
+        if name in spec.nominal_params:
+            row["nominal_params"] = int(spec.nominal_params[name])
+        rows[name] = row
+    return {"flavor": flavor, "description": spec.description, "components": rows}
+
+
+def render_summary(summary: dict) -> str:
+    lines = [f"{summary['flavor']}: {summary['description']}",
+             f"{'component':<12} {'params':>16} {'fp32 GB':>10} {'bf16 GB':>10} {'nominal':>12}"]
+    for name, row in summary["components"].items():
+        nominal = f"{row['nominal_params'] / 1e9:.3f}B" if "nominal_params" in row else ""
+        lines.append(f"{name:<12} {row['params']:>16,} {row['fp32_bytes'] / 1e9:>10.3f} "
+                     f"{row['bf16_bytes'] / 1e9:>10.3f} {nominal:>12}")
+    return "\n".join(lines)

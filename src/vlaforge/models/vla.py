@@ -1,0 +1,145 @@
+"""The VLA: exactly four children - vision, projector, llm, action_head - and the token layout that joins them.
+
+LLM input: [frame 1 patches]...[frame F patches][instruction tokens][action queries][text targets].
+Text targets (the language-loss targets) come last: under causal attention nothing before them sees them, so the
+action queries are computed exactly as at inference, where no text is given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from vlaforge.data.batch import Batch
+from vlaforge.models.action_heads import ActionHead
+from vlaforge.training import losses as L
+
+
+class Projector(nn.Module):
+    """MLP from vision width to LLM width; also holds the contrastive loss's learned temperature."""
+
+    def __init__(self, vision_dim: int, llm_dim: int, hidden: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(vision_dim, hidden), nn.GELU(), nn.Linear(hidden, llm_dim))
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.mlp(features)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Static shape facts of the token layout."""
+
+    frames: int  # F = time steps x cameras
+    image_size: int
+    patches_per_frame: int
+    interpolate_pos: bool  # a pretrained tower used at another resolution
+
+
+class VLA(nn.Module):
+    """Vision-Language-Action model. Knows nothing of parallelism, precision or memory techniques."""
+
+    def __init__(self, vision: nn.Module, projector: Projector, llm: nn.Module, action_head: ActionHead,
+                 layout: Layout, objective: L.Objective):
+        super().__init__()
+        self.vision = vision
+        self.projector = projector
+        self.llm = llm
+        self.action_head = action_head
+        self.layout = layout
+        self.objective = objective
+
+    # ---- token layout -------------------------------------------------------------------------------------
+    def embed_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, F, C, H, W) -> projected patch tokens (B, F*P, D); frames are encoded independently."""
+        b, f = images.shape[:2]
+        out = self.vision(pixel_values=images.flatten(0, 1), interpolate_pos_encoding=self.layout.interpolate_pos)
+        tokens = self.projector(out.last_hidden_state)  # (B*F, P, D)
+        return tokens.reshape(b, f * tokens.shape[1], tokens.shape[2])
+
+    def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.llm.get_input_embeddings()(ids)  # (B, L, D)
+
+    def run_llm(self, batch: Batch, with_text: bool) -> dict[str, torch.Tensor]:
+        """One LLM pass over the full layout; returns the pieces the losses and the action head need."""
+        b = batch.size
+        vision_tokens = self.embed_images(batch.images)
+        instruction = self.embed_text(batch.instruction_ids)
+        dtype = instruction.dtype
+        queries = self.action_head.queries.to(dtype).expand(b, -1, -1)  # (B, T, D)
+        parts = [vision_tokens.to(dtype), instruction, queries]
+        masks = [torch.ones(vision_tokens.shape[:2], dtype=torch.bool, device=instruction.device),
+                 batch.instruction_mask.bool(),
+                 torch.ones(queries.shape[:2], dtype=torch.bool, device=instruction.device)]
+        n_text = 0
+        if with_text:
+            parts.append(self.embed_text(batch.text_ids))
+            masks.append(batch.text_mask.bool())
+            n_text = batch.text_ids.shape[1]
+        mask = torch.cat(masks, dim=1)  # (B, N)
+        position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        out = self.llm(inputs_embeds=torch.cat(parts, dim=1), attention_mask=mask.long(), position_ids=position_ids,
+                       output_hidden_states=True, logits_to_keep=n_text + 1, use_cache=False)
+        t = queries.shape[1]
+        q_end = -n_text if n_text else None
+        return {
+            "vision_tokens": vision_tokens,
+            "instruction": instruction,
+            "action_hidden": out.hidden_states[-1][:, -(n_text + t):q_end],  # (B, T, D)
+            "text_logits": out.logits[:, :-1] if n_text else None,  # (B, Lt, V): predicts text_ids
+        }
+
+    # ---- policy interface ---------------------------------------------------------------------------------
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The unweighted loss terms of the objective, plus detached monitoring values (names ending in _m)."""
+        obj = self.objective
+        with_text = obj.active("language") and batch.text_ids is not None
+        h = self.run_llm(batch, with_text)
+        head = self.action_head(h["action_hidden"], batch.state, batch.actions)
+        terms = {"action": L.action_loss(head.prediction, head.target, batch.action_mask, obj.action,
+                                         obj.huber_delta)}
+        if obj.smoothness > 0:
+            smooth = L.smoothness_loss(head.actions, batch.action_mask)
+            terms["action"] = terms["action"] + obj.smoothness * smooth
+            terms["action_smoothness_m"] = smooth.detach()
+        if obj.active("contrastive"):
+            text_pool = L.masked_mean_rows(h["instruction"], batch.instruction_mask)
+            terms["contrastive"] = L.contrastive_loss(h["vision_tokens"].mean(1), text_pool, batch.instruction_ids,
+                                                      batch.instruction_mask.bool(), self.projector.logit_scale)
+        if with_text:
+            terms["language"] = L.language_loss(h["text_logits"], batch.text_ids, batch.text_mask)
+        terms["action_l1_m"] = L.masked_mean((head.actions.detach() - batch.actions).abs(), batch.action_mask)
+        return terms
+
+    def compute_loss(self, batch: Batch, weighting: Callable | None = None) -> tuple[torch.Tensor, dict]:
+        """(weighted total loss, metrics). `weighting` maps the term dict to (loss, weights); static by default."""
+        out = self(batch)
+        terms = {k: v for k, v in out.items() if not k.endswith("_m")}
+        if weighting is None:
+            weights = {k: self.objective.weights.get(k, 1.0) for k in terms}
+            loss = sum(weights[k] * v for k, v in terms.items())
+        else:
+            loss, weights = weighting(terms)
+        metrics = {f"loss/{k}": v.detach() for k, v in terms.items()}
+        metrics.update({f"weight/{k}": torch.as_tensor(w).detach() for k, w in weights.items()})
+        metrics.update({f"metric/{k[:-2]}": v for k, v in out.items() if k.endswith("_m")})
+        metrics["loss/total"] = loss.detach()
+        return loss, metrics
+
+    @torch.no_grad()
+    def predict_actions(self, obs: Batch) -> torch.Tensor:
+        """Actions for an observation: (T, A) for one unbatched observation (images (F, C, H, W)), else (B, T, A)."""
+        single = obs.images.dim() == 4
+        if single:
+            obs = Batch(obs.images[None], obs.state[None], obs.instruction_ids[None], obs.instruction_mask[None])
+        h = self.run_llm(obs, with_text=False)
+        actions = self.action_head(h["action_hidden"], obs.state)
+        return actions[0] if single else actions
+
+    def reset(self) -> None:
+        """Start of a new episode; the model keeps no state between calls (policy runtimes may)."""

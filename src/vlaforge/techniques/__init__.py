@@ -1,0 +1,1 @@
+"""Techniques applied to an unchanged model, one `apply_*` function per module (DESIGN.md order)."""

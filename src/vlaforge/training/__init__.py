@@ -1,0 +1,1 @@
+"""Training: losses, loss weighting, optimizer, the step, checkpoints, metrics and the loop."""

@@ -1,0 +1,104 @@
+"""Checkpoints: model weights in safetensors, optimizer/scheduler/loss-weighting/RNG/data position in a torch
+file, the resolved config beside them. Written to a temporary folder and renamed, so a crash never leaves a
+half-written checkpoint; `latest` names the newest complete one.
+
+Layout: RUN_DIR/checkpoints/step_00000010/{model.safetensors, trainer_state.pt, config.toml}, RUN_DIR/checkpoints/latest
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_model, save_model
+
+from vlaforge.config.loading import write_atomic
+from vlaforge.errors import VlaforgeError
+
+MODEL_FILE, STATE_FILE, CONFIG_FILE = "model.safetensors", "trainer_state.pt", "config.toml"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any], config_toml: str,
+                    keep: int) -> Path:
+    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep` checkpoints."""
+    root = run_dir / "checkpoints"
+    final = root / f"step_{step:08d}"
+    tmp = root / f".{final.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(model, str(tmp / MODEL_FILE))
+    torch.save(state, tmp / STATE_FILE)
+    (tmp / CONFIG_FILE).write_text(config_toml)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    write_atomic(root / "latest", final.name + "\n")
+    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
+    """'latest' (in output_dir), a run folder or a checkpoint folder -> the checkpoint folder.
+
+    Raises:
+        VlaforgeError: nothing to resume from there.
+    """
+    path = Path(output_dir) if resume == "latest" else Path(resume)
+    if (path / MODEL_FILE).is_file():
+        return path
+    latest = path / "checkpoints" / "latest"
+    if latest.is_file():
+        ckpt = path / "checkpoints" / latest.read_text().strip()
+        if (ckpt / MODEL_FILE).is_file():
+            return ckpt
+    raise VlaforgeError(f"train.resume: no checkpoint at {path} (expected {MODEL_FILE} or checkpoints/latest); "
+                        "give a run folder or a checkpoints/step_* folder, or drop --train.resume")
+
+
+def load_checkpoint(ckpt: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """Load weights into `model` (strict) and return the trainer state.
+
+    Raises:
+        VlaforgeError: a file is missing, truncated or does not match the model.
+    """
+    for name in (MODEL_FILE, STATE_FILE):
+        if not (ckpt / name).is_file():
+            raise VlaforgeError(f"checkpoint {ckpt} has no {name}; resume from another checkpoint")
+    try:
+        missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise VlaforgeError(f"checkpoint file {ckpt / MODEL_FILE} is truncated or corrupt ({_first_line(exc)}); "
+                            "resume from another checkpoint") from None
+    if missing or unexpected:
+        raise VlaforgeError(f"checkpoint {ckpt} does not match the model ({len(missing)} missing, "
+                            f"{len(unexpected)} unexpected tensors, e.g. {(missing or unexpected)[0]}); "
+                            "resume with the config saved in that checkpoint")
+    try:
+        return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises many types for damaged files
+        raise VlaforgeError(f"checkpoint file {ckpt / STATE_FILE} is truncated or corrupt ({_first_line(exc)}); "
+                            "resume from another checkpoint") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__

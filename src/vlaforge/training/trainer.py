@@ -1,0 +1,175 @@
+"""The training loop, built from `build_*` pieces; readable top to bottom."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlaforge.config.loading import dump_toml, write_atomic
+from vlaforge.config.schema import VLAConfig
+from vlaforge.data.loader import build_dataset, build_loader
+from vlaforge.errors import VlaforgeError
+from vlaforge.models.build import build_vla, tokens_per_sample
+from vlaforge.techniques.freezing import apply_freezing
+from vlaforge.techniques.precision import apply_precision
+from vlaforge.training import checkpoint as ckpt
+from vlaforge.training.metrics import MetricsLogger, to_floats
+from vlaforge.training.optim import build_optimizer, build_scheduler
+from vlaforge.training.step import train_step
+from vlaforge.training.weighting import build_weighting
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise VlaforgeError("train.device = 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def check_single_process() -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise VlaforgeError("distributed training (WORLD_SIZE > 1) is not available yet (arrives with "
+                            "distributed scale-out); run without torchrun")
+
+
+def build_model(cfg: VLAConfig, device: torch.device) -> tuple[nn.Module, dict[str, str]]:
+    model = build_vla(cfg.model, cfg.loss).to(device)
+    precisions = apply_precision(model, dict(cfg.components.items()), device)
+    return model, precisions
+
+
+def build_loss_weighting(cfg: VLAConfig, model: nn.Module, device: torch.device) -> nn.Module:
+    terms = [t for t, w in cfg.loss.weights.items() if w > 0]
+    if cfg.data.max_text_tokens == 0 and "language" in terms:
+        terms.remove("language")
+    shared = lambda: [model.projector.mlp[-1].weight]  # the last layer every loss term flows through  # noqa: E731
+    return build_weighting(cfg.loss.weighting, terms, cfg.loss, shared=shared).to(device)
+
+
+@dataclass
+class Run:
+    """Everything the loop touches, built once."""
+
+    cfg: VLAConfig
+    run_dir: Path
+    device: torch.device
+    model: nn.Module
+    weighting: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    start_step: int
+    tokens_per_sample: int
+
+
+def build_run(cfg: VLAConfig) -> Run:
+    check_single_process()
+    device = resolve_device(cfg.train.device)
+    seed_everything(cfg.train.seed)
+    run_dir = Path(cfg.train.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model, _ = build_model(cfg, device)
+    weighting = build_loss_weighting(cfg, model, device)
+    optimizer = build_optimizer(model, cfg, list(weighting.parameters()))
+    scheduler = build_scheduler(optimizer, cfg.train)
+    start = 0
+    if cfg.train.resume:
+        start = restore(ckpt.resolve_checkpoint(cfg.train.resume, run_dir), model, weighting, optimizer, scheduler)
+    write_atomic(run_dir / "config.toml", dump_toml(cfg))
+    tps = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
+    return Run(cfg, run_dir, device, model, weighting, optimizer, scheduler, start, tps)
+
+
+def trainer_state(run: Run, step: int) -> dict[str, Any]:
+    return {"step": step, "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+            "weighting": run.weighting.state_dict(), "rng": ckpt.rng_state()}
+
+
+def restore(path: Path, model, weighting, optimizer, scheduler) -> int:
+    state = ckpt.load_checkpoint(path, model)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    weighting.load_state_dict(state["weighting"])
+    ckpt.set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def save(run: Run, step: int) -> Path:
+    return ckpt.save_checkpoint(run.run_dir, step, run.model, trainer_state(run, step), dump_toml(run.cfg),
+                                run.cfg.train.keep_checkpoints)
+
+
+def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    return {f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups if not g["name"].endswith(".no_decay")}
+
+
+def train(cfg: VLAConfig) -> dict[str, float]:
+    """Train as configured; returns the last logged metrics."""
+    run = build_run(cfg)
+    t = cfg.train
+    loader = build_loader(build_dataset(cfg, run.model), t.batch_size, t.seed,
+                          start_sample=run.start_step * t.batch_size * t.grad_accum, num_workers=cfg.data.num_workers)
+    batches = iter(loader)
+    policies = dict(cfg.components.items())
+    logger = MetricsLogger(run.run_dir, t.tensorboard)
+    last: dict[str, float] = {}
+    window_start, window_steps = time.perf_counter(), 0
+    with _progress(t.progress, t.steps, run.start_step) as advance:
+        for step in range(run.start_step, t.steps):
+            apply_freezing(run.model, policies, step)
+            micro = [next(batches).to(run.device, non_blocking=True) for _ in range(t.grad_accum)]
+            metrics = train_step(run.model, micro, run.optimizer, run.scheduler, run.weighting, t.grad_clip)
+            window_steps += 1
+            done = step + 1
+            if done % t.log_every == 0 or done == t.steps:
+                elapsed = time.perf_counter() - window_start
+                samples = window_steps * t.batch_size * t.grad_accum
+                last = {**to_floats(metrics), **group_lrs(run.optimizer), "perf/samples_per_s": samples / elapsed,
+                        "perf/tokens_per_s": samples * run.tokens_per_sample / elapsed}
+                logger.log(done, last)
+                window_start, window_steps = time.perf_counter(), 0
+            if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
+                save(run, done)
+            advance(last.get("loss/total"))
+    logger.close()
+    return last
+
+
+class _progress:
+    """A rich progress bar with ETA (or nothing), as a context yielding `advance(loss)`."""
+
+    def __init__(self, enabled: bool, total: int, start: int):
+        self.enabled, self.total, self.start = enabled, total, start
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda loss=None: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                            TextColumn("{task.fields[loss]}"), transient=False)
+        self.bar.__enter__()
+        task = self.bar.add_task("train", total=self.total, completed=self.start, loss="")
+
+        def advance(loss=None):
+            self.bar.update(task, advance=1, loss="" if loss is None else f"loss {loss:.4f}")
+
+        return advance
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.__exit__(*exc)
+        return False
+
