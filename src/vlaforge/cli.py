@@ -29,6 +29,9 @@ def _load(config: Optional[Path], ctx: typer.Context, resume: Optional[str] = No
     from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint
 
     overrides = list(ctx.args)
+    if config is not None and str(config).startswith("--"):  # an override, not a recipe path
+        overrides.insert(0, str(config))
+        config = None
     if resume is not None:
         overrides.append(f"--train.resume={json.dumps(resume)}")
         if config is None:  # resume a run with the config saved in its checkpoint

@@ -35,10 +35,11 @@ WEIGHTINGS: Registry[type[LossWeighting]] = Registry("loss weighting")
 class StaticWeighting(LossWeighting):
     def __init__(self, terms: list[str], weights: dict[str, float], **_: object):
         super().__init__(terms)
-        self.weights = {k: weights[k] for k in terms}
+        self.weights = dict(weights)
 
     def forward(self, terms: Terms):
-        return sum(self.weights[k] * v for k, v in terms.items()), dict(self.weights)
+        weights = {k: self.weights[k] for k in terms}
+        return sum(weights[k] * v for k, v in terms.items()), weights
 
 
 @WEIGHTINGS.register("uncertainty")

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny configs, a fixed synthetic batch, and a CLI runner in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlaforge.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_RECIPE = ROOT / "recipes" / "tiny_metaworld.toml"
+
+
+def tiny_config(tmp_path: Path | None = None, **sections):
+    """The tiny recipe with small data, fp32 everywhere, no progress bar, plus section overrides."""
+    base = {
+        "components": {c: {"precision": "fp32"} for c in ("vision", "projector", "llm", "action_head")},
+        "data": {"num_samples": 64},
+        "train": {"progress": False, "tensorboard": False, "log_every": 1, "batch_size": 4,
+                  "output_dir": str(tmp_path / "run") if tmp_path else "runs/test"},
+    }
+    for section, values in sections.items():
+        base.setdefault(section, {})
+        for k, v in values.items():
+            if isinstance(v, dict) and isinstance(base[section].get(k), dict):
+                base[section][k] = {**base[section][k], **v}
+            else:
+                base[section][k] = v
+    return load_config(TINY_RECIPE, base)
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    return tiny_config(tmp_path)
+
+
+def make_batch(cfg, model, size: int = 4, start: int = 0):
+    from vlaforge.data.batch import Batch
+    from vlaforge.data.loader import build_dataset
+
+    ds = build_dataset(cfg, model)
+    return Batch.collate([ds[i] for i in range(start, start + size)])
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "vlaforge", *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=env, timeout=timeout)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,83 @@
+import pytest
+
+from vlaforge.config import dump_toml, load_config, parse_overrides
+from vlaforge.config.loading import validate
+from vlaforge.errors import ConfigError
+
+from conftest import TINY_RECIPE, run_cli
+
+
+def test_recipe_loads_and_overrides_apply():
+    cfg = load_config(TINY_RECIPE, ["--train.steps=10", "--model.cameras=[\"corner\",\"top\"]",
+                                    "--components.llm.lr=2e-4", "--train.output_dir=/tmp/x"])
+    assert cfg.train.steps == 10
+    assert cfg.model.cameras == ["corner", "top"]
+    assert cfg.model.frames_per_sample == 2 * cfg.model.frames
+    assert cfg.components.llm.lr == 2e-4
+    assert cfg.train.output_dir == "/tmp/x"
+
+
+def test_fixed_key_names_exist():
+    cfg = load_config(None, ["--model.flavor=tiny", "--model.vision.pretrained=/a", "--model.llm.pretrained=/b",
+                             "--data.path=/d", "--train.steps=3", "--train.output_dir=o", "--train.resume=latest"])
+    assert (cfg.model.vision.pretrained, cfg.model.llm.pretrained, cfg.data.path) == ("/a", "/b", "/d")
+    assert cfg.train.resume == "latest"
+
+
+def test_toml_round_trip():
+    cfg = load_config(TINY_RECIPE, ["--train.steps=7"])
+    import tomllib
+
+    again = validate(tomllib.loads(dump_toml(cfg)))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("--train.stepz=3", "unknown key train.stepz (did you mean 'steps'?)"),
+    ("--train.steps=abc", "train.steps: Input should be a valid integer"),
+    ("--model.flavor=tinyy", "unknown model flavor 'tinyy' (did you mean 'tiny'?)"),
+    ("--loss.weighting=foo", "'static', 'uncertainty', 'dwa' or 'gradnorm'"),
+    ("--components.llm.precision=fp8", "not available yet"),
+    ("--components.vision.checkpointing=full", "not available yet"),
+    ("--components.llm.offload=cpu", "not available yet"),
+    ("--parallel.tp=2", "not available yet"),
+    ("--data.source=lerobot", "not available yet"),
+    ("--components.llm.unfreeze_at_step=5", "needs trainable = false"),
+    ("--loss.weights={action=0}", "action term needs a weight > 0"),
+    ("--model.action_head.kind=diffusion", "unknown action head 'diffusion'"),
+])
+def test_bad_values_name_field_and_fix(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY_RECIPE, [override])
+    assert expected in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="--section.key=value"):
+        parse_overrides(["train.steps=3"])
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train", "recipes/tiny_metaworld.toml", "--train.stepz=3"], "did you mean 'steps'"),
+    (["train", "recipes/tiny_metaworld.toml", "--train.steps=x"], "train.steps"),
+    (["train", "recipes/tiny_metaworld.toml", "--model.flavor=tinyy"], "did you mean 'tiny'"),
+    (["train", "recipes/missing.toml"], "does not exist"),
+    (["model", "summary", "vla7b"], "did you mean 'vla-7b'"),
+])
+def test_cli_bad_config_exits_2_with_one_line(args, expected):
+    proc = run_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and expected in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_config_show_prints_resolved_toml():
+    proc = run_cli("config", "show", "recipes/tiny_metaworld.toml", "--train.steps=5")
+    assert proc.returncode == 0, proc.stderr
+    import tomllib
+
+    shown = tomllib.loads(proc.stdout)
+    assert shown["train"]["steps"] == 5
+    assert shown["components"]["llm"]["precision"] == "bf16"

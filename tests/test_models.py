@@ -1,0 +1,135 @@
+import json
+
+import pytest
+import torch
+
+from vlaforge import COMPONENTS
+from vlaforge.config import load_config
+from vlaforge.errors import VlaforgeError
+from vlaforge.models.build import build_vla, parameter_counts
+from vlaforge.models.flavors import FLAVORS
+
+from conftest import make_batch, run_cli, tiny_config
+
+
+@pytest.mark.parametrize("head", ["regression", "flow_matching"])
+def test_shapes_and_loss_for_every_action_head(tmp_path, head):
+    cfg = tiny_config(tmp_path, model={"action_head": {"kind": head, "flow_steps": 3}, "frames": 2})
+    model = build_vla(cfg.model, cfg.loss)
+    assert [n for n, _ in model.named_children()] == list(COMPONENTS)
+    batch = make_batch(cfg, model, size=3).validate()
+    f = cfg.model.frames_per_sample
+    assert batch.images.shape == (3, f, 3, 64, 64)
+    loss, metrics = model.compute_loss(batch)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert {"loss/action", "loss/contrastive", "loss/language", "loss/total"} <= set(metrics)
+    loss.backward()
+    for name in COMPONENTS:
+        grads = [p.grad for p in getattr(model, name).parameters() if p.requires_grad]
+        assert any(g is not None and g.abs().sum() > 0 for g in grads), name
+    model.eval()
+    batched = model.predict_actions(batch)
+    assert batched.shape == (3, cfg.model.action_chunk, cfg.model.action_dim)
+    single = model.predict_actions(type(batch)(batch.images[0], batch.state[0], batch.instruction_ids[0],
+                                               batch.instruction_mask[0]))
+    assert single.shape == (cfg.model.action_chunk, cfg.model.action_dim)
+
+
+def test_text_targets_do_not_change_action_queries(tmp_path):
+    """Language targets sit after the action queries: under causal attention the actions are unchanged."""
+    cfg = tiny_config(tmp_path)
+    model = build_vla(cfg.model, cfg.loss).eval()
+    batch = make_batch(cfg, model, size=2)
+    with torch.no_grad():
+        with_text = model.run_llm(batch, with_text=True)["action_hidden"]
+        without = model.run_llm(batch, with_text=False)["action_hidden"]
+    torch.testing.assert_close(with_text, without, atol=1e-5, rtol=1e-5)
+
+
+def test_compute_loss_decreases_on_fixed_batch(tmp_path):
+    cfg = tiny_config(tmp_path)
+    model = build_vla(cfg.model, cfg.loss)
+    batch = make_batch(cfg, model, size=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(50):
+        loss, _ = model.compute_loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def _tiny_hf_folders(tmp_path, vision_head: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(1)
+    vision = SiglipVisionModel(SiglipVisionConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                                  num_attention_heads=4, image_size=32, patch_size=8,
+                                                  vision_use_head=vision_head)).eval()
+    llm = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=300)).eval()
+    vision.save_pretrained(tmp_path / "siglip")
+    llm.save_pretrained(tmp_path / "llama")
+    return vision, llm
+
+
+@pytest.mark.parametrize("vision_head", [False, True])
+def test_pretrained_folders_match_transformers(tmp_path, vision_head):
+    ref_vision, ref_llm = _tiny_hf_folders(tmp_path, vision_head)
+    cfg = tiny_config(tmp_path, model={"vision": {"pretrained": str(tmp_path / "siglip")},
+                                       "llm": {"pretrained": str(tmp_path / "llama")}})
+    model = build_vla(cfg.model, cfg.loss).eval()
+    assert model.layout.image_size == 32 and model.layout.patches_per_frame == 16
+    pixels = torch.randn(2, 1, 3, 32, 32)
+    ids = torch.randint(0, 300, (2, 7))
+    seen = {}
+    model.projector.register_forward_hook(lambda m, args, out: seen.update(features=args[0]))
+    with torch.no_grad():
+        model.embed_images(pixels)
+        expected = ref_vision(pixel_values=pixels[:, 0]).last_hidden_state
+        torch.testing.assert_close(seen["features"], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model.llm(input_ids=ids).logits, ref_llm(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+    assert not any(n.startswith("vision.head") for n, _ in model.named_parameters())
+    loss, _ = model.compute_loss(make_batch(cfg, model, size=2))
+    assert torch.isfinite(loss)
+
+
+def test_missing_and_malformed_pretrained_folders(tmp_path):
+    cfg = tiny_config(tmp_path, model={"llm": {"pretrained": str(tmp_path / "nope")}})
+    with pytest.raises(VlaforgeError, match="model.llm.pretrained: .* is not a folder"):
+        build_vla(cfg.model)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    cfg = tiny_config(tmp_path, model={"vision": {"pretrained": str(bad)}})
+    with pytest.raises(VlaforgeError, match="not valid JSON"):
+        build_vla(cfg.model)
+    (bad / "config.json").write_text("{}")
+    with pytest.raises(VlaforgeError, match="no weight files"):
+        build_vla(cfg.model)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS.names())
+def test_every_flavor_builds_under_fake_tensors(flavor):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    cfg = load_config(None, {"model": {"flavor": flavor}})
+    model = build_vla(cfg.model, fake=True)
+    assert all(isinstance(p, FakeTensor) for p in model.parameters())
+    counts = parameter_counts(model)
+    for component, nominal in FLAVORS.get(flavor).nominal_params.items():
+        assert abs(counts[component] - nominal) / nominal < 0.02, (component, counts[component], nominal)
+
+
+def test_model_summary_cli_vla_70b():
+    proc = run_cli("model", "summary", "vla-70b", "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    rows = summary["components"]
+    assert abs(rows["llm"]["params"] / 70e9 - 1) < 0.02
+    assert abs(rows["vision"]["params"] / 3e9 - 1) < 0.02
+    assert rows["total"]["params"] == sum(rows[c]["params"] for c in COMPONENTS)
+    assert rows["total"]["bf16_bytes"] == 2 * rows["total"]["params"]
