@@ -74,10 +74,13 @@ def test_cli_bad_config_exits_2_with_one_line(args, expected):
 
 
 def test_cli_config_show_prints_resolved_toml():
-    proc = run_cli("config", "show", "recipes/tiny_metaworld.toml", "--train.steps=5")
+    proc = run_cli("config", "show", "recipes/tiny_metaworld.toml", "--train.steps=5",
+                   "--components.llm.precision=bf16")
     assert proc.returncode == 0, proc.stderr
     import tomllib
 
     shown = tomllib.loads(proc.stdout)
     assert shown["train"]["steps"] == 5
     assert shown["components"]["llm"]["precision"] == "bf16"
+    assert shown["components"]["action_head"]["lr"] == 1e-3  # from the recipe
+    assert shown["loss"]["huber_delta"] == 1.0

@@ -24,6 +24,11 @@ def trainable_at(policy: Any, step: int) -> bool:
     return policy.unfreeze_at_step is not None and step >= policy.unfreeze_at_step
 
 
+def schedule_changes(policies: Mapping[str, Any]) -> set[int]:
+    """Steps after step 0 at which some component's trainable set changes."""
+    return {p.unfreeze_at_step for p in policies.values() if p.unfreeze_at_step}
+
+
 def apply_freezing(model: nn.Module, policies: Mapping[str, Any], step: int) -> dict[str, int]:
     """Set requires_grad for every parameter according to the schedules at `step`.
 

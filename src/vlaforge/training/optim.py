@@ -66,7 +66,8 @@ def build_optimizer(model: nn.Module, cfg, extra_params: list[nn.Parameter] = ()
     if extra:
         groups.append({"params": extra, "lr": cfg.loss.weighting_lr, "weight_decay": 0.0,
                        "name": "loss_weighting", "component": "loss_weighting"})
-    return torch.optim.AdamW(groups, betas=cfg.train.betas, eps=cfg.train.eps)
+    # NOTE: foreach (multi-tensor) kernels; torch picks them by default on CUDA only.
+    return torch.optim.AdamW(groups, betas=cfg.train.betas, eps=cfg.train.eps, foreach=True)
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:

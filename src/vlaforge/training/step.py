@@ -10,14 +10,23 @@ from vlaforge import COMPONENTS
 from vlaforge.data.batch import Batch
 
 
-def grad_norms(model: nn.Module) -> dict[str, torch.Tensor]:
-    """L2 norm of the gradients of each component, and of all of them ('total')."""
-    norms = {}
-    for name in COMPONENTS:
-        grads = [p.grad for p in getattr(model, name).parameters() if p.grad is not None]
-        if grads:
-            norms[name] = torch.nn.utils.get_total_norm(grads)
-    norms["total"] = torch.linalg.vector_norm(torch.stack(list(norms.values()))) if norms else torch.zeros(())
+def grad_norms(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """L2 norm of the gradients of each component (from the optimizer's per-component groups; learned loss
+    weights excluded), and of all of them ('total'). One fused norm kernel for all gradients."""
+    owners, grads = [], []
+    for group in optimizer.param_groups:
+        if group["component"] in COMPONENTS:
+            for p in group["params"]:
+                if p.grad is not None:
+                    owners.append(group["component"])
+                    grads.append(p.grad)
+    if not grads:
+        return {"total": torch.zeros(())}
+    squares = torch.stack(torch._foreach_norm(grads)).square()  # (N,)
+    index = torch.tensor([COMPONENTS.index(o) for o in owners], device=squares.device)
+    per = torch.zeros(len(COMPONENTS), device=squares.device).index_add_(0, index, squares.float())
+    norms = {c: per[i].sqrt() for i, c in enumerate(COMPONENTS) if c in owners}
+    norms["total"] = per.sum().sqrt()
     return norms
 
 
@@ -29,13 +38,14 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
     n = len(micro_batches)
     for batch in micro_batches:
         loss, metrics = model.compute_loss(batch, weighting)
-        (loss / n).backward()
+        (loss / n if n > 1 else loss).backward()
         for k, v in metrics.items():
-            sums[k] = sums.get(k, 0) + v.float() / n
-    norms = grad_norms(model)
+            v = v / n if n > 1 else v
+            sums[k] = sums[k] + v if k in sums else v
+    norms = grad_norms(optimizer)
     if grad_clip > 0:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norms["total"])
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norms["total"], foreach=True)
     optimizer.step()
     scheduler.step()
     weighting.end_step()

@@ -17,7 +17,7 @@ from vlaforge.config.schema import VLAConfig
 from vlaforge.data.loader import build_dataset, build_loader
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla, tokens_per_sample
-from vlaforge.techniques.freezing import apply_freezing
+from vlaforge.techniques.freezing import apply_freezing, schedule_changes
 from vlaforge.techniques.precision import apply_precision
 from vlaforge.training import checkpoint as ckpt
 from vlaforge.training.metrics import MetricsLogger, to_floats
@@ -123,12 +123,14 @@ def train(cfg: VLAConfig) -> dict[str, float]:
                           start_sample=run.start_step * t.batch_size * t.grad_accum, num_workers=cfg.data.num_workers)
     batches = iter(loader)
     policies = dict(cfg.components.items())
+    changes = schedule_changes(policies) | {run.start_step}
     logger = MetricsLogger(run.run_dir, t.tensorboard)
     last: dict[str, float] = {}
     window_start, window_steps = time.perf_counter(), 0
     with _progress(t.progress, t.steps, run.start_step) as advance:
         for step in range(run.start_step, t.steps):
-            apply_freezing(run.model, policies, step)
+            if step in changes:
+                apply_freezing(run.model, policies, step)
             micro = [next(batches).to(run.device, non_blocking=True) for _ in range(t.grad_accum)]
             metrics = train_step(run.model, micro, run.optimizer, run.scheduler, run.weighting, t.grad_clip)
             window_steps += 1
