@@ -84,3 +84,16 @@ def test_cli_config_show_prints_resolved_toml():
     assert shown["components"]["llm"]["precision"] == "bf16"
     assert shown["components"]["action_head"]["lr"] == 1e-3  # from the recipe
     assert shown["loss"]["huber_delta"] == 1.0
+
+
+@pytest.mark.parametrize("recipe", sorted((TINY_RECIPE.parent).glob("*.toml")), ids=lambda p: p.name)
+def test_every_recipe_validates(recipe):
+    cfg = load_config(recipe)
+    assert cfg.model.flavor
+
+
+def test_configuration_reference_is_current():
+    from vlaforge.config.reference import markdown_reference
+
+    doc = (TINY_RECIPE.parents[1] / "docs" / "configuration.md").read_text()
+    assert doc == markdown_reference(), "regenerate: python -m vlaforge.config.reference > docs/configuration.md"

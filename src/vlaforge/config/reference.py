@@ -1,0 +1,58 @@
+"""Markdown reference of every config field, generated from the schema (docs/configuration.md).
+
+    python -m vlaforge.config.reference > docs/configuration.md
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from vlaforge.config.schema import VLAConfig
+
+HEADER = """# Configuration reference
+
+Generated from `src/vlaforge/config/schema.py` by `python -m vlaforge.config.reference`; a test keeps it in sync.
+Recipes are TOML; every field can be overridden on the command line as `--section.key=value`. Unknown keys and bad
+values stop the run before any model is built, with the field path and the allowed values.
+"""
+
+
+def _rows(model: type[BaseModel], prefix: str, out: list[str]) -> None:
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        path = f"{prefix}{name}"
+        default = field.get_default(call_default_factory=True)
+        if path == "components":
+            for comp in ann.model_fields:
+                out.append(f"| `components.{comp}.*` | policy (below) | {_describe(getattr(default, comp))} | |")
+        elif isinstance(ann, type) and issubclass(ann, BaseModel):
+            _rows(ann, f"{path}.", out)
+        else:
+            type_name = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            out.append(f"| `{path}` | `{_cell(type_name)}` | `{_cell(repr(default))}` | "
+                       f"{_cell(field.description or '')} |")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _describe(policy: BaseModel) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in policy.model_dump().items() if k in ("lr", "weight_decay"))
+
+
+def markdown_reference() -> str:
+    from vlaforge.config.schema import ComponentConfig
+
+    rows: list[str] = []
+    _rows(VLAConfig, "", rows)
+    comp: list[str] = []
+    _rows(ComponentConfig, "components.<name>.", comp)
+    table = "| key | type | default | meaning |\n|---|---|---|---|\n"
+    return (f"{HEADER}\n## Sections\n\n{table}" + "\n".join(rows) +
+            "\n\n## Per-component policy (`components.vision|projector|llm|action_head`)\n\n" + table +
+            "\n".join(comp) + "\n")
+
+
+if __name__ == "__main__":
+    print(markdown_reference(), end="")
