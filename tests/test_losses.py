@@ -68,6 +68,7 @@ def test_each_weighting_method_trains_with_finite_logged_weights(tmp_path, metho
     first, last = rows[0], rows[-1]
     if method == "static":
         assert [last[f"weight/{t}"] for t in ("contrastive", "language", "action")] == pytest.approx([0.1, 0.2, 1.0])
+        assert last["loss/weighted"] == pytest.approx(last["loss/total"])
     else:
         assert any(first[f"weight/{t}"] != last[f"weight/{t}"] for t in ("contrastive", "language", "action"))
     if method in ("dwa", "gradnorm"):

@@ -128,7 +128,9 @@ class VLA(nn.Module):
         metrics = {f"loss/{k}": v.detach() for k, v in terms.items()}
         metrics.update({f"weight/{k}": torch.as_tensor(w).detach() for k, w in weights.items()})
         metrics.update({f"metric/{k[:-2]}": v for k, v in out.items() if k.endswith("_m")})
+        # total: what is optimized (with uncertainty/GradNorm regularizers); weighted: sum_k w_k L_k alone.
         metrics["loss/total"] = loss.detach()
+        metrics["loss/weighted"] = sum(torch.as_tensor(weights[k]).detach() * v.detach() for k, v in terms.items())
         return loss, metrics
 
     @torch.no_grad()

@@ -132,6 +132,8 @@ def train(cfg: VLAConfig) -> dict[str, float]:
             if step in changes:
                 apply_freezing(run.model, policies, step)
             micro = [next(batches).to(run.device, non_blocking=True) for _ in range(t.grad_accum)]
+            if step == run.start_step:
+                micro[0].validate()  # the data contract, checked once with a readable error
             metrics = train_step(run.model, micro, run.optimizer, run.scheduler, run.weighting, t.grad_clip)
             window_steps += 1
             done = step + 1
