@@ -10,25 +10,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from vlaforge import COMPONENTS  # noqa: E402
-from vlaforge.config import load_config  # noqa: E402
-from vlaforge.data.batch import Batch  # noqa: E402
-from vlaforge.data.loader import build_dataset  # noqa: E402
-from vlaforge.models.build import build_vla, tokens_per_sample  # noqa: E402
-from vlaforge.techniques.freezing import apply_freezing, schedule_changes  # noqa: E402
-from vlaforge.techniques.precision import apply_precision  # noqa: E402
-from vlaforge.training.metrics import to_floats  # noqa: E402
-from vlaforge.training.optim import build_optimizer, build_scheduler  # noqa: E402
-from vlaforge.training.step import train_step  # noqa: E402
-from vlaforge.training.trainer import build_loss_weighting  # noqa: E402
+from vlaforge import COMPONENTS
+from vlaforge.config import load_config
+from vlaforge.data.batch import Batch
+from vlaforge.data.loader import build_dataset
+from vlaforge.models.build import build_vla, tokens_per_sample
+from vlaforge.techniques.freezing import apply_freezing, schedule_changes
+from vlaforge.techniques.precision import apply_precision
+from vlaforge.training.metrics import to_floats
+from vlaforge.training.optim import build_optimizer, build_scheduler
+from vlaforge.training.step import train_step
+from vlaforge.training.trainer import build_loss_weighting
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_metaworld.toml"
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vlaforge.config import load_config
+from vlaforge.config.loading import deep_merge
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RECIPE = ROOT / "recipes" / "tiny_metaworld.toml"
@@ -24,19 +25,7 @@ def tiny_config(tmp_path: Path | None = None, **sections):
         "train": {"progress": False, "tensorboard": False, "log_every": 1, "batch_size": 4,
                   "output_dir": str(tmp_path / "run") if tmp_path else "runs/test"},
     }
-    for section, values in sections.items():
-        base.setdefault(section, {})
-        for k, v in values.items():
-            if isinstance(v, dict) and isinstance(base[section].get(k), dict):
-                base[section][k] = {**base[section][k], **v}
-            else:
-                base[section][k] = v
-    return load_config(TINY_RECIPE, base)
-
-
-@pytest.fixture
-def tiny_cfg(tmp_path):
-    return tiny_config(tmp_path)
+    return load_config(TINY_RECIPE, deep_merge(base, sections))
 
 
 def make_batch(cfg, model, size: int = 4, start: int = 0):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from vlaforge.config.schema import VLAConfig
+from vlaforge.config.schema import ComponentConfig, VLAConfig
 
 HEADER = """# Configuration reference
 
@@ -42,8 +42,6 @@ def _describe(policy: BaseModel) -> str:
 
 
 def markdown_reference() -> str:
-    from vlaforge.config.schema import ComponentConfig
-
     rows: list[str] = []
     _rows(VLAConfig, "", rows)
     comp: list[str] = []

@@ -38,10 +38,9 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
     n = len(micro_batches)
     for batch in micro_batches:
         loss, metrics = model.compute_loss(batch, weighting)
-        (loss / n if n > 1 else loss).backward()
+        (loss / n).backward()
         for k, v in metrics.items():
-            v = v / n if n > 1 else v
-            sums[k] = sums[k] + v if k in sums else v
+            sums[k] = sums[k] + v / n if k in sums else v / n
     norms = grad_norms(optimizer)
     if grad_clip > 0:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
