@@ -4,8 +4,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PYTHONUNBUFFERED := 1
+export MUJOCO_GL ?= egl
 
-.PHONY: venv test test-fast bench quickstart clean
+# `make demo`: Meta-World demonstrations -> tiny VLA on CPU -> closed-loop success table.
+# reach-v3 gets more episodes: its goal position varies in 3-D and only the images show it.
+DEMO_DATA ?= data/metaworld_demo
+DEMO_TASKS ?= reach-v3:80,button-press-topdown-v3:15,drawer-close-v3:15,door-open-v3:15
+DEMO_RUN ?= runs/tiny_metaworld
+
+.PHONY: venv test test-fast bench demo quickstart clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,9 +30,19 @@ test-fast: venv
 
 bench: venv
 	$(PY) bench/step_time.py
+	$(PY) bench/dataloader.py --data $(DEMO_DATA)
+
+demo: venv
+	@start=$$(date +%s); \
+	if [ -f $(DEMO_DATA)/meta/info.json ]; then echo "using the dataset in $(DEMO_DATA)"; \
+	else $(VENV)/bin/vlaforge data generate --out $(DEMO_DATA) --tasks $(DEMO_TASKS) --overwrite || exit $$?; fi; \
+	$(VENV)/bin/vlaforge train recipes/tiny_metaworld.toml --data.path=$(DEMO_DATA) \
+		--train.output_dir=$(DEMO_RUN) || exit $$?; \
+	$(VENV)/bin/vlaforge eval $(DEMO_RUN) --out $(DEMO_RUN)/eval || exit $$?; \
+	echo "demo finished in $$(( ($$(date +%s) - start) / 60 )) min $$(( ($$(date +%s) - start) % 60 )) s"
 
 quickstart: venv
-	$(VENV)/bin/vlaforge train recipes/tiny_metaworld.toml --data.source=synthetic --train.steps=50 --train.output_dir=runs/quickstart
+	$(VENV)/bin/vlaforge train recipes/tiny_synthetic.toml --train.steps=50 --train.output_dir=runs/quickstart
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs data .pytest_cache

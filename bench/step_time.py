@@ -18,7 +18,7 @@ import torch
 from vlaforge import COMPONENTS
 from vlaforge.config import load_config
 from vlaforge.data.batch import Batch
-from vlaforge.data.loader import build_dataset
+from vlaforge.data.loader import build_data
 from vlaforge.models.build import build_vla, tokens_per_sample
 from vlaforge.techniques.freezing import apply_freezing, schedule_changes
 from vlaforge.techniques.precision import apply_precision
@@ -27,7 +27,7 @@ from vlaforge.training.optim import build_optimizer, build_scheduler
 from vlaforge.training.step import train_step
 from vlaforge.training.trainer import build_loss_weighting
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_metaworld.toml"
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_synthetic.toml"
 
 
 def setup(precision: str, batch_size: int):
@@ -36,7 +36,7 @@ def setup(precision: str, batch_size: int):
                                                             "warmup_steps": 0}})
     torch.manual_seed(0)
     model = build_vla(cfg.model, cfg.loss)
-    ds = build_dataset(cfg, model)
+    ds = build_data(cfg, model).dataset
     batch = Batch.collate([ds[i] for i in range(batch_size)])
     return cfg, model, batch
 

@@ -14,7 +14,7 @@ from vlaforge.config import load_config
 from vlaforge.config.loading import deep_merge
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_RECIPE = ROOT / "recipes" / "tiny_metaworld.toml"
+TINY_RECIPE = ROOT / "recipes" / "tiny_synthetic.toml"
 
 
 def tiny_config(tmp_path: Path | None = None, **sections):
@@ -30,9 +30,9 @@ def tiny_config(tmp_path: Path | None = None, **sections):
 
 def make_batch(cfg, model, size: int = 4, start: int = 0):
     from vlaforge.data.batch import Batch
-    from vlaforge.data.loader import build_dataset
+    from vlaforge.data.loader import build_data
 
-    ds = build_dataset(cfg, model)
+    ds = build_data(cfg, model).dataset
     return Batch.collate([ds[i] for i in range(start, start + size)])
 
 

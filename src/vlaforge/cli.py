@@ -18,8 +18,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Train Vision-Language-Action models efficiently, from one GPU to many nodes.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect configurations.")
 model_app = typer.Typer(no_args_is_help=True, help="Inspect model flavors.")
+data_app = typer.Typer(no_args_is_help=True, help="Make and inspect datasets.")
 app.add_typer(config_app, name="config")
 app.add_typer(model_app, name="model")
+app.add_typer(data_app, name="data")
 
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -53,6 +55,49 @@ def train(ctx: typer.Context,
     typer.echo(f"done: {cfg.train.steps} steps -> {cfg.train.output_dir}  {json.dumps(shown)}")
 
 
+@app.command("eval")
+def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint) or a checkpoints/step_* "
+                                                      "folder"),
+          tasks: Optional[str] = typer.Option(None, help="comma-separated Meta-World tasks; default: eval.tasks of "
+                                                         "the checkpoint's config, else the dataset's tasks"),
+          episodes: Optional[int] = typer.Option(None, min=1, help="held-out episodes per task [eval.episodes]"),
+          execute: Optional[int] = typer.Option(None, min=1, help="actions executed per predicted chunk "
+                                                                  "[eval.execute]"),
+          max_steps: Optional[int] = typer.Option(None, min=1, help="steps before failure [eval.max_steps]"),
+          workers: Optional[int] = typer.Option(None, min=1, help="rollout processes [eval.workers]"),
+          seed: Optional[int] = typer.Option(None, help="base seed of held-out positions [eval.seed]"),
+          out: Optional[Path] = typer.Option(None, help="report folder (default CHECKPOINT/eval)"),
+          video: Optional[bool] = typer.Option(None, help="write one MP4 per task [eval.video]"),
+          progress: bool = typer.Option(True, help="show a progress bar")):
+    """Closed-loop success rate per task in Meta-World, with Wilson 95% intervals; writes report.json."""
+    from vlaforge.config import load_config
+    from vlaforge.data.metaworld import parse_tasks
+    from vlaforge.evaluation.closed_loop import evaluate, render_table
+    from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(str(checkpoint), ".")
+    e = load_config(ckpt / CONFIG_FILE).eval
+    names = parse_tasks(tasks) if tasks else (e.tasks or _dataset_tasks(ckpt))
+    pick = lambda v, d: d if v is None else v  # noqa: E731
+    report = evaluate(ckpt, names, pick(episodes, e.episodes), execute=pick(execute, e.execute),
+                      max_steps=pick(max_steps, e.max_steps), workers=pick(workers, e.workers),
+                      seed=pick(seed, e.seed), out=out, video=pick(video, e.video), progress=progress)
+    typer.echo(render_table(report))
+    typer.echo(f"report: {report['report']}")
+
+
+def _dataset_tasks(ckpt: Path) -> list[str]:
+    from vlaforge.config import load_config
+    from vlaforge.data.lerobot_v3 import read_info
+    from vlaforge.training.checkpoint import CONFIG_FILE
+
+    path = load_config(ckpt / CONFIG_FILE).data.path
+    tasks = read_info(Path(path)).get("vlaforge", {}).get("tasks") if path else None
+    if not tasks:
+        raise VlaforgeError("no tasks to evaluate: pass --tasks (the checkpoint's dataset names none)")
+    return list(tasks)
+
+
 @config_app.command("show", context_settings=OVERRIDES)
 def config_show(ctx: typer.Context, config: Optional[Path] = typer.Argument(None, help="TOML recipe")):
     """Print the resolved configuration (recipe + overrides + defaults) as TOML."""
@@ -69,6 +114,30 @@ def model_summary(flavor: str = typer.Argument(..., help="tiny | small | vla-7b 
 
     summary = summarize(flavor)
     typer.echo(json.dumps(summary, indent=2) if as_json else render_summary(summary))
+
+
+@data_app.command("generate")
+def data_generate(
+        out: Path = typer.Option(..., help="new dataset folder (LeRobotDataset v3)"),
+        tasks: str = typer.Option(",".join(("reach-v3", "button-press-topdown-v3", "drawer-close-v3", "door-open-v3")),
+                                  help="comma-separated Meta-World tasks; task:N records N episodes of that task"),
+        episodes: int = typer.Option(20, min=1, help="successful episodes per task without its own :N"),
+        image_size: int = typer.Option(96, min=16, help="pixels per side (even)"),
+        cameras: str = typer.Option("corner,topview", help="comma-separated Meta-World cameras"),
+        seed: int = typer.Option(0, help="base seed of the initial positions"),
+        workers: int = typer.Option(2, min=1, help="recording processes"),
+        max_steps: int = typer.Option(200, min=1, help="steps before an expert attempt counts as failed"),
+        overwrite: bool = typer.Option(False, help="replace a non-empty --out"),
+        progress: bool = typer.Option(True, help="show a progress bar")):
+    """Record scripted-expert demonstrations in Meta-World (successful episodes only)."""
+    from vlaforge.data.generate import generate
+    from vlaforge.data.metaworld import parse_cameras, parse_task_counts
+
+    if image_size % 2:
+        raise VlaforgeError(f"--image-size {image_size} must be even (the videos use yuv420p)")
+    summary = generate(parse_task_counts(tasks, episodes), episodes, out, cameras=parse_cameras(cameras), image_size=image_size,
+                       seed=seed, workers=workers, max_steps=max_steps, overwrite=overwrite, progress=progress)
+    typer.echo(json.dumps(summary))
 
 
 def main() -> None:

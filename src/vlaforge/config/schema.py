@@ -1,7 +1,7 @@
 """Config classes (pydantic v2). Unknown keys, wrong types and bad values fail before any model is built.
 
 Values that later work will implement (precision beyond fp32/bf16, checkpointing, offload, parallel degrees
-above 1, LeRobot data) are validated already and rejected with a clear "not available yet" message, never
+above 1) are validated already and rejected with a clear "not available yet" message, never
 silently ignored. The serializable description lives here; runtime objects are built elsewhere.
 """
 
@@ -173,18 +173,51 @@ class ParallelConfig(Section):
 
 class DataConfig(Section):
     source: Literal["synthetic", "lerobot"] = "synthetic"
-    path: str | None = Field(None, description="LeRobotDataset v3 folder (source = 'lerobot')")
+    path: str | None = Field(None, description="LeRobotDataset v3.0 or v2.1 folder (source = 'lerobot')")
     num_samples: int = Field(1024, ge=1, description="synthetic: samples per epoch")
     num_tasks: int = Field(4, ge=1, description="synthetic: distinct tasks (instruction + goal)")
     max_instruction_tokens: int = Field(16, ge=1)
     max_text_tokens: int = Field(8, ge=0, description="length of language-loss targets; 0 disables them")
+    text_column: str = Field("annotation.phase", description="lerobot: per-frame text used as language target")
+    frame_stride: int = Field(1, ge=1, description="lerobot: steps between the frames of the history "
+                                                   "(model.frames)")
+    augment_shift: int = Field(4, ge=0, description="lerobot: random image shift in pixels (pad + crop)")
+    augment_color: float = Field(0.1, ge=0, le=0.5, description="lerobot: brightness/contrast/saturation jitter")
+    cache_mb: float = Field(2048, ge=0, description="lerobot: decoded frames kept in memory; a dataset that fits "
+                                                    "is decoded once up front and shared by the workers")
     num_workers: int = Field(0, ge=0)
 
-    @field_validator("source")
+    @model_validator(mode="after")
+    def _path_for_lerobot(self) -> "DataConfig":
+        if self.source == "lerobot" and not self.path:
+            raise ValueError("data.source = 'lerobot' needs data.path (a dataset folder from "
+                             "`vlaforge data generate`)")
+        return self
+
+
+class EvalConfig(Section):
+    """Closed-loop evaluation in Meta-World (`vlaforge eval`, and during training when `every` > 0)."""
+
+    tasks: list[str] | None = Field(None, description="Meta-World tasks; None: the tasks the dataset was made of")
+    episodes: int = Field(50, ge=1, description="held-out episodes per task")
+    execute: int = Field(1, ge=1, description="actions executed from each predicted chunk before re-planning "
+                                              "(receding horizon; at most model.action_chunk)")
+    max_steps: int = Field(200, ge=1, description="steps before an episode counts as failed")
+    workers: int = Field(2, ge=1, description="rollout processes")
+    seed: int = Field(0, description="base seed of the held-out initial positions")
+    video: bool = Field(True, description="write one MP4 rollout per task")
+    every: int = Field(0, ge=0, description="during training: evaluate every N steps (0: never)")
+    train_episodes: int = Field(10, ge=1, description="during training: episodes per task")
+
+    @field_validator("tasks")
     @classmethod
-    def _source_available(cls, v: str) -> str:
-        if v == "lerobot":
-            raise not_yet(v, "the LeRobotDataset reader", "'synthetic'")
+    def _known_tasks(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            from vlaforge.data.metaworld import TASKS
+
+            for name in v:
+                if name not in TASKS:
+                    raise ValueError(TASKS.unknown_message(name))
         return v
 
 
@@ -219,7 +252,7 @@ class TrainConfig(Section):
 
 
 class VLAConfig(Section):
-    """A whole run: `[model]`, `[components.*]`, `[loss]`, `[parallel]`, `[data]`, `[train]`."""
+    """A whole run: `[model]`, `[components.*]`, `[loss]`, `[parallel]`, `[data]`, `[train]`, `[eval]`."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     components: ComponentsConfig = Field(default_factory=ComponentsConfig)
@@ -227,3 +260,13 @@ class VLAConfig(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "VLAConfig":
+        if self.eval.execute > self.model.action_chunk:
+            raise ValueError(f"eval.execute = {self.eval.execute} exceeds model.action_chunk = "
+                             f"{self.model.action_chunk}; execute at most the predicted actions")
+        if self.eval.every and self.data.source != "lerobot":
+            raise ValueError("eval.every needs data.source = 'lerobot' (evaluation runs the policy in Meta-World)")
+        return self

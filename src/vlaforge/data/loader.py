@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from vlaforge.data.batch import Batch
+from vlaforge.data.tokenizer import TextTokenizer
+from vlaforge.data.transforms import ObservationSpec
+from vlaforge.errors import VlaforgeError
 
 
 class ResumableSampler(Sampler[int]):
-    """An endless stream of indices: epoch e is a permutation seeded by (seed, e). Starting at `start`
-    (samples already consumed) continues the exact stream, which makes resumed runs bit-identical."""
+    """An endless stream of indices: epoch e yields e * size + a permutation of range(size) seeded by (seed, e).
+    Datasets take `index % len` as the sample and may seed per-draw randomness (augmentation) with the whole
+    index. Starting at `start` (samples already consumed) continues the exact stream, which makes resumed runs
+    bit-identical."""
 
     def __init__(self, size: int, seed: int, start: int = 0):
         self.size, self.seed, self.start = size, seed, start
@@ -21,20 +28,72 @@ class ResumableSampler(Sampler[int]):
         epoch, offset = divmod(self.start, self.size)
         while True:
             g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-            yield from torch.randperm(self.size, generator=g)[offset:].tolist()
+            yield from (epoch * self.size + i for i in torch.randperm(self.size, generator=g)[offset:].tolist())
             epoch, offset = epoch + 1, 0
 
 
-def build_dataset(cfg, model) -> Dataset:
+@dataclass
+class Data:
+    """A training dataset and what a policy trained on it needs at inference (saved with every checkpoint)."""
+
+    dataset: Dataset
+    spec: ObservationSpec | None = None
+    tokenizer: TextTokenizer | None = None
+    tasks: list[str] = field(default_factory=list)  # simulator tasks the dataset was recorded in
+
+    def save_policy_files(self, folder: Path) -> None:
+        if self.spec is not None:
+            self.spec.save(folder)
+        if self.tokenizer is not None:
+            self.tokenizer.save(folder)
+
+
+def build_data(cfg, model) -> Data:
     """The dataset named by `data.source`, shaped for `model` (frames, image size, vocabulary)."""
+    if cfg.data.source == "lerobot":
+        return _lerobot_data(cfg, model)
     from vlaforge.data.synthetic import SyntheticDataset
 
     m, d = cfg.model, cfg.data
-    return SyntheticDataset(
+    return Data(SyntheticDataset(
         num_samples=d.num_samples, num_tasks=d.num_tasks, frames=m.frames_per_sample,
         image_size=model.layout.image_size, state_dim=m.state_dim, action_dim=m.action_dim,
         chunk=m.action_chunk, vocab_size=model.llm.config.vocab_size, instruction_tokens=d.max_instruction_tokens,
-        text_tokens=d.max_text_tokens, seed=cfg.train.seed)
+        text_tokens=d.max_text_tokens, seed=cfg.train.seed))
+
+
+def _lerobot_data(cfg, model) -> Data:
+    from vlaforge.data.episodes import DemoDataset, resolve_cameras
+    from vlaforge.data.lerobot_v3 import LeRobotDataset
+    from vlaforge.data.tokenizer import build_tokenizer
+    from vlaforge.data.transforms import normalization_from_stats
+
+    m, d = cfg.model, cfg.data
+    reader = LeRobotDataset(d.path)
+    for name, want in (("observation.state", m.state_dim), ("action", m.action_dim)):
+        have = reader.columns[name].shape[1]
+        if have != want:
+            short = "state_dim" if name.startswith("obs") else "action_dim"
+            raise VlaforgeError(f"dataset {d.path} has {name} of size {have} but model.{short} = {want}; "
+                                f"set model.{short} = {have}")
+    texts = list(reader.tasks)
+    if d.text_column in reader.columns:
+        texts += sorted(set(reader.columns[d.text_column].astype(str).tolist()))
+    vocab = model.llm.config.vocab_size
+    tokenizer = build_tokenizer(texts, vocab, m.llm.pretrained)
+    if tokenizer.vocab_size > vocab:
+        raise VlaforgeError(f"the tokenizer has {tokenizer.vocab_size} tokens but the LLM only {vocab}")
+    cameras = resolve_cameras(reader, m.cameras)
+    spec = ObservationSpec(cameras=cameras, frames=m.frames, frame_stride=d.frame_stride,
+                           image_size=model.layout.image_size,
+                           render_size=int(reader.info["features"][cameras[0]]["shape"][0]),
+                           instruction_tokens=d.max_instruction_tokens,
+                           text_tokens=d.max_text_tokens, chunk=m.action_chunk,
+                           **normalization_from_stats(reader.stats))
+    dataset = DemoDataset(reader, spec, tokenizer, seed=cfg.train.seed, shift=d.augment_shift, color=d.augment_color,
+                          cache_mb=d.cache_mb, text_column=d.text_column, threads=max(2, d.num_workers))
+    tasks = list(reader.info.get("vlaforge", {}).get("tasks", []))
+    return Data(dataset, spec, tokenizer, tasks)
 
 
 def build_loader(dataset: Dataset, batch_size: int, seed: int, start_sample: int, num_workers: int) -> DataLoader:

@@ -34,6 +34,7 @@ class SyntheticDataset(Dataset):
         return self.n
 
     def __getitem__(self, index: int) -> Batch:
+        index %= self.n  # the same sample every epoch
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         task = index % self.num_tasks
         goal = torch.rand(2, generator=g) * 1.6 - 0.8  # (x, y) in [-0.8, 0.8]

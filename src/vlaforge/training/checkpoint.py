@@ -2,7 +2,8 @@
 file, the resolved config beside them. Written to a temporary folder and renamed, so a crash never leaves a
 half-written checkpoint; `latest` names the newest complete one.
 
-Layout: RUN_DIR/checkpoints/step_00000010/{model.safetensors, trainer_state.pt, config.toml}, RUN_DIR/checkpoints/latest
+Layout: RUN_DIR/checkpoints/step_00000010/{model.safetensors, trainer_state.pt, config.toml[, policy.json,
+tokenizer.json]}, RUN_DIR/checkpoints/latest
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
@@ -37,8 +38,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any], config_toml: str,
-                    keep: int) -> Path:
-    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep` checkpoints."""
+                    keep: int, extra: Callable[[Path], None] | None = None) -> Path:
+    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep` checkpoints.
+
+    `extra(folder)` writes further files (the policy's observation spec, tokenizer) into the checkpoint.
+    """
     root = run_dir / "checkpoints"
     final = root / f"step_{step:08d}"
     tmp = root / f".{final.name}.tmp"
@@ -47,6 +51,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dic
     save_model(model, str(tmp / MODEL_FILE))
     torch.save(state, tmp / STATE_FILE)
     (tmp / CONFIG_FILE).write_text(config_toml)
+    if extra is not None:
+        extra(tmp)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -83,20 +89,31 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module) -> dict[str, Any]:
     for name in (MODEL_FILE, STATE_FILE):
         if not (ckpt / name).is_file():
             raise VlaforgeError(f"checkpoint {ckpt} has no {name}; resume from another checkpoint")
-    try:
-        missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise VlaforgeError(f"checkpoint file {ckpt / MODEL_FILE} is truncated or corrupt ({_first_line(exc)}); "
-                            "resume from another checkpoint") from None
-    if missing or unexpected:
-        raise VlaforgeError(f"checkpoint {ckpt} does not match the model ({len(missing)} missing, "
-                            f"{len(unexpected)} unexpected tensors, e.g. {(missing or unexpected)[0]}); "
-                            "resume with the config saved in that checkpoint")
+    load_weights(ckpt, model)
     try:
         return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch.load raises many types for damaged files
         raise VlaforgeError(f"checkpoint file {ckpt / STATE_FILE} is truncated or corrupt ({_first_line(exc)}); "
                             "resume from another checkpoint") from None
+
+
+def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
+    """Load model.safetensors into `model` (strict).
+
+    Raises:
+        VlaforgeError: the file is missing, truncated or does not match the model.
+    """
+    if not (ckpt / MODEL_FILE).is_file():
+        raise VlaforgeError(f"checkpoint {ckpt} has no {MODEL_FILE}; give a checkpoints/step_* folder")
+    try:
+        missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise VlaforgeError(f"checkpoint file {ckpt / MODEL_FILE} is truncated or corrupt ({_first_line(exc)}); "
+                            "use another checkpoint") from None
+    if missing or unexpected:
+        raise VlaforgeError(f"checkpoint {ckpt} does not match the model ({len(missing)} missing, "
+                            f"{len(unexpected)} unexpected tensors, e.g. {(missing or unexpected)[0]}); "
+                            "use the config saved in that checkpoint")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -14,9 +14,10 @@ from torch import nn
 
 from vlaforge.config.loading import dump_toml, write_atomic
 from vlaforge.config.schema import VLAConfig
-from vlaforge.data.loader import build_dataset, build_loader
+from vlaforge.data.loader import Data, build_data, build_loader
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla, tokens_per_sample
+from vlaforge.progress import progress_bar
 from vlaforge.techniques.freezing import apply_freezing, schedule_changes
 from vlaforge.techniques.precision import apply_precision
 from vlaforge.training import checkpoint as ckpt
@@ -72,6 +73,7 @@ class Run:
     scheduler: Any
     start_step: int
     tokens_per_sample: int
+    data: Data
 
 
 def build_run(cfg: VLAConfig) -> Run:
@@ -89,7 +91,8 @@ def build_run(cfg: VLAConfig) -> Run:
         start = restore(ckpt.resolve_checkpoint(cfg.train.resume, run_dir), model, weighting, optimizer, scheduler)
     write_atomic(run_dir / "config.toml", dump_toml(cfg))
     tps = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
-    return Run(cfg, run_dir, device, model, weighting, optimizer, scheduler, start, tps)
+    data = build_data(cfg, model)
+    return Run(cfg, run_dir, device, model, weighting, optimizer, scheduler, start, tps, data)
 
 
 def trainer_state(run: Run, step: int) -> dict[str, Any]:
@@ -108,7 +111,23 @@ def restore(path: Path, model, weighting, optimizer, scheduler) -> int:
 
 def save(run: Run, step: int) -> Path:
     return ckpt.save_checkpoint(run.run_dir, step, run.model, trainer_state(run, step), dump_toml(run.cfg),
-                                run.cfg.train.keep_checkpoints)
+                                run.cfg.train.keep_checkpoints, extra=run.data.save_policy_files)
+
+
+def evaluate_checkpoint(run: Run, path: Path) -> dict[str, float]:
+    """Closed-loop success rates of a just-saved checkpoint, as metrics (eval/success/<task>, eval/success)."""
+    from vlaforge.evaluation.closed_loop import evaluate
+
+    e = run.cfg.eval
+    tasks = e.tasks or run.data.tasks
+    if not tasks:
+        raise VlaforgeError(f"eval.every is set but dataset {run.cfg.data.path} names no Meta-World tasks; "
+                            "set eval.tasks")
+    report = evaluate(path, tasks, e.train_episodes, execute=e.execute, max_steps=e.max_steps, workers=e.workers,
+                      seed=e.seed, video=False, progress=False)
+    out = {f"eval/success/{t}": v["success_rate"] for t, v in report["tasks"].items()}
+    out["eval/success"] = report["mean_success_rate"]
+    return out
 
 
 def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
@@ -119,7 +138,7 @@ def train(cfg: VLAConfig) -> dict[str, float]:
     """Train as configured; returns the last logged metrics."""
     run = build_run(cfg)
     t = cfg.train
-    loader = build_loader(build_dataset(cfg, run.model), t.batch_size, t.seed,
+    loader = build_loader(run.data.dataset, t.batch_size, t.seed,
                           start_sample=run.start_step * t.batch_size * t.grad_accum, num_workers=cfg.data.num_workers)
     batches = iter(loader)
     policies = dict(cfg.components.items())
@@ -127,7 +146,7 @@ def train(cfg: VLAConfig) -> dict[str, float]:
     logger = MetricsLogger(run.run_dir, t.tensorboard)
     last: dict[str, float] = {}
     window_start, window_steps = time.perf_counter(), 0
-    with _progress(t.progress, t.steps, run.start_step) as advance:
+    with progress_bar(t.progress, "train", t.steps, run.start_step) as advance:
         for step in range(run.start_step, t.steps):
             if step in changes:
                 apply_freezing(run.model, policies, step)
@@ -144,36 +163,13 @@ def train(cfg: VLAConfig) -> dict[str, float]:
                         "perf/tokens_per_s": samples * run.tokens_per_sample / elapsed}
                 logger.log(done, last)
                 window_start, window_steps = time.perf_counter(), 0
-            if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
-                save(run, done)
-            advance(last.get("loss/total"))
+            evaluate_now = cfg.eval.every and done % cfg.eval.every == 0
+            if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or evaluate_now:
+                path = save(run, done)
+                if evaluate_now:
+                    scores = evaluate_checkpoint(run, path)
+                    logger.log(done, scores)
+                    last |= scores
+            advance(f"loss {last['loss/total']:.4f}" if last else "")
     logger.close()
     return last
-
-
-class _progress:
-    """A rich progress bar with ETA (or nothing), as a context yielding `advance(loss)`."""
-
-    def __init__(self, enabled: bool, total: int, start: int):
-        self.enabled, self.total, self.start = enabled, total, start
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda loss=None: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                            TextColumn("{task.fields[loss]}"), transient=False)
-        self.bar.__enter__()
-        task = self.bar.add_task("train", total=self.total, completed=self.start, loss="")
-
-        def advance(loss=None):
-            self.bar.update(task, advance=1, loss="" if loss is None else f"loss {loss:.4f}")
-
-        return advance
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.bar.__exit__(*exc)
-        return False
-

@@ -1,0 +1,135 @@
+"""The map-style training dataset over a LeRobot dataset: one sample per frame, producing `Batch` fields.
+
+Sample at frame t of an episode: the F-frame history (stride s) of every camera, the normalized state at t,
+the instruction tokens, the next T normalized actions (padded and masked past the episode end - chunks never
+cross episodes) and the phase text as language target.
+
+Video decoding must not be the bottleneck: when all decoded frames fit in `cache_mb` they are decoded once,
+up front and in parallel threads, into uint8 tensors that DataLoader workers share (fork, copy-on-write);
+otherwise each process decodes episodes on demand into an LRU cache of `cache_mb`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from vlaforge.data.batch import Batch
+from vlaforge.data.lerobot_v3 import LeRobotDataset
+from vlaforge.data.tokenizer import TextTokenizer
+from vlaforge.data.transforms import ObservationSpec, augment, to_model_images
+from vlaforge.errors import VlaforgeError
+
+
+def resolve_cameras(reader: LeRobotDataset, names: list[str]) -> list[str]:
+    """Model camera names ('corner' or 'observation.images.corner') -> the dataset's video keys."""
+    keys = []
+    for name in names:
+        key = name if name in reader.cameras else f"observation.images.{name}"
+        if key not in reader.cameras:
+            have = ", ".join(k.removeprefix("observation.images.") for k in reader.cameras)
+            raise VlaforgeError(f"model.cameras asks for {name!r} but dataset {reader.root} has only: {have}; "
+                                "set model.cameras to those")
+        keys.append(key)
+    return keys
+
+
+class FrameStore:
+    """uint8 frames (T, H, W, 3) per (camera, episode position)."""
+
+    def __init__(self, reader: LeRobotDataset, cameras: list[str], cache_mb: float, threads: int = 2):
+        self.reader, self.cameras = reader, cameras
+        h, w = reader.info["features"][cameras[0]]["shape"][:2]
+        total_mb = reader.num_frames * len(cameras) * h * w * 3 / 2**20
+        self.preloaded = total_mb <= cache_mb
+        self.cache_bytes, self.cache = int(cache_mb * 2**20), OrderedDict()
+        self.lock = threading.Lock()
+        self.frames: dict[str, torch.Tensor] = {}
+        if self.preloaded:
+            self._decode_all(threads)
+
+    def _decode_all(self, threads: int) -> None:
+        eps = self.reader.episodes
+        jobs = [(cam, i) for cam in self.cameras for i in range(len(eps))]
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            decoded = list(pool.map(lambda job: self.reader.decode(job[0], eps[job[1]]), jobs))
+        for cam in self.cameras:
+            parts = [decoded[k] for k, (c, _) in enumerate(jobs) if c == cam]
+            self.frames[cam] = torch.from_numpy(np.concatenate(parts))  # rows follow episode order
+
+    def get(self, cam: str, ep: int, rows: list[int]) -> torch.Tensor:
+        """Frames `rows` (episode-relative) of episode position `ep`: (len(rows), H, W, 3) uint8."""
+        e = self.reader.episodes[ep]
+        if self.preloaded:
+            return self.frames[cam][[e.start + r for r in rows]]
+        key = (cam, ep)
+        with self.lock:
+            hit = self.cache.get(key)
+            if hit is not None:
+                self.cache.move_to_end(key)
+        if hit is None:
+            hit = torch.from_numpy(self.reader.decode(cam, e))
+            with self.lock:
+                self.cache[key] = hit
+                while sum(t.numel() for t in self.cache.values()) > self.cache_bytes and len(self.cache) > 1:
+                    self.cache.popitem(last=False)
+        return hit[rows]
+
+
+class DemoDataset(Dataset):
+    """One sample per frame. Indices past len() encode the epoch (see ResumableSampler): index % len picks the
+    frame and the whole index seeds the augmentation, so every draw is a pure function of (seed, index)."""
+
+    def __init__(self, reader: LeRobotDataset, spec: ObservationSpec, tokenizer: TextTokenizer, *, seed: int,
+                 shift: int, color: float, cache_mb: float, text_column: str | None, threads: int = 2):
+        self.reader, self.spec, self.seed, self.shift, self.color = reader, spec, seed, shift, color
+        cols = reader.columns
+        self.state = torch.from_numpy(np.ascontiguousarray(cols["observation.state"], dtype=np.float32))
+        self.action = torch.from_numpy(np.ascontiguousarray(cols["action"], dtype=np.float32))
+        self.starts = np.array([e.start for e in reader.episodes])
+        self.lengths = np.array([e.length for e in reader.episodes])
+        task_idx = cols.get("task_index")
+        self.task_of_row = task_idx if task_idx is not None else np.zeros(reader.num_frames, dtype=np.int64)
+        self.instr_ids, self.instr_mask = tokenizer.encode(reader.tasks, spec.instruction_tokens)
+        self.text = None
+        if text_column and spec.text_tokens > 0 and text_column in cols:
+            phases, self.text_of_row = np.unique(cols[text_column].astype(str), return_inverse=True)
+            self.text = tokenizer.encode(list(phases), spec.text_tokens)
+        self.store = FrameStore(reader, spec.cameras, cache_mb, threads)
+
+    def __len__(self) -> int:
+        return self.reader.num_frames
+
+    def locate(self, row: int) -> tuple[int, int]:
+        """Global frame row -> (episode position, frame in episode)."""
+        ep = int(np.searchsorted(self.starts, row, side="right") - 1)
+        return ep, row - int(self.starts[ep])
+
+    def __getitem__(self, index: int) -> Batch:
+        row = index % len(self)
+        ep, t = self.locate(row)
+        spec, length, start = self.spec, int(self.lengths[ep]), int(self.starts[ep])
+        hist = spec.history(t)
+        views = torch.stack([to_model_images(self.store.get(cam, ep, hist), spec.image_size)
+                             for cam in spec.cameras])  # (V, F, 3, S, S)
+        if self.shift or self.color:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+            views = augment(views, g, self.shift, self.color)
+        images = views.transpose(0, 1).flatten(0, 1)  # (F*V, 3, S, S): time-major, cameras within a time step
+        steps = torch.arange(t, t + spec.chunk)
+        valid = steps < length
+        actions = self.action[start + steps.clamp(max=length - 1)]
+        actions = spec.normalize_action(actions) * valid[:, None]
+        task = int(self.task_of_row[row])
+        text_ids = text_mask = None
+        if self.text is not None:
+            k = int(self.text_of_row[row])
+            text_ids, text_mask = self.text[0][k], self.text[1][k]
+        return Batch(images=images, state=spec.normalize_state(self.state[row]),
+                     instruction_ids=self.instr_ids[task], instruction_mask=self.instr_mask[task],
+                     actions=actions, action_mask=valid, text_ids=text_ids, text_mask=text_mask)

@@ -1,0 +1,143 @@
+"""`vlaforge data generate`: scripted-expert demonstrations from Meta-World, written as a LeRobotDataset v3.
+
+Episodes are recorded in worker processes (rendering dominates) and written in a fixed order by the main
+process, so the dataset depends only on (tasks, episodes, cameras, image size, seed) - not on the number of
+workers. Only successful episodes are kept; a failed attempt is replaced by the next seed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vlaforge.data.lerobot_v3 import DatasetWriter
+from vlaforge.data.metaworld import (ACTION_NAMES, FPS, STATE_NAMES, TASKS, MetaWorldEnv, episode_seed, expert_action,
+                                     make_expert)
+from vlaforge.errors import VlaforgeError
+from vlaforge.progress import progress_bar
+
+PHASE_COLUMN = "annotation.phase"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    task: str
+    task_index: int
+    attempt: int
+    seed: int
+    cameras: tuple[str, ...]
+    image_size: int
+    max_steps: int
+
+
+_ENVS: dict[tuple, MetaWorldEnv] = {}  # per worker process
+
+
+def record(a: Attempt) -> dict[str, Any] | None:
+    """Run the expert for one seeded episode; the recording if it succeeded, else None."""
+    key = (a.task, a.cameras, a.image_size)
+    if key not in _ENVS:
+        _ENVS[key] = MetaWorldEnv(a.task, list(a.cameras), a.image_size)
+    env, expert = _ENVS[key], make_expert(a.task)
+    obs = env.reset(episode_seed("train", a.task_index, a.attempt, a.seed))
+    images: dict[str, list] = {c: [] for c in a.cameras}
+    states, actions, phases = [], [], []
+    describe = TASKS.get(a.task).phase
+    success = False
+    for _ in range(min(a.max_steps, env.max_steps)):
+        for cam, img in env.views().items():
+            images[cam].append(img)
+        states.append(env.state(obs))
+        phases.append(describe(obs))
+        action = expert_action(expert, obs)
+        actions.append(action)
+        obs, success = env.step(action)
+        if success:
+            break
+    if not success:
+        return None
+    rng = random.Random(f"{a.seed}/{a.task}/{a.attempt}")
+    return {"task": a.task, "attempt": a.attempt, "instruction": rng.choice(TASKS.get(a.task).instructions),
+            "images": {c: np.stack(v) for c, v in images.items()}, "state": np.stack(states),
+            "action": np.stack(actions), "phase": phases}
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise VlaforgeError(f"output folder {out} is not empty; choose another --out or pass --overwrite")
+
+
+def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, *, cameras: list[str], image_size: int,
+             seed: int = 0, workers: int = 2, max_steps: int = 200, overwrite: bool = False,
+             progress: bool = True) -> dict[str, Any]:
+    """Record successful episodes into a new LeRobotDataset v3 at `out`: `tasks` maps each task to its episode
+    count (a plain list gets `episodes` each).
+
+    Returns a summary: episodes and frames per task, failed expert attempts, seconds, env steps per second.
+    """
+    out = Path(out)
+    check_output(out, overwrite)
+    counts = dict(tasks) if isinstance(tasks, dict) else {t: episodes for t in tasks}
+    tasks = list(counts)
+    order = {t: i for i, t in enumerate(tasks)}
+    kept: dict[str, list[dict]] = {t: [] for t in tasks}
+    failed = {t: 0 for t in tasks}
+    next_attempt = {t: 0 for t in tasks}
+    t0, steps = time.perf_counter(), 0
+
+    def attempts_needed() -> list[Attempt]:
+        todo = []
+        for t in tasks:
+            missing = counts[t] - len(kept[t])
+            for k in range(missing):
+                todo.append(Attempt(t, order[t], next_attempt[t] + k, seed, tuple(cameras), image_size, max_steps))
+            next_attempt[t] += max(missing, 0)
+        return todo
+
+    ctx = mp.get_context("spawn")  # NOTE: fresh processes: no inherited GL context or torch threads
+    with progress_bar(progress, "episodes", sum(counts.values())) as advance, \
+            ctx.Pool(workers) if workers > 1 else _InlinePool() as pool:
+        while todo := attempts_needed():
+            if any(a.attempt >= 10 * counts[a.task] + 10 for a in todo):
+                bad = todo[0].task
+                raise VlaforgeError(f"the scripted expert for {bad} keeps failing ({failed[bad]} failures); "
+                                    "check the Meta-World installation")
+            for a, rec in zip(todo, pool.imap(record, todo)):
+                if rec is None:
+                    failed[a.task] += 1
+                    continue
+                kept[a.task].append(rec)
+                steps += len(rec["state"])
+                advance(f"{steps / (time.perf_counter() - t0):.0f} env steps/s")
+    with DatasetWriter(out, fps=FPS, cameras=list(cameras), image_size=image_size, state_names=STATE_NAMES,
+                       action_names=ACTION_NAMES, text_features=[PHASE_COLUMN]) as writer:
+        for t in tasks:
+            for rec in sorted(kept[t], key=lambda r: r["attempt"]):
+                writer.add_episode(rec["instruction"], rec["images"], rec["state"], rec["action"],
+                                   {PHASE_COLUMN: rec["phase"]})
+        writer.finish({"vlaforge": {"generator": "metaworld", "tasks": tasks, "seed": seed,
+                                    "episode_tasks": [t for t in tasks for _ in kept[t]]}})
+    seconds = time.perf_counter() - t0
+    return {"out": str(out), "episodes": {t: len(kept[t]) for t in tasks},
+            "frames": {t: int(sum(len(r["state"]) for r in kept[t])) for t in tasks}, "expert_failures": failed,
+            "seconds": round(seconds, 1), "env_steps_per_s": round(steps / seconds, 1)}
+
+
+class _InlinePool:
+    """Pool stand-in for workers=1 (no processes; easier to debug)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    @staticmethod
+    def imap(fn, items):
+        return map(fn, items)

@@ -1,0 +1,180 @@
+"""Meta-World tasks as vlaforge sees them: seeded environments with several camera views, scripted experts,
+instruction paraphrases and expert-phase descriptions.
+
+The policy observes only the camera images, the proprioceptive state (hand position + gripper opening,
+`obs[0:4]`) and the instruction; object and goal positions (`obs[4:]`) are used only by the expert and the
+phase describer. Rendering uses one `mujoco.Renderer` per process with shadows and reflections off (software
+EGL rendering is ~2x faster without them).
+
+Seeding: Meta-World's gym wrapper ignores `reset(seed=)` and draws one of 50 fixed tasks, so we build the
+environment class directly, `set_task` once, then let `env.seed(s)` alone decide the initial positions.
+Generation and evaluation use disjoint seed ranges (`episode_seed`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from vlaforge.errors import VlaforgeError
+from vlaforge.registry import Registry
+
+STATE_NAMES = ["hand_x", "hand_y", "hand_z", "gripper"]
+ACTION_NAMES = ["dx", "dy", "dz", "grip"]
+CAMERAS = ("corner", "corner2", "corner3", "corner4", "topview", "behindGripper", "gripperPOV")
+FPS = 80  # Meta-World's control rate: frame_skip 5 x timestep 2.5 ms
+SPLIT_OFFSET = {"train": 0, "eval": 1_000_000}  # generation and evaluation never share an initial position
+
+
+@dataclass(frozen=True)
+class Task:
+    """A Meta-World task: its expert, ways to say it, and what the expert is doing at a step."""
+
+    expert: str  # class name in metaworld.policies
+    instructions: tuple[str, ...]
+    phase: Callable[[np.ndarray], str]  # full observation -> short description of the expert's phase
+
+
+def _near(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
+    return float(np.linalg.norm(a - b)) <= tol
+
+
+def _reach_phase(o: np.ndarray) -> str:
+    return "hold the hand at the goal" if _near(o[0:3], o[36:39], 0.05) else "move the hand to the goal"
+
+
+def _button_phase(o: np.ndarray) -> str:
+    return "press the button down" if _near(o[0:2], o[4:6], 0.04) else "move above the button"
+
+
+def _drawer_phase(o: np.ndarray) -> str:
+    hand, handle = o[0:3], o[4:7] + np.array([0.0, 0.0, -0.02])
+    if hand[1] > handle[1]:
+        return "rise above the drawer"
+    return "push the drawer closed" if abs(hand[2] - handle[2]) <= 0.04 else "lower in front of the handle"
+
+
+def _door_phase(o: np.ndarray) -> str:
+    hand, handle = o[0:3], o[4:7] - np.array([0.05, 0.0, 0.0])
+    if not _near(hand[:2], handle[:2], 0.12):
+        return "reach above the door handle"
+    return "pull the door open" if abs(hand[2] - handle[2]) <= 0.04 else "lower onto the door handle"
+
+
+TASKS: Registry[Task] = Registry("Meta-World task")
+TASKS.add("reach-v3", Task("SawyerReachV3Policy", (
+    "reach the red goal", "move the gripper to the red dot", "put the hand on the target point",
+    "reach for the goal position"), _reach_phase))
+TASKS.add("button-press-topdown-v3", Task("SawyerButtonPressTopdownV3Policy", (
+    "press the button from the top", "push the button down from above", "press the red button downwards",
+    "press down on the button"), _button_phase))
+TASKS.add("drawer-close-v3", Task("SawyerDrawerCloseV3Policy", (
+    "close the drawer", "push the drawer shut", "slide the drawer closed", "shut the open drawer"),
+    _drawer_phase))
+TASKS.add("door-open-v3", Task("SawyerDoorOpenV3Policy", (
+    "open the door", "pull the door open", "swing the door open by its handle", "open the cabinet door"),
+    _door_phase))
+
+DEMO_TASKS = ("reach-v3", "button-press-topdown-v3", "drawer-close-v3", "door-open-v3")
+
+
+def parse_tasks(text: str | list[str]) -> list[str]:
+    """'a,b' or a list -> validated task names (with 'did you mean' on typos)."""
+    return list(parse_task_counts(text, 1))
+
+
+def parse_task_counts(text: str | list[str], default: int) -> dict[str, int]:
+    """'a,b:40' -> {a: default, b: 40}: validated task names with their episode counts."""
+    items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t.strip()]
+    if not items:
+        raise VlaforgeError(f"no tasks given; choose from {', '.join(TASKS.names())}")
+    out = {}
+    for item in items:
+        name, _, count = item.partition(":")
+        if name not in TASKS:
+            raise VlaforgeError(TASKS.unknown_message(name))
+        if count and (not count.isdigit() or int(count) < 1):
+            raise VlaforgeError(f"episode count {count!r} of task {name} must be a positive integer (task:N)")
+        out[name] = int(count) if count else default
+    return out
+
+
+def parse_cameras(text: str | list[str]) -> list[str]:
+    names = [c.strip() for c in (text.split(",") if isinstance(text, str) else text) if c.strip()]
+    bad = [c for c in names if c not in CAMERAS]
+    if bad or not names:
+        raise VlaforgeError(f"unknown camera {bad[0] if bad else '(none)'!r}; choose from {', '.join(CAMERAS)}")
+    return names
+
+
+def episode_seed(split: str, task_index: int, attempt: int, seed: int = 0) -> int:
+    """The environment seed of one attempt: disjoint across splits, tasks and base seeds."""
+    return SPLIT_OFFSET[split] + seed * 100_000 + task_index * 10_000 + attempt
+
+
+class MetaWorldEnv:
+    """One seeded Meta-World task with multi-camera rendering; `reset(seed)` / `step(action)` / `views()`."""
+
+    def __init__(self, task: str, cameras: list[str], image_size: int):
+        os.environ.setdefault("MUJOCO_GL", "egl")
+        import metaworld
+        import mujoco
+        from metaworld.env_dict import ALL_V3_ENVIRONMENTS
+
+        self.name, self.cameras, self.image_size = task, list(cameras), image_size
+        self.env = ALL_V3_ENVIRONMENTS[task]()
+        self.env.set_task(metaworld.MT1(task, seed=0).train_tasks[0])
+        self.env._freeze_rand_vec = False  # NOTE: with seeded_rand_vec, env.seed() alone sets the positions
+        self.env.seeded_rand_vec = True
+        self.env.model.light_castshadow[:] = 0
+        self.env.model.mat_reflectance[:] = 0
+        self.max_steps = int(self.env.max_path_length)
+        self._renderer = mujoco.Renderer(self.env.model, image_size, image_size)
+        self.obs: np.ndarray | None = None
+        atexit.register(self.close)  # NOTE: a GL context freed during interpreter teardown prints EGL errors
+
+    def reset(self, seed: int) -> np.ndarray:
+        self.env.seed(seed)
+        self.obs, _ = self.env.reset()
+        return self.obs
+
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, bool]:
+        """Apply one action (clipped to [-1, 1]); returns (observation, success)."""
+        self.obs, _, _, _, info = self.env.step(np.clip(action, -1.0, 1.0).astype(np.float32))
+        return self.obs, bool(info["success"])
+
+    def views(self) -> dict[str, np.ndarray]:
+        """camera -> (H, W, 3) uint8, upright."""
+        out = {}
+        for cam in self.cameras:
+            self._renderer.update_scene(self.env.data, camera=cam)
+            img = self._renderer.render()
+            # NOTE: Meta-World's corner cameras are mounted upside down; flip them so videos read naturally.
+            out[cam] = np.ascontiguousarray(img[::-1, ::-1]) if cam.startswith("corner") else img.copy()
+        return out
+
+    @staticmethod
+    def state(obs: np.ndarray) -> np.ndarray:
+        """What the policy may know of the robot: hand position and gripper opening."""
+        return obs[0:4].astype(np.float32)
+
+    def close(self) -> None:
+        if self._renderer is not None:
+            self._renderer.close()
+            self.env.close()
+            self._renderer = None
+
+
+def make_expert(task: str):
+    import metaworld.policies
+
+    return getattr(metaworld.policies, TASKS.get(task).expert)()
+
+
+def expert_action(expert, obs: np.ndarray) -> np.ndarray:
+    # NOTE: some experts edit the observation in place (door-open shifts the handle x); give them a copy.
+    return np.clip(expert.get_action(obs.copy()), -1.0, 1.0).astype(np.float32)

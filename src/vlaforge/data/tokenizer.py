@@ -1,0 +1,95 @@
+"""Text -> token ids for instructions and language targets.
+
+With a pretrained LLM folder the LLM's own tokenizer is used (`transformers.AutoTokenizer`, local files only).
+For the built-in flavors a small byte-level BPE is trained with the `tokenizers` library on the dataset's texts
+and saved with the run (`tokenizer.json`), so evaluation encodes text exactly as training did.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vlaforge.errors import VlaforgeError
+
+TOKENIZER_FILE = "tokenizer.json"
+SPECIALS = ("<pad>", "<unk>", "<eos>")  # <pad> is id 0
+
+
+class TextTokenizer:
+    """Encodes batches of strings to fixed-length (ids, mask); appends <eos> so targets have an end."""
+
+    def __init__(self, tok, pad_id: int, eos_id: int | None):
+        self.tok, self.pad_id, self.eos_id = tok, pad_id, eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size() if hasattr(self.tok, "get_vocab_size") else len(self.tok)
+
+    def ids(self, text: str) -> list[int]:
+        if hasattr(self.tok, "get_vocab_size"):
+            out = self.tok.encode(text).ids
+        else:
+            out = self.tok(text, add_special_tokens=False)["input_ids"]
+        return out + ([self.eos_id] if self.eos_id is not None else [])
+
+    def encode(self, texts: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, length) ids, padded with pad_id and truncated; (N, length) bool mask."""
+        ids = torch.full((len(texts), length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(texts), length, dtype=torch.bool)
+        for i, text in enumerate(texts):
+            row = self.ids(text)[:length]
+            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, :len(row)] = True
+        return ids, mask
+
+    def save(self, folder: Path) -> None:
+        if hasattr(self.tok, "get_vocab_size"):
+            self.tok.save(str(folder / TOKENIZER_FILE))
+
+
+def train_bpe(texts: list[str], vocab_size: int) -> TextTokenizer:
+    """A byte-level BPE over `texts` with at most `vocab_size` entries (the LLM's embedding table size)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(sorted(set(texts)), trainer)
+    return _wrap(tok)
+
+
+def load_tokenizer(folder: Path | None, llm_pretrained: str | None) -> TextTokenizer:
+    """The tokenizer saved in `folder`, else the pretrained LLM's."""
+    if folder is not None and (folder / TOKENIZER_FILE).is_file():
+        from tokenizers import Tokenizer
+
+        return _wrap(Tokenizer.from_file(str(folder / TOKENIZER_FILE)))
+    if llm_pretrained:
+        return pretrained_tokenizer(llm_pretrained)
+    raise VlaforgeError(f"no {TOKENIZER_FILE} in {folder}; the checkpoint was not trained on text data")
+
+
+def pretrained_tokenizer(path: str) -> TextTokenizer:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise VlaforgeError(f"model.llm.pretrained {path}: no usable tokenizer ({str(exc).splitlines()[0]}); "
+                            "save the tokenizer with the model (tokenizer.save_pretrained)") from None
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    return TextTokenizer(tok, pad, tok.eos_token_id)
+
+
+def build_tokenizer(texts: list[str], vocab_size: int, llm_pretrained: str | None) -> TextTokenizer:
+    if llm_pretrained:
+        return pretrained_tokenizer(llm_pretrained)
+    return train_bpe(texts, vocab_size)
+
+
+def _wrap(tok) -> TextTokenizer:
+    return TextTokenizer(tok, tok.token_to_id("<pad>"), tok.token_to_id("<eos>"))

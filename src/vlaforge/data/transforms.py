@@ -1,0 +1,105 @@
+"""What turns raw robot observations into model inputs, shared by training data and closed-loop evaluation:
+normalization from `meta/stats.json`, image conversion and augmentation (torch only, no torchvision), and the
+`ObservationSpec` saved with every checkpoint so a policy is evaluated exactly as it was trained.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vlaforge.errors import VlaforgeError
+
+SPEC_FILE = "policy.json"
+STD_FLOOR = 1e-2  # features that barely vary (e.g. a gripper held closed) are not blown up
+
+
+@dataclass
+class ObservationSpec:
+    """How one policy input is built: cameras (video keys), frame history, sizes and normalization."""
+
+    cameras: list[str]
+    frames: int
+    frame_stride: int
+    image_size: int  # model input
+    render_size: int  # as recorded (and rendered in evaluation); resized to image_size
+    instruction_tokens: int
+    text_tokens: int
+    chunk: int
+    state_mean: list[float]
+    state_std: list[float]
+    action_mean: list[float]
+    action_std: list[float]
+
+    def normalize_state(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
+        return (torch.as_tensor(x, dtype=torch.float32) - torch.tensor(self.state_mean)) / torch.tensor(self.state_std)
+
+    def normalize_action(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
+        return (torch.as_tensor(x, dtype=torch.float32) - torch.tensor(self.action_mean)) / \
+            torch.tensor(self.action_std)
+
+    def denormalize_action(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() * torch.tensor(self.action_std) + torch.tensor(self.action_mean)
+
+    def history(self, t: int) -> list[int]:
+        """Frame indices of the F-frame history ending at t (oldest first), clamped at the episode start."""
+        return [max(0, t - k * self.frame_stride) for k in range(self.frames - 1, -1, -1)]
+
+    def save(self, folder: Path) -> None:
+        (folder / SPEC_FILE).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, folder: Path) -> "ObservationSpec":
+        path = folder / SPEC_FILE
+        if not path.is_file():
+            raise VlaforgeError(f"{folder} has no {SPEC_FILE}; it was not trained on robot data "
+                                "(data.source = 'lerobot'), so it cannot be evaluated in the simulator")
+        return cls(**json.loads(path.read_text()))
+
+
+def normalization_from_stats(stats: dict) -> dict[str, list[float]]:
+    """Mean/std of state and action from a LeRobot `meta/stats.json`."""
+    out = {}
+    for key, name in (("observation.state", "state"), ("action", "action")):
+        if key not in stats:
+            raise VlaforgeError(f"meta/stats.json has no {key!r} statistics; regenerate the dataset")
+        out[f"{name}_mean"] = [float(v) for v in stats[key]["mean"]]
+        out[f"{name}_std"] = [max(float(v), STD_FLOOR) for v in stats[key]["std"]]
+    return out
+
+
+def to_model_images(frames: torch.Tensor, image_size: int) -> torch.Tensor:
+    """uint8 (N, H, W, 3) -> float (N, 3, S, S) in [-1, 1] (SigLIP's convention), resized if needed."""
+    x = frames.permute(0, 3, 1, 2).float().div_(127.5).sub_(1.0)
+    if x.shape[-1] != image_size or x.shape[-2] != image_size:
+        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False, antialias=True)
+    return x
+
+
+def augment(images: torch.Tensor, g: torch.Generator, shift: int, color: float) -> torch.Tensor:
+    """Random shift (replicate-pad by `shift` px and crop back, DrQ-style) and colour jitter (brightness,
+    contrast, saturation each by up to +-`color`), one draw per camera view, applied to all its frames.
+
+    images: (V, F, 3, S, S) in [-1, 1] - V views, F frames each.
+    """
+    v, f, c, s, _ = images.shape
+    out = images
+    if shift > 0:
+        padded = F.pad(images.reshape(v, f * c, s, s), (shift,) * 4, mode="replicate")
+        dx, dy = torch.randint(0, 2 * shift + 1, (2, v), generator=g).tolist()
+        out = torch.stack([padded[i, :, dy[i]:dy[i] + s, dx[i]:dx[i] + s] for i in range(v)]).reshape(v, f, c, s, s)
+    if color > 0:
+        b, k, sat = ((torch.rand(3, v, generator=g) * 2 - 1) * color + 1).unbind(0)
+        x = (out + 1) / 2  # [0, 1]
+        x = x * b.view(v, 1, 1, 1, 1)
+        mean = x.mean(dim=(2, 3, 4), keepdim=True)
+        x = (x - mean) * k.view(v, 1, 1, 1, 1) + mean
+        gray = (0.299 * x[:, :, 0:1] + 0.587 * x[:, :, 1:2] + 0.114 * x[:, :, 2:3])
+        x = (x - gray) * sat.view(v, 1, 1, 1, 1) + gray
+        out = x.clamp(0, 1) * 2 - 1
+    return out

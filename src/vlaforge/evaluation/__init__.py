@@ -1,0 +1,1 @@
+"""Closed-loop evaluation of trained policies."""

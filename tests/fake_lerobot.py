@@ -1,0 +1,39 @@
+"""A small LeRobot v3 dataset written from arrays (no simulator): smooth, codec-friendly images."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vlaforge.data.lerobot_v3 import DatasetWriter, VideoWriter  # noqa: F401 - re-exported for the tests
+
+CAMS = ["front", "top"]
+SIZE = 32
+LENGTHS = [7, 12, 5]
+TASKS = ["open the door", "press the button", "open the door"]
+
+
+def _images(ep: int, n: int, cam: int) -> np.ndarray:
+    """Smooth, frame-dependent images (codec-friendly): a gradient whose offset moves with time."""
+    y, x = np.mgrid[0:SIZE, 0:SIZE]
+    frames = [np.stack([(x * 4 + t * 9 + ep * 30) % 256, (y * 4 + cam * 60) % 256,
+                        np.full_like(x, 40 * ep + 10 * t) % 256], -1) for t in range(n)]
+    return np.asarray(frames, dtype=np.uint8)
+
+
+def _episode(ep: int, n: int) -> dict:
+    rng = np.random.default_rng(ep)
+    return {"images": {c: _images(ep, n, i) for i, c in enumerate(CAMS)},
+            "state": rng.normal(size=(n, 4)).astype(np.float32), "action": rng.uniform(-1, 1, (n, 4)).astype(
+                np.float32), "text": {"annotation.phase": [f"phase {t // 4}" for t in range(n)]}}
+
+
+def write_dataset(root, **kw):
+    eps = [_episode(i, n) for i, n in enumerate(LENGTHS)]
+    with DatasetWriter(root, fps=10, cameras=CAMS, image_size=SIZE, state_names=list("abcd"),
+                       action_names=list("wxyz"), text_features=["annotation.phase"], **kw) as w:
+        for task, e in zip(TASKS, eps):
+            w.add_episode(task, e["images"], e["state"], e["action"], e["text"])
+        w.finish({"vlaforge": {"tasks": ["door-open-v3", "button-press-topdown-v3"]}})
+    return eps
+
+
