@@ -45,6 +45,7 @@ def test_toml_round_trip():
     ("--eval.execute=9", "eval.execute = 9 exceeds model.action_chunk = 8"),
     ("--eval.tasks=[\"reach-v2\"]", "did you mean 'reach-v3'"),
     ("--eval.every=5", "eval.every needs data.source = 'lerobot'"),
+    ("--model.patch_size=12", "model.patch_size = 12 does not divide the image size 64"),
     ("--components.llm.unfreeze_at_step=5", "needs trainable = false"),
     ("--loss.weights={action=0}", "action term needs a weight > 0"),
     ("--model.action_head.kind=diffusion", "unknown action head 'diffusion'"),

@@ -34,6 +34,17 @@ def test_bpe_tokenizer_round_trip(tmp_path):
     assert torch.equal(again.encode(texts, 12)[0], ids[:3])
 
 
+def test_task_counts():
+    from vlaforge.data.metaworld import parse_task_counts
+    from vlaforge.errors import VlaforgeError
+
+    assert parse_task_counts("reach-v3:40, door-open-v3", 7) == {"reach-v3": 40, "door-open-v3": 7}
+    with pytest.raises(VlaforgeError, match="did you mean 'door-open-v3'"):
+        parse_task_counts("door-opn-v3", 1)
+    with pytest.raises(VlaforgeError, match="positive integer"):
+        parse_task_counts("reach-v3:0", 1)
+
+
 @pytest.mark.parametrize("k,n,lo,hi", [(0, 10, 0.0, 0.2775), (5, 10, 0.2366, 0.7634), (10, 10, 0.7225, 1.0),
                                        (38, 50, 0.6259, 0.8570)])
 def test_wilson_interval(k, n, lo, hi):
@@ -84,6 +95,23 @@ def test_policy_sees_what_training_saw(tmp_path):
     assert eps[1]["state"].shape[0] == e.length
 
 
+def test_policy_renders_only_when_it_predicts(tmp_path):
+    root = tmp_path / "ds"
+    write_dataset(root)
+    d = LeRobotDataset(root)
+    spec = ObservationSpec(cameras=[f"observation.images.{c}" for c in CAMS], frames=1, frame_stride=1,
+                           image_size=SIZE, render_size=SIZE, instruction_tokens=6, text_tokens=0, chunk=4,
+                           **normalization_from_stats(d.stats))
+    policy = Policy(_Recorder(4), spec, train_bpe(d.tasks, 300), execute=3)
+    policy.reset(d.tasks[0])
+    frame = {c: np.zeros((SIZE, SIZE, 3), np.uint8) for c in CAMS}
+    wants = []
+    for _ in range(7):
+        wants.append(policy.wants_views())
+        policy.act(frame if wants[-1] else None, d.columns["observation.state"][0])
+    assert wants == [True, False, False, True, False, False, True]
+
+
 @pytest.mark.slow
 def test_generate_train_eval_end_to_end(tmp_path):
     """Meta-World for real: generation is reproducible and leak-free, training reads it, eval reports."""
@@ -106,8 +134,11 @@ def test_generate_train_eval_end_to_end(tmp_path):
     run = tmp_path / "run"
     proc = run_cli("train", "recipes/tiny_metaworld.toml", f"--data.path={tmp_path / 'a'}", "--model.image_size=32",
                    "--train.steps=2", "--train.batch_size=4", f"--train.output_dir={run}", "--data.num_workers=0",
-                   "--train.progress=false", "--train.tensorboard=false", timeout=300)
+                   "--train.progress=false", "--train.tensorboard=false", "--eval.every=2", "--eval.train_episodes=1",
+                   "--eval.max_steps=3", "--eval.workers=1", timeout=300)
     assert proc.returncode == 0, proc.stderr
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/success/reach-v3" in m and 0 <= m["eval/success"] <= 1 for m in logged)
     ckpt = run / "checkpoints" / "step_00000002"
     assert (ckpt / "policy.json").is_file() and (ckpt / "tokenizer.json").is_file()
     proc = run_cli("eval", str(run), "--episodes=2", "--max-steps=6", "--workers=1", "--no-progress",

@@ -58,6 +58,9 @@ class ModelConfig(Section):
     frames: int = Field(1, ge=1, description="time steps of images per sample")
     cameras: list[str] = Field(default_factory=lambda: ["corner"], min_length=1)
     image_size: int | None = Field(None, ge=8, description="pixels per side; None takes the flavor's")
+    patch_size: int | None = Field(None, ge=2, description="vision patch size of a tower built from the flavor "
+                                                           "(smaller: finer localization, more tokens); None "
+                                                           "takes the flavor's")
     action_chunk: int = Field(8, ge=1, description="T: actions predicted per step")
     action_dim: int = Field(4, ge=1)
     state_dim: int = Field(4, ge=1)
@@ -73,6 +76,20 @@ class ModelConfig(Section):
         if v not in FLAVORS:
             raise ValueError(FLAVORS.unknown_message(v))
         return v
+
+    @model_validator(mode="after")
+    def _patch_fits(self) -> "ModelConfig":
+        if self.patch_size is not None:
+            if self.vision.pretrained:
+                raise ValueError("model.patch_size cannot change a pretrained vision tower; drop it or "
+                                 "model.vision.pretrained")
+            from vlaforge.models.flavors import FLAVORS
+
+            size = self.image_size or FLAVORS.get(self.flavor).vision["image_size"]
+            if size % self.patch_size:
+                raise ValueError(f"model.patch_size = {self.patch_size} does not divide the image size {size}; "
+                                 "pick a divisor")
+        return self
 
     @property
     def frames_per_sample(self) -> int:

@@ -428,9 +428,12 @@ class LeRobotDataset:
         for name in table.column_names:
             col = table.column(name).combine_chunks()
             if pa.types.is_list(col.type) or pa.types.is_fixed_size_list(col.type) or \
-                    pa.types.is_large_list(col.type):
-                cols[name] = np.asarray(col.to_pylist(), dtype=np.float32) if pa.types.is_list(col.type) or \
-                    pa.types.is_large_list(col.type) else col.flatten().to_numpy().reshape(len(col), -1)
+                    pa.types.is_large_list(col.type):  # fixed_size_list (v3) or plain list (older writers)
+                flat = col.flatten().to_numpy(zero_copy_only=False)
+                if len(col) and flat.size % len(col):
+                    raise VlaforgeError(f"dataset {self.root}: column {name!r} has rows of different lengths; "
+                                        "regenerate the dataset")
+                cols[name] = flat.reshape(len(col), -1).astype(np.float32, copy=False)
             elif pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
                 cols[name] = np.asarray(col.to_pylist(), dtype=object)
             else:

@@ -8,7 +8,8 @@ from vlaforge.models.flavors import Flavor
 from vlaforge.models.hf_loading import load_pretrained
 
 
-def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None) -> nn.Module:
+def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
+                 patch_size: int | None = None) -> nn.Module:
     """SigLIP vision tower without its pooling head (the VLA uses every patch token)."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
@@ -23,6 +24,8 @@ def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None)
     kwargs = dict(flavor.vision)
     if image_size is not None:
         kwargs["image_size"] = image_size
+    if patch_size is not None:
+        kwargs["patch_size"] = patch_size
     config = SiglipVisionConfig(vision_use_head=False, attn_implementation="sdpa", **kwargs)
     return SiglipVisionModel(config)
 
