@@ -113,6 +113,21 @@ def test_policy_renders_only_when_it_predicts(tmp_path):
 
 
 @pytest.mark.slow
+def test_first_frame_shows_this_episodes_goal():
+    """reset() must refresh what the renderer reads: the first frame may not show the previous goal."""
+    from vlaforge.data.metaworld import MetaWorldEnv
+
+    env = MetaWorldEnv("reach-v3", ["topview"], 64)
+    for seed in (1, 2):
+        env.reset(seed)
+        first = env.views()["topview"].astype(int)
+        env.step(np.zeros(4, np.float32))  # a still hand: only a stale goal would change the picture
+        second = env.views()["topview"].astype(int)
+        assert (np.abs(first - second).max(-1) > 60).sum() <= 3  # a stale goal: 7-8 pixels here
+    env.close()
+
+
+@pytest.mark.slow
 def test_generate_train_eval_end_to_end(tmp_path):
     """Meta-World for real: generation is reproducible and leak-free, training reads it, eval reports."""
     gen = ["data", "generate", "--tasks=reach-v3", "--episodes=2", "--image-size=32", "--cameras=corner,topview",

@@ -139,8 +139,13 @@ class MetaWorldEnv:
         atexit.register(self.close)  # NOTE: a GL context freed during interpreter teardown prints EGL errors
 
     def reset(self, seed: int) -> np.ndarray:
+        import mujoco
+
         self.env.seed(seed)
         self.obs, _ = self.env.reset()
+        # NOTE: reset moves the goal site in the model but not in the derived data the renderer reads, so
+        # without a forward pass the first frame shows the previous episode's goal.
+        mujoco.mj_forward(self.env.model, self.env.data)
         return self.obs
 
     def step(self, action: np.ndarray) -> tuple[np.ndarray, bool]:
