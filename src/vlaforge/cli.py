@@ -24,6 +24,7 @@ app.add_typer(model_app, name="model")
 app.add_typer(data_app, name="data")
 
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
+_DEFAULT = "; default: the same key of the eval section in the checkpoint's config"
 
 
 def _load(config: Optional[Path], ctx: typer.Context, resume: Optional[str] = None):
@@ -60,14 +61,13 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                                                       "folder"),
           tasks: Optional[str] = typer.Option(None, help="comma-separated Meta-World tasks; default: eval.tasks of "
                                                          "the checkpoint's config, else the dataset's tasks"),
-          episodes: Optional[int] = typer.Option(None, min=1, help="held-out episodes per task [eval.episodes]"),
-          execute: Optional[int] = typer.Option(None, min=1, help="actions executed per predicted chunk "
-                                                                  "[eval.execute]"),
-          max_steps: Optional[int] = typer.Option(None, min=1, help="steps before failure [eval.max_steps]"),
-          workers: Optional[int] = typer.Option(None, min=1, help="rollout processes [eval.workers]"),
-          seed: Optional[int] = typer.Option(None, help="base seed of held-out positions [eval.seed]"),
+          episodes: Optional[int] = typer.Option(None, min=1, help="held-out episodes per task" + _DEFAULT),
+          execute: Optional[int] = typer.Option(None, min=1, help="actions executed per predicted chunk" + _DEFAULT),
+          max_steps: Optional[int] = typer.Option(None, min=1, help="steps before failure" + _DEFAULT),
+          workers: Optional[int] = typer.Option(None, min=1, help="rollout processes" + _DEFAULT),
+          seed: Optional[int] = typer.Option(None, help="base seed of held-out positions" + _DEFAULT),
           out: Optional[Path] = typer.Option(None, help="report folder (default CHECKPOINT/eval)"),
-          video: Optional[bool] = typer.Option(None, help="write one MP4 per task [eval.video]"),
+          video: Optional[bool] = typer.Option(None, help="write one MP4 per task" + _DEFAULT),
           progress: bool = typer.Option(True, help="show a progress bar")):
     """Closed-loop success rate per task in Meta-World, with Wilson 95% intervals; writes report.json."""
     from vlaforge.config import load_config
@@ -75,7 +75,7 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     from vlaforge.evaluation.closed_loop import evaluate, render_table
     from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint
 
-    ckpt = resolve_checkpoint(str(checkpoint), ".")
+    ckpt = resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT")
     e = load_config(ckpt / CONFIG_FILE).eval
     names = parse_tasks(tasks) if tasks else (e.tasks or _dataset_tasks(ckpt))
     pick = lambda v, d: d if v is None else v  # noqa: E731
@@ -135,8 +135,9 @@ def data_generate(
 
     if image_size % 2:
         raise VlaforgeError(f"--image-size {image_size} must be even (the videos use yuv420p)")
-    summary = generate(parse_task_counts(tasks, episodes), episodes, out, cameras=parse_cameras(cameras), image_size=image_size,
-                       seed=seed, workers=workers, max_steps=max_steps, overwrite=overwrite, progress=progress)
+    summary = generate(parse_task_counts(tasks, episodes), episodes, out, cameras=parse_cameras(cameras),
+                       image_size=image_size, seed=seed, workers=workers, max_steps=max_steps, overwrite=overwrite,
+                       progress=progress)
     typer.echo(json.dumps(summary))
 
 

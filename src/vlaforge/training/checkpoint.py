@@ -62,7 +62,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dic
     return final
 
 
-def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
+def resolve_checkpoint(resume: str, output_dir: str | Path, what: str = "train.resume") -> Path:
     """'latest' (in output_dir), a run folder or a checkpoint folder -> the checkpoint folder.
 
     Raises:
@@ -76,8 +76,9 @@ def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
         ckpt = path / "checkpoints" / latest.read_text().strip()
         if (ckpt / MODEL_FILE).is_file():
             return ckpt
-    raise VlaforgeError(f"train.resume: no checkpoint at {path} (expected {MODEL_FILE} or checkpoints/latest); "
-                        "give a run folder or a checkpoints/step_* folder, or drop --train.resume")
+    fix = ", or drop --train.resume" if what == "train.resume" else ""
+    raise VlaforgeError(f"{what}: no checkpoint at {path} (expected {MODEL_FILE} or checkpoints/latest); "
+                        f"give a run folder or a checkpoints/step_* folder{fix}")
 
 
 def load_checkpoint(ckpt: Path, model: torch.nn.Module) -> dict[str, Any]:
