@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vlaforge.data.lerobot_v3 import DatasetWriter, VideoWriter  # noqa: F401 - re-exported for the tests
+from vlaforge.data.lerobot_writer import DatasetWriter
+from vlaforge.data.video import VideoWriter  # noqa: F401 - re-exported for the tests
 
 CAMS = ["front", "top"]
 SIZE = 32

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from vlaforge.data.episodes import DemoDataset
-from vlaforge.data.lerobot_v3 import LeRobotDataset, decode_frames
+from vlaforge.data.lerobot_v3 import LeRobotDataset
+from vlaforge.data.video import decode_frames
 from vlaforge.data.tokenizer import load_tokenizer, train_bpe
 from vlaforge.data.transforms import ObservationSpec, normalization_from_stats
 from vlaforge.evaluation.closed_loop import Policy, wilson_interval

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from vlaforge.data.episodes import DemoDataset
-from vlaforge.data.lerobot_v3 import DatasetWriter, LeRobotDataset
+from vlaforge.data.lerobot_v3 import LeRobotDataset
+from vlaforge.data.lerobot_writer import DatasetWriter
 from vlaforge.data.tokenizer import train_bpe
 from vlaforge.data.transforms import ObservationSpec, normalization_from_stats
 from vlaforge.errors import VlaforgeError

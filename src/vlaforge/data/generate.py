@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from vlaforge.data.lerobot_v3 import DatasetWriter
+from vlaforge.data.lerobot_writer import DatasetWriter
 from vlaforge.data.metaworld import (ACTION_NAMES, FPS, STATE_NAMES, TASKS, MetaWorldEnv, episode_seed, expert_action,
                                      make_expert)
 from vlaforge.errors import VlaforgeError

@@ -183,7 +183,7 @@ def summarize(results: list[dict], tasks: list[str]) -> dict[str, Any]:
 
 
 def _write_videos(results: list[dict], folder: Path) -> dict[str, str]:
-    from vlaforge.data.lerobot_v3 import VideoWriter
+    from vlaforge.data.video import VideoWriter
     from vlaforge.data.metaworld import FPS
 
     written = {}
