@@ -72,30 +72,19 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     """Closed-loop success rate per task in Meta-World, with Wilson 95% intervals; writes report.json."""
     from vlaforge.config import load_config
     from vlaforge.data.metaworld import parse_tasks
-    from vlaforge.evaluation.closed_loop import evaluate, render_table
+    from vlaforge.evaluation.closed_loop import eval_tasks, evaluate, render_table
     from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint
 
     ckpt = resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT")
-    e = load_config(ckpt / CONFIG_FILE).eval
-    names = parse_tasks(tasks) if tasks else (e.tasks or _dataset_tasks(ckpt))
+    cfg = load_config(ckpt / CONFIG_FILE)
+    e = cfg.eval
+    names = parse_tasks(tasks) if tasks else eval_tasks(cfg)
     pick = lambda v, d: d if v is None else v  # noqa: E731
     report = evaluate(ckpt, names, pick(episodes, e.episodes), execute=pick(execute, e.execute),
                       max_steps=pick(max_steps, e.max_steps), workers=pick(workers, e.workers),
                       seed=pick(seed, e.seed), out=out, video=pick(video, e.video), progress=progress)
     typer.echo(render_table(report))
     typer.echo(f"report: {report['report']}")
-
-
-def _dataset_tasks(ckpt: Path) -> list[str]:
-    from vlaforge.config import load_config
-    from vlaforge.data.lerobot_v3 import read_info
-    from vlaforge.training.checkpoint import CONFIG_FILE
-
-    path = load_config(ckpt / CONFIG_FILE).data.path
-    tasks = read_info(Path(path)).get("vlaforge", {}).get("tasks") if path else None
-    if not tasks:
-        raise VlaforgeError("no tasks to evaluate: pass --tasks (the checkpoint's dataset names none)")
-    return list(tasks)
 
 
 @config_app.command("show", context_settings=OVERRIDES)

@@ -11,7 +11,6 @@ otherwise each process decodes episodes on demand into an LRU cache of `cache_mb
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -47,8 +46,7 @@ class FrameStore:
         h, w = reader.info["features"][cameras[0]]["shape"][:2]
         total_mb = reader.num_frames * len(cameras) * h * w * 3 / 2**20
         self.preloaded = total_mb <= cache_mb
-        self.cache_bytes, self.cache = int(cache_mb * 2**20), OrderedDict()
-        self.lock = threading.Lock()
+        self.cache_bytes, self.cache, self.cached = int(cache_mb * 2**20), OrderedDict(), 0
         self.frames: dict[str, torch.Tensor] = {}
         if self.preloaded:
             self._decode_all(threads)
@@ -68,16 +66,14 @@ class FrameStore:
         if self.preloaded:
             return self.frames[cam][[e.start + r for r in rows]]
         key = (cam, ep)
-        with self.lock:
-            hit = self.cache.get(key)
-            if hit is not None:
-                self.cache.move_to_end(key)
-        if hit is None:
-            hit = torch.from_numpy(self.reader.decode(cam, e))
-            with self.lock:
-                self.cache[key] = hit
-                while sum(t.numel() for t in self.cache.values()) > self.cache_bytes and len(self.cache) > 1:
-                    self.cache.popitem(last=False)
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.cache.move_to_end(key)
+        else:  # NOTE: per process (each DataLoader worker has its own cache), so no lock is needed
+            hit = self.cache[key] = torch.from_numpy(self.reader.decode(cam, e))
+            self.cached += hit.numel()
+            while self.cached > self.cache_bytes and len(self.cache) > 1:
+                self.cached -= self.cache.popitem(last=False)[1].numel()
         return hit[rows]
 
 
@@ -89,8 +85,9 @@ class DemoDataset(Dataset):
                  shift: int, color: float, cache_mb: float, text_column: str | None, threads: int = 2):
         self.reader, self.spec, self.seed, self.shift, self.color = reader, spec, seed, shift, color
         cols = reader.columns
-        self.state = torch.from_numpy(np.ascontiguousarray(cols["observation.state"], dtype=np.float32))
-        self.action = torch.from_numpy(np.ascontiguousarray(cols["action"], dtype=np.float32))
+        # normalized once here, not per sample
+        self.state = spec.normalize_state(np.ascontiguousarray(cols["observation.state"], dtype=np.float32))
+        self.action = spec.normalize_action(np.ascontiguousarray(cols["action"], dtype=np.float32))
         self.starts = np.array([e.start for e in reader.episodes])
         self.lengths = np.array([e.length for e in reader.episodes])
         task_idx = cols.get("task_index")
@@ -124,12 +121,12 @@ class DemoDataset(Dataset):
         steps = torch.arange(t, t + spec.chunk)
         valid = steps < length
         actions = self.action[start + steps.clamp(max=length - 1)]
-        actions = spec.normalize_action(actions) * valid[:, None]
+        actions = actions * valid[:, None]
         task = int(self.task_of_row[row])
         text_ids = text_mask = None
         if self.text is not None:
             k = int(self.text_of_row[row])
             text_ids, text_mask = self.text[0][k], self.text[1][k]
-        return Batch(images=images, state=spec.normalize_state(self.state[row]),
+        return Batch(images=images, state=self.state[row],
                      instruction_ids=self.instr_ids[task], instruction_mask=self.instr_mask[task],
                      actions=actions, action_mask=valid, text_ids=text_ids, text_mask=text_mask)

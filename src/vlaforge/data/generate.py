@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from vlaforge.data.lerobot_writer import DatasetWriter
-from vlaforge.data.metaworld import (ACTION_NAMES, FPS, STATE_NAMES, TASKS, MetaWorldEnv, episode_seed, expert_action,
+from vlaforge.data.metaworld import (ACTION_NAMES, FPS, STATE_NAMES, TASKS, cached_env, episode_seed, expert_action,
                                      make_expert)
 from vlaforge.errors import VlaforgeError
 from vlaforge.progress import progress_bar
@@ -36,15 +36,9 @@ class Attempt:
     max_steps: int
 
 
-_ENVS: dict[tuple, MetaWorldEnv] = {}  # per worker process
-
-
 def record(a: Attempt) -> dict[str, Any] | None:
     """Run the expert for one seeded episode; the recording if it succeeded, else None."""
-    key = (a.task, a.cameras, a.image_size)
-    if key not in _ENVS:
-        _ENVS[key] = MetaWorldEnv(a.task, list(a.cameras), a.image_size)
-    env, expert = _ENVS[key], make_expert(a.task)
+    env, expert = cached_env(a.task, list(a.cameras), a.image_size), make_expert(a.task)
     obs = env.reset(episode_seed("train", a.task_index, a.attempt, a.seed))
     images: dict[str, list] = {c: [] for c in a.cameras}
     states, actions, phases = [], [], []
@@ -66,6 +60,11 @@ def record(a: Attempt) -> dict[str, Any] | None:
     return {"task": a.task, "attempt": a.attempt, "instruction": rng.choice(TASKS.get(a.task).instructions),
             "images": {c: np.stack(v) for c, v in images.items()}, "state": np.stack(states),
             "action": np.stack(actions), "phase": phases}
+
+
+def recorded_tasks(info: dict[str, Any]) -> list[str]:
+    """The Meta-World tasks a dataset was generated from (meta/info.json's `vlaforge.tasks`), or []."""
+    return list(info.get("vlaforge", {}).get("tasks", []))
 
 
 def check_output(out: Path, overwrite: bool) -> None:
@@ -104,8 +103,9 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
     with progress_bar(progress, "episodes", sum(counts.values())) as advance, \
             ctx.Pool(workers) if workers > 1 else _InlinePool() as pool:
         while todo := attempts_needed():
-            if any(a.attempt >= 10 * counts[a.task] + 10 for a in todo):
-                bad = todo[0].task
+            stuck = [a.task for a in todo if a.attempt >= 10 * counts[a.task] + 10]
+            if stuck:
+                bad = stuck[0]
                 raise VlaforgeError(f"the scripted expert for {bad} keeps failing ({failed[bad]} failures); "
                                     "check the Meta-World installation")
             for a, rec in zip(todo, pool.imap(record, todo)):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -39,7 +39,6 @@ class Data:
     dataset: Dataset
     spec: ObservationSpec | None = None
     tokenizer: TextTokenizer | None = None
-    tasks: list[str] = field(default_factory=list)  # simulator tasks the dataset was recorded in
 
     def save_policy_files(self, folder: Path) -> None:
         if self.spec is not None:
@@ -92,8 +91,7 @@ def _lerobot_data(cfg, model) -> Data:
                            **normalization_from_stats(reader.stats))
     dataset = DemoDataset(reader, spec, tokenizer, seed=cfg.train.seed, shift=d.augment_shift, color=d.augment_color,
                           cache_mb=d.cache_mb, text_column=d.text_column, threads=max(2, d.num_workers))
-    tasks = list(reader.info.get("vlaforge", {}).get("tasks", []))
-    return Data(dataset, spec, tokenizer, tasks)
+    return Data(dataset, spec, tokenizer)
 
 
 def build_loader(dataset: Dataset, batch_size: int, seed: int, start_sample: int, num_workers: int) -> DataLoader:

@@ -175,6 +175,17 @@ class MetaWorldEnv:
             self._renderer = None
 
 
+_ENVS: dict[tuple, MetaWorldEnv] = {}
+
+
+def cached_env(task: str, cameras: list[str], image_size: int) -> MetaWorldEnv:
+    """This process's environment for (task, cameras, size), built on first use (worker processes reuse it)."""
+    key = (task, tuple(cameras), image_size)
+    if key not in _ENVS:
+        _ENVS[key] = MetaWorldEnv(task, list(cameras), image_size)
+    return _ENVS[key]
+
+
 def make_expert(task: str):
     # NOTE: Meta-World warns about its own experts' high gains; the env clips actions, as do we.
     warnings.filterwarnings("ignore", message=r"Constant\(s\) may be too high")

@@ -22,12 +22,26 @@ import torch
 
 from vlaforge.config.loading import load_config, write_atomic
 from vlaforge.data.batch import Batch
-from vlaforge.data.metaworld import TASKS, MetaWorldEnv, episode_seed
+from vlaforge.data.metaworld import TASKS, cached_env, episode_seed, parse_tasks
 from vlaforge.data.tokenizer import load_tokenizer
 from vlaforge.data.transforms import ObservationSpec, to_model_images
 from vlaforge.errors import VlaforgeError
 from vlaforge.progress import progress_bar
 from vlaforge.training.checkpoint import CONFIG_FILE, load_weights
+
+
+def eval_tasks(cfg) -> list[str]:
+    """The tasks to evaluate a run on: `eval.tasks`, else the tasks its dataset was generated from."""
+    from vlaforge.data.generate import recorded_tasks
+    from vlaforge.data.lerobot_v3 import read_info
+
+    if cfg.eval.tasks:
+        return list(cfg.eval.tasks)
+    tasks = recorded_tasks(read_info(Path(cfg.data.path))) if cfg.data.path else []
+    if not tasks:
+        raise VlaforgeError(f"dataset {cfg.data.path} names no Meta-World tasks to evaluate on; set eval.tasks "
+                            "(or pass --tasks)")
+    return tasks
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -111,16 +125,12 @@ _WORKER: dict[str, Any] = {}
 def _init_worker(ckpt: str, execute: int, threads: int) -> None:
     torch.set_num_threads(threads)
     _WORKER["policy"] = Policy.load(Path(ckpt), execute)
-    _WORKER["envs"] = {}
 
 
 def run_episode(job: Job) -> dict[str, Any]:
     """One held-out episode; returns success, length and (if `record`) the rendered frames."""
     policy: Policy = _WORKER["policy"]
-    envs = _WORKER["envs"]
-    if job.task not in envs:
-        envs[job.task] = MetaWorldEnv(job.task, policy.camera_names, policy.spec.render_size)
-    env = envs[job.task]
+    env = cached_env(job.task, policy.camera_names, policy.spec.render_size)
     torch.manual_seed(job.seed)  # flow-matching heads sample noise
     obs = env.reset(episode_seed("eval", job.task_index, job.episode, job.seed))
     instructions = TASKS.get(job.task).instructions
@@ -141,21 +151,20 @@ def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, execute: int,
              seed: int = 0, out: str | Path | None = None, video: bool = True, progress: bool = True) -> dict[str, Any]:
     """Evaluate a checkpoint; writes `report.json` (and `videos/<task>.mp4`) to `out` (default CKPT/eval)."""
     ckpt = Path(ckpt)
-    for name in tasks:
-        if name not in TASKS:
-            raise VlaforgeError(TASKS.unknown_message(name))
+    tasks = parse_tasks(tasks)
     Policy.load(ckpt, execute)  # fail fast, in this process, with a clear message
     out = Path(out) if out else ckpt / "eval"
     jobs = [Job(t, i, e, seed, max_steps, video and e == 0) for e in range(episodes) for i, t in enumerate(tasks)]
     results: list[dict] = []
+    succeeded = 0
     t0 = time.perf_counter()
     ctx = mp.get_context("spawn")
     with ctx.Pool(workers, initializer=_init_worker, initargs=(str(ckpt), execute, 1)) as pool, \
             progress_bar(progress, "eval", len(jobs)) as advance:
         for res in pool.imap_unordered(run_episode, jobs):
             results.append(res)
-            done = sum(r["success"] for r in results)
-            advance(f"success {done}/{len(results)}")
+            succeeded += res["success"]
+            advance(f"success {succeeded}/{len(results)}")
     report = summarize(results, tasks)
     report |= {"checkpoint": str(ckpt), "episodes_per_task": episodes, "execute": execute, "max_steps": max_steps,
                "seed": seed, "seconds": round(time.perf_counter() - t0, 1)}

@@ -15,6 +15,7 @@ from torch import nn
 from vlaforge.config.loading import dump_toml, write_atomic
 from vlaforge.config.schema import VLAConfig
 from vlaforge.data.loader import Data, build_data, build_loader
+from vlaforge.evaluation.closed_loop import eval_tasks
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla, tokens_per_sample
 from vlaforge.progress import progress_bar
@@ -74,6 +75,7 @@ class Run:
     start_step: int
     tokens_per_sample: int
     data: Data
+    eval_tasks: list[str]
 
 
 def build_run(cfg: VLAConfig) -> Run:
@@ -92,7 +94,8 @@ def build_run(cfg: VLAConfig) -> Run:
     write_atomic(run_dir / "config.toml", dump_toml(cfg))
     tps = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
     data = build_data(cfg, model)
-    return Run(cfg, run_dir, device, model, weighting, optimizer, scheduler, start, tps, data)
+    tasks = eval_tasks(cfg) if cfg.eval.every else []  # checked before training, not at the first evaluation
+    return Run(cfg, run_dir, device, model, weighting, optimizer, scheduler, start, tps, data, tasks)
 
 
 def trainer_state(run: Run, step: int) -> dict[str, Any]:
@@ -119,12 +122,8 @@ def evaluate_checkpoint(run: Run, path: Path) -> dict[str, float]:
     from vlaforge.evaluation.closed_loop import evaluate
 
     e = run.cfg.eval
-    tasks = e.tasks or run.data.tasks
-    if not tasks:
-        raise VlaforgeError(f"eval.every is set but dataset {run.cfg.data.path} names no Meta-World tasks; "
-                            "set eval.tasks")
-    report = evaluate(path, tasks, e.train_episodes, execute=e.execute, max_steps=e.max_steps, workers=e.workers,
-                      seed=e.seed, video=False, progress=False)
+    report = evaluate(path, run.eval_tasks, e.train_episodes, execute=e.execute, max_steps=e.max_steps,
+                      workers=e.workers, seed=e.seed, video=False, progress=False)
     out = {f"eval/success/{t}": v["success_rate"] for t, v in report["tasks"].items()}
     out["eval/success"] = report["mean_success_rate"]
     return out
