@@ -23,14 +23,21 @@ def _rows(model: type[BaseModel], prefix: str, out: list[str]) -> None:
         path = f"{prefix}{name}"
         default = field.get_default(call_default_factory=True)
         if path == "components":
-            for comp in ann.model_fields:
-                out.append(f"| `components.{comp}.*` | policy (below) | {_describe(getattr(default, comp))} | |")
+            for comp, sub in ann.model_fields.items():
+                if sub.annotation is ComponentConfig:
+                    out.append(f"| `components.{comp}.*` | policy (below) | {_describe(getattr(default, comp))} | |")
+                else:
+                    _rows_one(f"components.{comp}", sub, out)
         elif isinstance(ann, type) and issubclass(ann, BaseModel):
             _rows(ann, f"{path}.", out)
         else:
-            type_name = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            out.append(f"| `{path}` | `{_cell(type_name)}` | `{_cell(repr(default))}` | "
-                       f"{_cell(field.description or '')} |")
+            _rows_one(path, field, out)
+
+
+def _rows_one(path: str, field, out: list[str]) -> None:
+    type_name = str(field.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    default = field.get_default(call_default_factory=True)
+    out.append(f"| `{path}` | `{_cell(type_name)}` | `{_cell(repr(default))}` | {_cell(field.description or '')} |")
 
 
 def _cell(text: str) -> str:

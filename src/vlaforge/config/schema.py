@@ -1,7 +1,6 @@
 """Config classes (pydantic v2). Unknown keys, wrong types and bad values fail before any model is built.
 
-Values that later work will implement (precision beyond fp32/bf16, checkpointing, offload, parallel degrees
-above 1) are validated already and rejected with a clear "not available yet" message, never
+Values that later work will implement (checkpointing, offload, parallel degrees above 1) are validated already and rejected with a clear "not available yet" message, never
 silently ignored. The serializable description lives here; runtime objects are built elsewhere.
 """
 
@@ -19,7 +18,6 @@ Offload = Literal["none", "cpu", "nvme"]
 
 # Policy field -> (values available now, the work that brings the others). Shrinks as issues land.
 NOT_YET_POLICY = {
-    "precision": (("fp32", "bf16"), "per-component mixed precision"),
     "checkpointing": (("none",), "activation checkpointing"),
     "offload": (("none",), "activation offload"),
 }
@@ -100,7 +98,10 @@ class ModelConfig(Section):
 class ComponentConfig(Section):
     """Per-component policy: precision, memory techniques, optimizer settings, freezing."""
 
-    precision: Precision = "fp32"
+    precision: Precision = Field("fp32", description="compute dtype: fp32 | bf16 | fp16 (with loss scaling) | fp8 "
+                                                     "(torchao float8 linears, bf16 elsewhere)")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field("tensorwise", description="torchao float8 scaling "
+                                                         "(precision = 'fp8')")
     checkpointing: Checkpointing = "none"
     offload: Offload = "none"
     lr: float = Field(1e-4, gt=0)
@@ -110,7 +111,7 @@ class ComponentConfig(Section):
     unfreeze_last_blocks: int | None = Field(None, ge=1, description="at unfreeze_at_step, train only the last K "
                                                                       "blocks (and what follows them)")
 
-    @field_validator("precision", "checkpointing", "offload")
+    @field_validator("checkpointing", "offload")
     @classmethod
     def _available(cls, v: str, info: ValidationInfo) -> str:
         allowed, arrives_with = NOT_YET_POLICY[info.field_name]
@@ -132,6 +133,19 @@ class ComponentsConfig(Section):
     projector: ComponentConfig = Field(default_factory=lambda: ComponentConfig(lr=1e-4))
     llm: ComponentConfig = Field(default_factory=lambda: ComponentConfig(lr=1e-4, weight_decay=0.1))
     action_head: ComponentConfig = Field(default_factory=lambda: ComponentConfig(lr=5e-4, weight_decay=0.01))
+    allow_fp8_vision: bool = Field(False, description="permit vision.precision = 'fp8' (off: its small gradients "
+                                                      "and patch-embedding statistics lose accuracy in fp8)")
+
+    @model_validator(mode="after")
+    def _fp8_placement(self) -> "ComponentsConfig":
+        if self.vision.precision == "fp8" and not self.allow_fp8_vision:
+            raise ValueError("vision.precision = 'fp8' is refused: vision gradients are 10-100x smaller than the "
+                             "LLM's and fp8 (e5m2 gradients, 2-3 mantissa bits) loses them; use 'bf16', or set "
+                             "components.allow_fp8_vision = true to accept it")
+        if self.action_head.precision == "fp8":
+            raise ValueError("action_head.precision = 'fp8' is refused: the head regresses continuous actions "
+                             "from small layers where fp8 costs accuracy and saves nothing; use 'bf16' or 'fp32'")
+        return self
 
     def items(self) -> list[tuple[str, ComponentConfig]]:
         return [(name, getattr(self, name)) for name in COMPONENTS]
@@ -238,11 +252,40 @@ class EvalConfig(Section):
         return v
 
 
+class LossScaleConfig(Section):
+    """Dynamic loss scaling (Megatron-style: growth window + hysteresis) for fp16 compute."""
+
+    mode: Literal["auto", "always", "off"] = Field(
+        "auto", description="auto: scale when a trainable component computes in fp16, else scale 1.0; always: "
+                            "scale in bf16/fp32 too; off: never (fp16 gradients may underflow)")
+    initial: float = Field(1024.0, gt=0, description="starting scale (2^10)")
+    growth_factor: float = Field(2.0, gt=1)
+    backoff_factor: float = Field(0.5, gt=0, lt=1)
+    growth_interval: int = Field(1000, ge=1, description="finite steps in a row before the scale grows")
+    hysteresis: int = Field(2, ge=1, description="overflowing steps tolerated before the scale backs off")
+    min_scale: float = Field(1.0, gt=0, description="floor; overflowing at the floor is an error")
+
+
+class NumericsConfig(Section):
+    """Gradient numerics monitor (diagnostics/numerics.py)."""
+
+    every: int = Field(50, ge=0, description="measure per-component gradient statistics every N steps (0: never)")
+    zero_jump: float = Field(0.2, gt=0, le=1, description="warn when a component's exactly-zero gradient fraction "
+                                                          "rises this much above its lowest value")
+    norm_ratio: float = Field(1e-3, gt=0, description="warn when an fp16 component's gradient norm falls below "
+                                                      "this fraction of the llm's")
+    check_finite: bool = Field(True, description="without loss scaling: stop at the first non-finite gradient, "
+                                                 "before the optimizer step, naming the parameters (one host "
+                                                 "sync per step)")
+
+
 class TrainConfig(Section):
     steps: int = Field(100, ge=1, description="optimizer steps")
     batch_size: int = Field(8, ge=1, description="micro-batch per rank per forward")
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
-    precision_master: Literal["fp32", "bf16"] = "fp32"
+    precision_master: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype of weights, gradients and optimizer state of components not in fp32 "
+                            "(bf16: half the memory, updates lose low-order bits)")
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of each group's lr")
@@ -260,16 +303,10 @@ class TrainConfig(Section):
     tensorboard: bool = True
     progress: bool = True
 
-    @field_validator("precision_master")
-    @classmethod
-    def _master_available(cls, v: str) -> str:
-        if v != "fp32":
-            raise not_yet(v, "per-component mixed precision", "'fp32'")
-        return v
-
 
 class VLAConfig(Section):
-    """A whole run: `[model]`, `[components.*]`, `[loss]`, `[parallel]`, `[data]`, `[train]`, `[eval]`."""
+    """A whole run: `[model]`, `[components.*]`, `[loss]`, `[parallel]`, `[data]`, `[train]`, `[loss_scale]`,
+    `[numerics]`, `[eval]`."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     components: ComponentsConfig = Field(default_factory=ComponentsConfig)
@@ -277,6 +314,8 @@ class VLAConfig(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig)
+    numerics: NumericsConfig = Field(default_factory=NumericsConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")

@@ -1,23 +1,55 @@
 """`apply_precision`: per-component compute dtype as autocast regions around each component's forward.
 
-Why autocast regions and not module casting: weights stay fp32 (they are the master copy the optimizer updates,
-`train.precision_master = "fp32"`), matmuls run in bf16, and the ops autocast keeps in fp32 (softmax, norms,
-losses) stay there - exact where it matters, fast where it counts, and no second weight copy to keep in sync.
-A component in fp32 runs with autocast off and its floating inputs cast to fp32, so it is fp32 whatever its
-neighbours do.
+Why autocast regions and not module casting: weights stay in the master dtype (fp32 by default,
+`train.precision_master`), which is what the optimizer updates, while matmuls and convolutions run in bf16/fp16.
+Ops that autocast keeps in fp32 stay there: on CUDA that includes softmax, log_softmax, layer_norm and the losses;
+on CPU, layer_norm and softmax run in their input's dtype (accumulating in fp32 inside the kernel). Llama's RMSNorm
+upcasts to fp32 itself, SDPA accumulates its softmax in fp32, and vlaforge's losses upcast their inputs. Casting
+the modules instead would need a second (master) weight copy kept in sync by hand and would push the norms into
+half precision too. A component in fp32 runs with autocast off and its floating inputs cast to fp32, so it is fp32
+whatever its neighbours do.
+
+`fp8`: the component's eligible linears become torchao `Float8Linear` (techniques/fp8.py) and the rest of it
+computes in bf16.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from vlaforge import COMPONENTS
+from vlaforge.errors import VlaforgeError
+from vlaforge.techniques.fp8 import Fp8Report, convert_fp8, warn_if_slow
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Compute dtype of the autocast region per precision (fp8: linears in fp8, everything else in bf16).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class PrecisionSetup:
+    """What `apply_precision` did."""
+
+    used: dict[str, str]  # component -> precision it computes in
+    master: dict[str, torch.dtype]  # component -> dtype of its weights, gradients and optimizer state
+    fp8: dict[str, Fp8Report] = field(default_factory=dict)
+
+    def computes_in(self, precision: str) -> list[str]:
+        return [c for c, p in self.used.items() if p == precision]
+
+    def to_json(self) -> dict:
+        return {"compute": self.used, "master": {c: str(d).removeprefix("torch.") for c, d in self.master.items()},
+                "fp8": {c: {"converted": r.converted, "skipped": r.skipped} for c, r in self.fp8.items()}}
+
+    def summary(self) -> str:
+        parts = [" ".join(f"{c}={p}" for c, p in self.used.items())]
+        parts += [r.summary(c) for c, r in self.fp8.items()]
+        return "; ".join(parts)
 
 
 def bf16_supported(device: torch.device) -> bool:
@@ -26,25 +58,34 @@ def bf16_supported(device: torch.device) -> bool:
     return True  # CPU autocast supports bf16 everywhere (fast with avx512_bf16/AMX).
 
 
-def apply_precision(model: nn.Module, policies: Mapping[str, Any], device: torch.device) -> dict[str, str]:
-    """Wrap each component's forward in an autocast region of its configured precision.
+def apply_precision(model: nn.Module, policies: Mapping[str, Any], device: torch.device,
+                    master: str = "fp32") -> PrecisionSetup:
+    """Give each component its compute precision; call before the optimizer is built.
 
     Args:
-        policies: component name -> object with a `precision` attribute ("fp32" | "bf16").
-        device: where the model runs; bf16 falls back to fp32 (with one warning) where it is unsupported.
-
-    Returns:
-        The precision each component actually uses.
+        policies: component name -> object with `precision` ("fp32" | "bf16" | "fp16" | "fp8") and `fp8_recipe`.
+        device: where the model runs (bf16 falls back to fp32 with one warning where it is unsupported).
+        master: dtype of the weights of components that do not compute in fp32 ("fp32" | "bf16").
     """
-    used = {}
+    used, masters, reports = {}, {}, {}
     for name in COMPONENTS:
+        module = getattr(model, name)
         precision = policies[name].precision
-        if precision == "bf16" and not bf16_supported(device):
+        if precision in ("bf16", "fp8") and not bf16_supported(device):
+            if precision == "fp8":
+                raise VlaforgeError(f"components.{name}.precision = 'fp8' needs bf16 support, which {device} "
+                                    "lacks; use 'fp16' or 'fp32'")
             warnings.warn(f"{device} does not support bf16; components.{name} runs in fp32", stacklevel=2)
             precision = "fp32"
-        _AutocastRegion(getattr(model, name), device.type, DTYPES[precision])
+        if precision == "fp8":
+            warn_if_slow(device)
+            reports[name] = convert_fp8(module, getattr(policies[name], "fp8_recipe", "tensorwise"))
+        masters[name] = MASTER_DTYPES[master] if precision != "fp32" else torch.float32
+        if masters[name] != torch.float32:
+            module.to(masters[name])
+        _AutocastRegion(module, device.type, DTYPES[precision])
         used[name] = precision
-    return used
+    return PrecisionSetup(used, masters, reports)
 
 
 class _AutocastRegion:

@@ -1,13 +1,18 @@
-"""One optimizer step: forward/backward over the micro-batches, per-component gradient norms, clipping,
-optimizer and schedule. Returns a metrics dict of tensors (no host sync here)."""
+"""One optimizer step: forward/backward over the micro-batches (loss-scaled when fp16 computes), unscaling,
+per-component gradient norms, numerics checks, clipping, optimizer and schedule. Returns a metrics dict of tensors;
+host syncs happen only for loss scaling (skip or not) and the non-finite check."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from vlaforge import COMPONENTS
 from vlaforge.data.batch import Batch
+from vlaforge.diagnostics.numerics import NumericsMonitor, nonfinite_error
+from vlaforge.training.loss_scale import LossScaler
 
 
 def grad_norms(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -30,23 +35,61 @@ def grad_norms(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     return norms
 
 
+@dataclass
+class StepGuards:
+    """Per-step numerics: the loss scaler, the monitor, and whether the monitor measures this step."""
+
+    scaler: LossScaler = field(default_factory=lambda: LossScaler(enabled=False))
+    monitor: NumericsMonitor | None = None
+    step: int = 0
+
+    @property
+    def measure(self) -> bool:
+        return self.monitor is not None and self.monitor.due(self.step)
+
+    @property
+    def check_finite(self) -> bool:
+        return self.monitor is not None and self.monitor.cfg.check_finite
+
+
 def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.optim.Optimizer,
-               scheduler, weighting, grad_clip: float) -> dict[str, torch.Tensor]:
-    """Accumulate gradients over `micro_batches` (loss averaged over them), clip, step."""
+               scheduler, weighting, grad_clip: float, guards: StepGuards | None = None) -> dict[str, torch.Tensor]:
+    """Accumulate gradients over `micro_batches` (loss averaged over them), unscale, clip, step.
+
+    With loss scaling, a step whose gradients overflow is skipped (no optimizer or schedule update). Without it,
+    `guards.check_finite` stops at a non-finite gradient before the optimizer step, naming the parameters.
+    """
+    guards = guards or StepGuards()
+    scaler = guards.scaler
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, torch.Tensor] = {}
     n = len(micro_batches)
     for batch in micro_batches:
         loss, metrics = model.compute_loss(batch, weighting)
-        (loss / n).backward()
+        scaler.scale_loss(loss / n).backward()
         for k, v in metrics.items():
             sums[k] = sums[k] + v / n if k in sums else v / n
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    found_inf = scaler.unscale_(grads)
     norms = grad_norms(optimizer)
-    if grad_clip > 0:
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norms["total"], foreach=True)
-    optimizer.step()
-    scheduler.step()
+    if guards.measure:
+        sums.update(guards.monitor.measure(model, scaler.scale, guards.step))
+    skipped = found_inf is not None and bool(found_inf)  # host sync, only with loss scaling
+    if found_inf is None and guards.check_finite and not bool(torch.isfinite(norms["total"])):
+        raise nonfinite_error(model, guards.monitor.precisions, guards.step, "(no loss scaling)")
+    scaler.update(skipped)
+    if skipped and scaler.at_floor() and scaler.hysteresis_left <= 0:
+        precisions = guards.monitor.precisions if guards.monitor else {}
+        raise nonfinite_error(model, precisions, guards.step, f"at the minimum loss scale {scaler.min_scale:g}")
+    if not skipped:
+        if grad_clip > 0:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norms["total"], foreach=True)
+        optimizer.step()
+        scheduler.step()
     weighting.end_step()
     sums.update({f"grad_norm/{k}": v for k, v in norms.items()})
+    if scaler.enabled:
+        sums["precision/loss_scale"] = torch.tensor(scaler.scale)
+        sums["precision/skipped_steps"] = torch.tensor(float(scaler.skipped_steps))
     return sums

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,14 @@ from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla, tokens_per_sample
 from vlaforge.progress import progress_bar
 from vlaforge.techniques.freezing import apply_freezing, schedule_changes
-from vlaforge.techniques.precision import apply_precision
+from vlaforge.diagnostics.numerics import NumericsMonitor
+from vlaforge.techniques.freezing import trainable_at
+from vlaforge.techniques.precision import PrecisionSetup, apply_precision
 from vlaforge.training import checkpoint as ckpt
 from vlaforge.training.metrics import MetricsLogger, to_floats
 from vlaforge.training.optim import build_optimizer, build_scheduler
-from vlaforge.training.step import train_step
+from vlaforge.training.loss_scale import LossScaler
+from vlaforge.training.step import StepGuards, train_step
 from vlaforge.training.weighting import build_weighting
 
 
@@ -47,10 +52,20 @@ def check_single_process() -> None:
                             "distributed scale-out); run without torchrun")
 
 
-def build_model(cfg: VLAConfig, device: torch.device) -> tuple[nn.Module, dict[str, str]]:
+def build_model(cfg: VLAConfig, device: torch.device) -> tuple[nn.Module, PrecisionSetup]:
     model = build_vla(cfg.model, cfg.loss).to(device)
-    precisions = apply_precision(model, dict(cfg.components.items()), device)
-    return model, precisions
+    precision = apply_precision(model, dict(cfg.components.items()), device, cfg.train.precision_master)
+    return model, precision
+
+
+def build_guards(cfg: VLAConfig, precision: PrecisionSetup) -> StepGuards:
+    """Loss scaler (dynamic when a component that ever trains computes in fp16) and numerics monitor."""
+    ever_trained = [c for c, p in cfg.components.items() if trainable_at(p, step=1 << 62)]
+    scaler = LossScaler.from_config(cfg.loss_scale, precision.used, ever_trained)
+    if precision.computes_in("fp16") and not scaler.enabled:
+        warnings.warn("components compute in fp16 with loss_scale.mode = 'off': small gradients (the vision "
+                      "encoder's first) will underflow to zero", UserWarning, stacklevel=2)
+    return StepGuards(scaler, NumericsMonitor(cfg.numerics, precision.used))
 
 
 def build_loss_weighting(cfg: VLAConfig, model: nn.Module, device: torch.device) -> nn.Module:
@@ -69,6 +84,8 @@ class Run:
     run_dir: Path
     device: torch.device
     model: nn.Module
+    precision: PrecisionSetup
+    guards: StepGuards
     weighting: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
@@ -84,30 +101,37 @@ def build_run(cfg: VLAConfig) -> Run:
     seed_everything(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model, _ = build_model(cfg, device)
+    model, precision = build_model(cfg, device)
+    guards = build_guards(cfg, precision)
     weighting = build_loss_weighting(cfg, model, device)
     optimizer = build_optimizer(model, cfg, list(weighting.parameters()))
     scheduler = build_scheduler(optimizer, cfg.train)
     start = 0
     if cfg.train.resume:
-        start = restore(ckpt.resolve_checkpoint(cfg.train.resume, run_dir), model, weighting, optimizer, scheduler)
+        start = restore(ckpt.resolve_checkpoint(cfg.train.resume, run_dir), model, weighting, optimizer, scheduler,
+                        guards.scaler)
     write_atomic(run_dir / "config.toml", dump_toml(cfg))
+    write_atomic(run_dir / "precision.json", json.dumps(precision.to_json(), indent=2))
     tps = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
     data = build_data(cfg, model)
     tasks = eval_tasks(cfg) if cfg.eval.every else []  # checked before training, not at the first evaluation
-    return Run(cfg, run_dir, device, model, weighting, optimizer, scheduler, start, tps, data, tasks)
+    return Run(cfg, run_dir, device, model, precision, guards, weighting, optimizer, scheduler, start, tps, data,
+               tasks)
 
 
 def trainer_state(run: Run, step: int) -> dict[str, Any]:
     return {"step": step, "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
-            "weighting": run.weighting.state_dict(), "rng": ckpt.rng_state()}
+            "weighting": run.weighting.state_dict(), "loss_scale": run.guards.scaler.state_dict(),
+            "rng": ckpt.rng_state()}
 
 
-def restore(path: Path, model, weighting, optimizer, scheduler) -> int:
+def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScaler) -> int:
     state = ckpt.load_checkpoint(path, model)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     weighting.load_state_dict(state["weighting"])
+    if "loss_scale" in state:
+        scaler.load_state_dict(state["loss_scale"])
     ckpt.set_rng_state(state["rng"])
     return int(state["step"])
 
@@ -143,6 +167,8 @@ def train(cfg: VLAConfig) -> dict[str, float]:
     policies = dict(cfg.components.items())
     changes = schedule_changes(policies) | {run.start_step}
     logger = MetricsLogger(run.run_dir, t.tensorboard)
+    if t.progress:
+        print(f"precision: {run.precision.summary()}", flush=True)
     last: dict[str, float] = {}
     window_start, window_steps = time.perf_counter(), 0
     with progress_bar(t.progress, "train", t.steps, run.start_step) as advance:
@@ -152,9 +178,14 @@ def train(cfg: VLAConfig) -> dict[str, float]:
             micro = [next(batches).to(run.device, non_blocking=True) for _ in range(t.grad_accum)]
             if step == run.start_step:
                 micro[0].validate()  # the data contract, checked once with a readable error
-            metrics = train_step(run.model, micro, run.optimizer, run.scheduler, run.weighting, t.grad_clip)
+            run.guards.step = step
+            metrics = train_step(run.model, micro, run.optimizer, run.scheduler, run.weighting, t.grad_clip,
+                                 run.guards)
             window_steps += 1
             done = step + 1
+            numerics = {k: v for k, v in metrics.items() if k.startswith("numerics/")}
+            if numerics and not (done % t.log_every == 0 or done == t.steps):
+                logger.log(done, to_floats(numerics))
             if done % t.log_every == 0 or done == t.steps:
                 elapsed = time.perf_counter() - window_start
                 samples = window_steps * t.batch_size * t.grad_accum

@@ -1,0 +1,1 @@
+"""Diagnostics of a training run: gradient numerics (more to come: loss curve, memory, communication)."""
