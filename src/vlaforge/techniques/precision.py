@@ -79,7 +79,7 @@ def apply_precision(model: nn.Module, policies: Mapping[str, Any], device: torch
             precision = "fp32"
         if precision == "fp8":
             warn_if_slow(device)
-            reports[name] = convert_fp8(module, getattr(policies[name], "fp8_recipe", "tensorwise"))
+            reports[name] = convert_fp8(module, policies[name].fp8_recipe)
         masters[name] = MASTER_DTYPES[master] if precision != "fp32" else torch.float32
         if masters[name] != torch.float32:
             module.to(masters[name])
