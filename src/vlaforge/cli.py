@@ -87,6 +87,27 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     typer.echo(f"report: {report['report']}")
 
 
+@app.command(context_settings=OVERRIDES)
+def profile(ctx: typer.Context,
+            config: Optional[Path] = typer.Argument(None, help="TOML recipe, e.g. recipes/vla_7b.toml"),
+            fake: bool = typer.Option(False, "--fake", help="fake tensors: memory only, no times; large flavors in "
+                                                            "seconds"),
+            budget_gb: Optional[float] = typer.Option(None, min=0, help="recommend the fastest strategy whose "
+                                                                        "peak fits this many GB per device"),
+            seq_len: Optional[int] = typer.Option(None, min=1, help="LLM tokens per sample (instruction padded "
+                                                                    "to reach it); default: the config's"),
+            batch_size: int = typer.Option(1, min=1, help="samples in the profiled batch"),
+            offload: bool = typer.Option(False, help="also run each strategy with CPU offload of vision + llm"),
+            repeats: int = typer.Option(3, min=1, help="timed steps per strategy (after one warm-up)"),
+            as_json: bool = typer.Option(False, "--json", help="print JSON")):
+    """Activation memory and step time of every checkpointing strategy on the config's model."""
+    from vlaforge.diagnostics.profile import profile as run_profile, render
+
+    report = run_profile(_load(config, ctx), fake=fake, budget_gb=budget_gb, seq_len=seq_len,
+                         batch_size=batch_size, offload=offload, repeats=repeats)
+    typer.echo(json.dumps(report, indent=2) if as_json else render(report))
+
+
 @config_app.command("show", context_settings=OVERRIDES)
 def config_show(ctx: typer.Context, config: Optional[Path] = typer.Argument(None, help="TOML recipe")):
     """Print the resolved configuration (recipe + overrides + defaults) as TOML."""

@@ -1,6 +1,6 @@
 """Config classes (pydantic v2). Unknown keys, wrong types and bad values fail before any model is built.
 
-Values that later work will implement (checkpointing, offload, parallel degrees above 1) are validated already and rejected with a clear "not available yet" message, never
+Values that later work will implement (parallel degrees above 1) are validated already and rejected with a clear "not available yet" message, never
 silently ignored. The serializable description lives here; runtime objects are built elsewhere.
 """
 
@@ -8,20 +8,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vlaforge import COMPONENTS
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Checkpointing = Literal["none", "full", "selective", "selective_attn", "selective_ffn", "every_nth"]
 Offload = Literal["none", "cpu", "nvme"]
-
-# Policy field -> (values available now, the work that brings the others). Shrinks as issues land.
-NOT_YET_POLICY = {
-    "checkpointing": (("none",), "activation checkpointing"),
-    "offload": (("none",), "activation offload"),
-}
-
 
 def not_yet(value: object, arrives_with: str, use: str) -> ValueError:
     return ValueError(f"{value!r} is not available yet (arrives with {arrives_with}); use {use}")
@@ -100,24 +93,23 @@ class ComponentConfig(Section):
 
     precision: Precision = Field("fp32", description="compute dtype: fp32 | bf16 | fp16 (with loss scaling) | fp8 "
                                                      "(torchao float8 linears, bf16 elsewhere)")
-    fp8_recipe: Literal["tensorwise", "rowwise"] = Field("tensorwise", description="torchao float8 scaling "
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field("rowwise", description="torchao float8 scaling "
                                                          "(precision = 'fp8')")
-    checkpointing: Checkpointing = "none"
-    offload: Offload = "none"
+    checkpointing: Checkpointing = Field("none", description="activation checkpointing per block: none | full | "
+                                         "selective (keep attention, recompute FFN) | selective_attn | "
+                                         "selective_ffn | every_nth")
+    checkpoint_every_n: int = Field(2, ge=1, description="every_nth: checkpoint blocks 0, N, 2N, ...")
+    offload: Offload = Field("none", description="move tensors saved for backward to cpu (pinned) or nvme files")
+    offload_min_bytes: int = Field(1 << 20, ge=0, description="offload only saved tensors at least this large")
+    offload_fraction: float = Field(1.0, gt=0, le=1, description="share of blocks offloaded, earliest first "
+                                                                 "(non-block parts only at 1.0)")
+    offload_path: str | None = Field(None, description="nvme: folder for the files (None: the system temp dir)")
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     trainable: bool = True
     unfreeze_at_step: int | None = Field(None, ge=0, description="a frozen component starts training here")
     unfreeze_last_blocks: int | None = Field(None, ge=1, description="at unfreeze_at_step, train only the last K "
                                                                       "blocks (and what follows them)")
-
-    @field_validator("checkpointing", "offload")
-    @classmethod
-    def _available(cls, v: str, info: ValidationInfo) -> str:
-        allowed, arrives_with = NOT_YET_POLICY[info.field_name]
-        if v not in allowed:
-            raise not_yet(v, arrives_with, " or ".join(repr(a) for a in allowed))
-        return v
 
     @model_validator(mode="after")
     def _freeze_schedule(self) -> "ComponentConfig":
@@ -142,6 +134,11 @@ class ComponentsConfig(Section):
             raise ValueError("vision.precision = 'fp8' is refused: vision gradients are 10-100x smaller than the "
                              "LLM's and fp8 (e5m2 gradients, 2-3 mantissa bits) loses them; use 'bf16', or set "
                              "components.allow_fp8_vision = true to accept it")
+        for name in ("projector", "action_head"):
+            strategy = getattr(self, name).checkpointing
+            if strategy not in ("none", "full"):
+                raise ValueError(f"{name}.checkpointing = {strategy!r}: the {name} has no transformer blocks to "
+                                 "checkpoint selectively; use 'none' or 'full'")
         if self.action_head.precision == "fp8":
             raise ValueError("action_head.precision = 'fp8' is refused: the head regresses continuous actions "
                              "from small layers where fp8 costs accuracy and saves nothing; use 'bf16' or 'fp32'")

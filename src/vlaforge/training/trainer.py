@@ -23,7 +23,9 @@ from vlaforge.models.build import build_vla, tokens_per_sample
 from vlaforge.progress import progress_bar
 from vlaforge.techniques.freezing import apply_freezing, schedule_changes
 from vlaforge.diagnostics.numerics import NumericsMonitor
+from vlaforge.techniques.checkpointing import apply_checkpointing
 from vlaforge.techniques.freezing import trainable_at
+from vlaforge.techniques.offload import apply_offload
 from vlaforge.techniques.precision import PrecisionSetup, apply_precision
 from vlaforge.training import checkpoint as ckpt
 from vlaforge.training.metrics import MetricsLogger, to_floats
@@ -53,8 +55,15 @@ def check_single_process() -> None:
 
 
 def build_model(cfg: VLAConfig, device: torch.device) -> tuple[nn.Module, PrecisionSetup]:
-    model = build_vla(cfg.model, cfg.loss).to(device)
-    precision = apply_precision(model, dict(cfg.components.items()), device, cfg.train.precision_master)
+    """The VLA with its techniques applied in DESIGN.md order: precision (fp8 converters), then checkpointing, then
+    activation offload."""
+    model = build_vla(cfg.model, cfg.loss)
+    if next(model.parameters()).device != device:  # (built on CPU; also keeps fake-tensor builds off `.to`)
+        model.to(device)
+    policies = dict(cfg.components.items())
+    precision = apply_precision(model, policies, device, cfg.train.precision_master)
+    apply_checkpointing(model, policies)
+    apply_offload(model, policies, device)
     return model, precision
 
 

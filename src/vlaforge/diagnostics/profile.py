@@ -1,0 +1,219 @@
+"""The recomputation profiler behind `vlaforge profile`: every checkpointing strategy on the model in a config.
+
+For each strategy it applies the techniques to a fresh model, runs forward + backward on one batch and reports
+activation bytes (saved for backward, per component and per block, from `diagnostics/memory.py`), peak memory
+(CUDA's allocator peak on GPU; the saved-bytes accounting on CPU), step time and overhead against no
+checkpointing, and which strategy fits a memory budget. With `fake=True` the model and batch are fake tensors
+(`FakeTensorMode`): memory only, no times, large flavors in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from vlaforge import COMPONENTS
+from vlaforge.config.loading import deep_merge
+from vlaforge.config.schema import VLAConfig
+from vlaforge.data.batch import Batch
+from vlaforge.diagnostics import memory
+from vlaforge.errors import VlaforgeError
+
+WITH_BLOCKS = ("vision", "llm")
+# name -> checkpointing of vision and llm (projector and action head: none).
+STRATEGIES = {
+    "none": {"vision": "none", "llm": "none"},
+    "selective_attn": {"vision": "selective_attn", "llm": "selective_attn"},
+    "selective_ffn": {"vision": "selective_ffn", "llm": "selective_ffn"},
+    "selective": {"vision": "selective", "llm": "selective"},
+    "recommended": {"vision": "full", "llm": "selective"},
+    "full": {"vision": "full", "llm": "full"},
+}
+GB = 1e9
+ADAM_STATE_BYTES = 8  # two fp32 moments per trainable parameter
+
+
+def strategy_config(cfg: VLAConfig, name: str, offload: bool) -> VLAConfig:
+    """`cfg` with vision/llm checkpointing set to strategy `name` (others none) and optional CPU offload."""
+    comps: dict[str, Any] = {c: {"checkpointing": "none", "offload": "none"} for c in COMPONENTS}
+    for c in WITH_BLOCKS:
+        comps[c] = {"checkpointing": STRATEGIES[name][c], "offload": "cpu" if offload else "none"}
+    return VLAConfig.model_validate(deep_merge(cfg.model_dump(), {"components": comps}))
+
+
+def with_seq_len(cfg: VLAConfig, seq_len: int | None) -> VLAConfig:
+    """`cfg` whose instruction length makes the LLM sequence `seq_len` tokens long."""
+    if seq_len is None:
+        return cfg
+    from vlaforge.models.flavors import FLAVORS
+
+    m = cfg.model
+    flavor = FLAVORS.get(m.flavor)
+    image = m.image_size or flavor.vision["image_size"]
+    patch = m.patch_size or flavor.vision["patch_size"]
+    fixed = m.frames_per_sample * (image // patch) ** 2 + m.action_chunk + cfg.data.max_text_tokens
+    if seq_len <= fixed:
+        raise VlaforgeError(f"--seq-len {seq_len} leaves no room for instruction tokens: images, action queries and "
+                            f"text targets take {fixed} tokens; use a longer --seq-len")
+    return VLAConfig.model_validate(deep_merge(cfg.model_dump(), {"data": {"max_instruction_tokens":
+                                                                            seq_len - fixed}}))
+
+
+def synthetic_batch(cfg: VLAConfig, model: torch.nn.Module, size: int) -> Batch:
+    """A batch of the config's shapes (random values; fake tensors under FakeTensorMode)."""
+    m, d = cfg.model, cfg.data
+    lay = model.layout
+    vocab = model.llm.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(1, vocab, (size, n), generator=g)  # noqa: E731
+    text = d.max_text_tokens
+    return Batch(images=torch.randn(size, lay.frames, 3, lay.image_size, lay.image_size, generator=g),
+                 state=torch.randn(size, m.state_dim, generator=g),
+                 instruction_ids=ids(d.max_instruction_tokens),
+                 instruction_mask=torch.ones(size, d.max_instruction_tokens, dtype=torch.long),
+                 actions=torch.randn(size, m.action_chunk, m.action_dim, generator=g),
+                 action_mask=torch.ones(size, m.action_chunk, dtype=torch.bool),
+                 text_ids=ids(text) if text else None,
+                 text_mask=torch.ones(size, text, dtype=torch.long) if text else None)
+
+
+def model_state_bytes(model: torch.nn.Module, components) -> int:
+    """Weights + gradients + AdamW moments (fp32) of the parameters that train."""
+    total = 0
+    for name in COMPONENTS:
+        trains = getattr(components, name).trainable
+        for p in getattr(model, name).parameters():
+            total += p.numel() * p.element_size() * (2 if trains else 1) + (p.numel() * ADAM_STATE_BYTES
+                                                                           if trains else 0)
+    return total
+
+
+@contextlib.contextmanager
+def _fake_mode(fake: bool):
+    if not fake:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.initialization import no_init_weights
+
+    with FakeTensorMode(allow_non_fake_inputs=True), no_init_weights():
+        yield
+
+
+def profile_one(cfg: VLAConfig, device: torch.device, batch_size: int, fake: bool, repeats: int) -> dict:
+    """Activation bytes, state bytes, peak and step time of one configured model."""
+    from vlaforge.training.trainer import build_model
+
+    with _fake_mode(fake):
+        torch.manual_seed(cfg.train.seed)
+        model, _ = build_model(cfg, torch.device("cpu") if fake else device)
+        if fake:
+            model.llm.tie_weights()
+        batch = synthetic_batch(cfg, model, batch_size)
+        batch = batch if fake else batch.to(device)
+        state = model_state_bytes(model, cfg.components)
+        times: list[float] = []
+        peak = None
+        for i in range(1 if fake else repeats + 1):
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda" and not fake:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            start = time.perf_counter()
+            with memory.count_saved(model) as acc:
+                loss, _ = model.compute_loss(batch)
+            if not fake:
+                loss.backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                    peak = torch.cuda.max_memory_allocated(device) - base
+                if i:  # the first run warms up kernels and allocators
+                    times.append(time.perf_counter() - start)
+    out = {"activation_bytes": acc.total(memory.DEVICE), "offloaded_bytes": acc.total(memory.CPU),
+           "weight_cast_bytes": sum(acc.weight_casts.values()),
+           "per_component": acc.per_component(memory.DEVICE),
+           "per_block": {c: acc.per_block(c, memory.DEVICE) for c in WITH_BLOCKS},
+           "state_bytes": state, "tokens": batch.instruction_ids.shape[1] + model.layout.frames *
+           model.layout.patches_per_frame + cfg.model.action_chunk + (batch.text_ids.shape[1]
+                                                                        if batch.text_ids is not None else 0)}
+    out["peak_bytes"] = peak if peak is not None else out["activation_bytes"] + out["weight_cast_bytes"] + state
+    out["peak_source"] = "cuda" if peak is not None else "saved-bytes accounting + model state"
+    if times:
+        out["step_s"] = statistics.median(times)
+    return out
+
+
+def profile(cfg: VLAConfig, *, fake: bool = False, budget_gb: float | None = None, seq_len: int | None = None,
+            batch_size: int = 1, offload: bool = False, repeats: int = 3, device: torch.device | None = None) -> dict:
+    """Run every strategy (and with `offload`, each again with CPU offload of vision + llm); rank and recommend."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = with_seq_len(cfg, seq_len)
+    rows: dict[str, dict] = {}
+    for name in STRATEGIES:
+        for off in ((False, True) if offload else (False,)):
+            label = name + ("+cpu_offload" if off else "")
+            rows[label] = profile_one(strategy_config(cfg, name, off), device, batch_size, fake, repeats)
+    base = rows["none"]
+    for r in rows.values():
+        r["activation_vs_none"] = r["activation_bytes"] / base["activation_bytes"]
+        if "step_s" in r:
+            r["overhead_vs_none"] = r["step_s"] / base["step_s"] - 1
+    report = {"flavor": cfg.model.flavor, "fake": fake, "device": "fake" if fake else str(device),
+              "batch_size": batch_size, "tokens_per_sample": base["tokens"], "strategies": rows}
+    if budget_gb is not None:
+        report["budget_gb"] = budget_gb
+        report["recommendation"] = recommend(rows, budget_gb * GB, measured=not fake)
+    return report
+
+
+def recommend(rows: dict[str, dict], budget: float, measured: bool) -> dict:
+    """The fastest strategy whose peak fits `budget` bytes (by measured time; under fake tensors by the order of
+    STRATEGIES, which is increasing recomputation, with offload after its base strategy)."""
+    order = sorted(rows, key=lambda k: rows[k]["step_s"]) if measured else list(rows)
+    fits = [k for k in order if rows[k]["peak_bytes"] <= budget]
+    if not fits:
+        least = min(rows, key=lambda k: rows[k]["peak_bytes"])
+        return {"strategy": None, "reason": f"nothing fits {budget / GB:g} GB; the smallest is {least} at "
+                                            f"{rows[least]['peak_bytes'] / GB:.2f} GB (add GPUs or shard)"}
+    best = fits[0]
+    why = "fastest measured" if measured else "least recomputation"
+    return {"strategy": best, "peak_gb": rows[best]["peak_bytes"] / GB,
+            "reason": f"{why} of the {len(fits)} strategies that fit {budget / GB:g} GB"}
+
+
+def render(report: dict) -> str:
+    """A text table: per strategy, activation bytes per component and per block (llm, vision), peak, time."""
+    rows = report["strategies"]
+    unit, div = ("GB", GB) if max(r["activation_bytes"] for r in rows.values()) >= GB else ("MB", 1e6)
+    lines = [f"{report['flavor']} on {report['device']}, batch {report['batch_size']}, "
+             f"{report['tokens_per_sample']} tokens/sample; activation {unit} saved for backward on the device"]
+    lines.append(f"{'strategy':<27}" + "".join(f"{c:>12}" for c in (*COMPONENTS, "other")) +
+                 f"{'llm/block':>11}{'vis/block':>11}{'total':>9}{'vs none':>8}{'offload':>9}{'casts':>9}{'peak GB':>9}"
+                 f"{'step s':>8}{'overhd':>8}")
+    for name, r in rows.items():
+        comp = "".join(f"{r['per_component'].get(c, 0) / div:>12.3f}" for c in (*COMPONENTS, "other"))
+        per_block = "".join(f"{_block(r['per_block'][c], div):>11}" for c in ("llm", "vision"))
+        time_cols = (f"{r['step_s']:>8.3f}{r['overhead_vs_none']:>+8.0%}" if "step_s" in r else f"{'-':>8}{'-':>8}")
+        lines.append(f"{name:<27}{comp}{per_block}{r['activation_bytes'] / div:>9.3f}{r['activation_vs_none']:>8.0%}"
+                     f"{r['offloaded_bytes'] / div:>9.3f}{r['weight_cast_bytes'] / div:>9.3f}{r['peak_bytes'] / GB:>9.2f}"
+                     f"{time_cols}")
+    lines.append(f"{unit} = {div:.0e} bytes. per-block: the range over the component's blocks. other: the glue "
+                 "outside the four components (token concatenation, losses). casts: autocast's bf16/fp16 copies of "
+                 "fp32 weights kept for backward. peak: " + next(iter(rows.values()))["peak_source"] + ".")
+    if "recommendation" in report:
+        rec = report["recommendation"]
+        lines.append(f"budget {report['budget_gb']:g} GB -> {rec['strategy']}: {rec['reason']}")
+    return "\n".join(lines)
+
+
+def _block(per_block: dict[str, int], div: float) -> str:
+    values = [v for k, v in per_block.items() if k != "rest"]
+    if not values:
+        return "-"
+    lo, hi = min(values) / div, max(values) / div
+    return f"{lo:.3f}" if abs(hi - lo) < 5e-4 else f"{lo:.2f}-{hi:.2f}"

@@ -1,0 +1,101 @@
+"""`apply_checkpointing`: per-component activation checkpointing, per transformer block, non-reentrant.
+
+Strategies (`components.<name>.checkpointing`):
+- `full`: a block keeps only its inputs and recomputes everything in backward;
+- `selective`: an op-level policy (`create_selective_checkpoint_contexts`) keeps the attention's matmuls (the
+  q/k/v/o projections) and the SDPA output and recomputes the FFN and every elementwise op (norms, rotary,
+  activations, residual adds);
+- `selective_attn`: recompute only the attention sub-layer (checkpointed as a module: it keeps its input), and
+  the rest of the block saves what autograd saves;
+- `selective_ffn`: the same for the FFN sub-layer;
+- `every_nth`: `full` on one block of every `checkpoint_every_n` (blocks 0, N, 2N, ...).
+The projector and the action head have no blocks: `full` checkpoints the whole module, other strategies are
+refused by the config. The block's `forward` is replaced on the instance, so parameter names, hooks and
+checkpoints are unchanged. Autocast state and RNG are restored in the recomputation by torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from vlaforge import COMPONENTS
+from vlaforge.diagnostics import memory
+
+aten = torch.ops.aten
+MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._scaled_mm.default}
+ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default,
+             aten._scaled_dot_product_flash_attention.default,
+             aten._scaled_dot_product_efficient_attention.default,
+             aten._scaled_dot_product_cudnn_attention.default}
+# Sub-layer names inside a block: transformers' Llama (self_attn, mlp) and SigLIP (self_attn, mlp).
+SUBLAYERS = {"attn": ("self_attn",), "ffn": ("mlp",)}
+_region: list[str] = []  # "attn" / "ffn" while that sub-layer's forward runs
+
+
+def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Keep attention's matmuls and SDPA outputs, recompute everything else; report kept outputs to the accounting
+    (they are cached outside autograd's saved tensors)."""
+    keep = bool(_region) and _region[-1] == "attn" and (func in MATMULS or func in ATTENTION)
+    if keep and not ctx.is_recompute:
+        torch.utils._pytree.tree_map_only(torch.Tensor, memory.record, ctx.op_output)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def sublayer(block: nn.Module, region: str) -> nn.Module:
+    for name in SUBLAYERS[region]:
+        sub = getattr(block, name, None)
+        if sub is not None:
+            return sub
+    raise ValueError(f"{type(block).__name__} has no {region} sub-layer (looked for {SUBLAYERS[region]})")
+
+
+def checkpoint_block(block: nn.Module, strategy: str) -> None:
+    if strategy in ("full", "every_nth"):
+        checkpoint_module(block)
+    elif strategy == "selective":
+        memory.push_pop_hooks(sublayer(block, "attn"), _region, "attn")
+        checkpoint_module(block, selective=True)
+    else:  # selective_attn / selective_ffn
+        checkpoint_module(sublayer(block, strategy.removeprefix("selective_")))
+
+
+def checkpoint_module(module: nn.Module, selective: bool = False) -> None:
+    """Make `module`'s forward recompute in backward: all of it, or what `selective_policy` does not keep."""
+    inner = module.forward
+    context_fn = functools.partial(create_selective_checkpoint_contexts, selective_policy) if selective else None
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # inference: nothing to save, nothing to recompute
+            return inner(*args, **kwargs)
+        extra = {"context_fn": context_fn} if context_fn else {}
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+    module.forward = forward
+
+
+def apply_checkpointing(model: nn.Module, policies: Mapping[str, Any]) -> dict[str, list[int] | str]:
+    """Apply each component's `checkpointing` strategy. Returns what was wrapped: block indices per component
+    with blocks, 'module' for a whole checkpointed module."""
+    done: dict[str, list[int] | str] = {}
+    memory.track_locations(model)
+    for name in COMPONENTS:
+        strategy = policies[name].checkpointing
+        if strategy == "none":
+            continue
+        blocks = memory.blocks_of(model, name)
+        if blocks is None:  # projector / action head: the config allows only 'full' here
+            checkpoint_module(getattr(model, name))
+            done[name] = "module"
+            continue
+        every = getattr(policies[name], "checkpoint_every_n", 2)
+        chosen = [i for i in range(len(blocks)) if strategy != "every_nth" or i % every == 0]
+        for i in chosen:
+            checkpoint_block(blocks[i], strategy)
+        done[name] = chosen
+    return done

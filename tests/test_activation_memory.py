@@ -1,0 +1,247 @@
+"""Activation checkpointing, offload and saved-bytes accounting: exact gradients, real recomputation, files
+cleaned up, bytes that match a hand computation."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vlaforge import COMPONENTS
+from vlaforge.diagnostics import memory
+from vlaforge.errors import VlaforgeError
+from vlaforge.techniques import offload as off
+from vlaforge.training.trainer import build_model
+
+from conftest import make_batch, tiny_config
+
+CPU = torch.device("cpu")
+aten = torch.ops.aten
+
+
+def _cfg(tmp_path, strategy="none", place="none", **extra):
+    comps = {}
+    for c in COMPONENTS:
+        blocks = c in ("vision", "llm")
+        comps[c] = {"checkpointing": strategy if blocks else "none", "offload": place, "offload_min_bytes": 0,
+                    "offload_path": str(tmp_path / "nvme"), **extra}
+    return tiny_config(tmp_path, components=comps)
+
+
+def _grads(cfg):
+    torch.manual_seed(0)
+    model, _ = build_model(cfg, CPU)
+    batch = make_batch(cfg, model)
+    with memory.count_saved(model) as acc:
+        loss, _ = model.compute_loss(batch)
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, acc
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _grads(_cfg(tmp_path_factory.mktemp("ref")))
+
+
+@pytest.mark.parametrize("strategy, place", [
+    ("full", "none"), ("selective", "none"), ("selective_attn", "none"), ("selective_ffn", "none"),
+    ("every_nth", "none"), ("none", "cpu"), ("none", "nvme"), ("full", "cpu"), ("full", "nvme"),
+    ("selective", "cpu"), ("selective", "nvme")])
+def test_gradients_equal_the_plain_run(tmp_path, reference, strategy, place):
+    ref, ref_acc = reference
+    grads, acc = _grads(_cfg(tmp_path, strategy, place))
+    assert grads.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(grads[name], ref[name], rtol=0, atol=1e-6, msg=name)
+    if strategy != "none":
+        assert acc.per_component().get("llm", 0) < ref_acc.per_component()["llm"]  # checkpointing saved memory
+    if place != "none":
+        assert acc.total(place) > 0  # what moved is accounted off the device
+        assert acc.per_component().get("llm", 0) < ref_acc.per_component()["llm"]
+
+
+@pytest.mark.parametrize("precision, strategy", [
+    ("bf16", "full"), ("bf16", "selective"),
+    pytest.param("fp8", "selective", marks=pytest.mark.slow)])  # CPU fp8 matmuls are slow emulations
+def test_checkpointing_composes_with_precision(tmp_path, precision, strategy):
+    """Recomputation runs in the forward's autocast state and through fp8 linears: gradients are bit-equal."""
+    def run(ckpt):
+        cfg = tiny_config(tmp_path, components={"llm": {"precision": precision, "checkpointing": ckpt},
+                                                "vision": {"precision": "bf16", "checkpointing": ckpt}})
+        return _grads(cfg)[0]
+
+    ref, got = run("none"), run(strategy)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_offload_fraction_moves_the_earliest_blocks_only(tmp_path):
+    cfg = tiny_config(tmp_path, components={"llm": {"offload": "cpu", "offload_fraction": 0.5,
+                                                    "offload_min_bytes": 0}})
+    _, acc = _grads(cfg)
+    assert set(acc.per_block("llm", memory.CPU)) == {"0"}  # block 0 of 2; not block 1, not the embeddings/head
+    assert {"1", "rest"} <= set(acc.per_block("llm", memory.DEVICE))
+
+
+def test_projector_and_action_head_full_checkpointing(tmp_path, reference):
+    cfg = tiny_config(tmp_path, components={"projector": {"checkpointing": "full"},
+                                            "action_head": {"checkpointing": "full"}})
+    grads, _ = _grads(cfg)
+    for name, g in reference[0].items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-6, msg=name)
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.mm = self.sdpa = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.mm += func in (aten.mm.default, aten.addmm.default)
+        self.sdpa += func is aten._scaled_dot_product_flash_attention_for_cpu.default
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(tmp_path, strategy):
+    cfg = tiny_config(tmp_path, components={"llm": {"checkpointing": strategy}})
+    model, _ = build_model(cfg, CPU)
+    loss, _ = model.compute_loss(make_batch(cfg, model))
+    with CountOps() as ops:
+        loss.backward()
+    return ops.mm, ops.sdpa, len(model.llm.model.layers)
+
+
+# Recomputation stops early once every tensor backward needs exists again, so a region's last matmul (down_proj
+# in the FFN, o_proj in attention: backward needs only their inputs) is not re-run.
+@pytest.mark.parametrize("strategy, extra_mm, extra_sdpa", [
+    ("selective", 2, 0),  # gate and up re-run; attention matmuls and SDPA come from the cache
+    ("selective_ffn", 2, 0),
+    ("selective_attn", 3, 1),  # q, k, v and SDPA re-run; the FFN is not
+    ("full", 6, 1),  # q, k, v, o, gate, up and SDPA
+])
+def test_what_is_recomputed_in_backward(tmp_path, strategy, extra_mm, extra_sdpa):
+    base_mm, base_sdpa, blocks = _backward_ops(tmp_path, "none")
+    mm, sdpa, _ = _backward_ops(tmp_path, strategy)
+    assert (mm - base_mm, sdpa - base_sdpa) == (extra_mm * blocks, extra_sdpa * blocks)
+
+
+def test_offload_releases_the_original_tensor():
+    offloader = off._Offloader("cpu", CPU, min_bytes=0, blocks=None, folder=None)
+    x = torch.randn(64, 64, requires_grad=True)
+    refs = {}
+    for name, hooks in (("kept", None), ("offloaded", (offloader.pack, offloader.unpack))):
+        with torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else torch.enable_grad():
+            t = x * 2
+            refs[name] = weakref.ref(t)
+            y = t.sin()  # sin saves its input
+            del t
+        gc.collect()
+        assert (refs[name]() is None) == (name == "offloaded")  # the graph holds a host copy, not the tensor
+        y.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * 2 * torch.cos(2 * x))  # both backward passes were exact
+
+
+def test_nvme_files_are_removed_after_backward_and_after_an_exception(tmp_path):
+    cfg = _cfg(tmp_path, "none", "nvme")
+    model, _ = build_model(cfg, CPU)
+    batch = make_batch(cfg, model)
+    folder = tmp_path / "nvme" / "vlaforge-offload"
+
+    def files():
+        return [p for p in folder.iterdir() if not p.name.startswith(".")]
+
+    loss, _ = model.compute_loss(batch)
+    assert files()
+    loss.backward()
+    assert not files()
+
+    def failing_step():
+        loss, _ = model.compute_loss(batch)
+        raise RuntimeError("step failed after forward")
+
+    with pytest.raises(RuntimeError):
+        failing_step()
+    gc.collect()  # the graph is gone; each handle's finalizer removes its file once its write has finished
+    for component in ("vision", "projector", "llm", "action_head"):
+        getattr(model, component)._vlaforge_offload.drain()
+    assert not files()
+
+
+def test_unusable_nvme_path_is_a_clear_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(VlaforgeError, match=r"components.llm.offload_path: cannot write to .*writable NVMe folder"):
+        build_model(tiny_config(tmp_path, components={"llm": {"offload": "nvme", "offload_path": str(blocker)}}),
+                    CPU)
+    monkeypatch.setattr(off.shutil, "disk_usage", lambda p: type("U", (), {"free": 10 << 20})())
+    with pytest.raises(VlaforgeError, match="has 10 MiB free"):
+        build_model(tiny_config(tmp_path, components={"llm": {"offload": "nvme",
+                                                               "offload_path": str(tmp_path)}}), CPU)
+
+
+def test_saved_bytes_of_a_small_transformer_by_hand():
+    """Pre-LN MLP block, fp32, batch B x D -> H -> D. Saved for backward: LayerNorm's input, mean and rstd; the
+    first linear's input (LayerNorm output); GELU's input; the second linear's input (GELU output). Weights are
+    parameters and excluded."""
+    b, d, h = 8, 32, 128
+    block = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))
+    x = torch.randn(b, d)
+    with memory.count_saved(block) as acc:
+        block(x).sum()
+    hand = 4 * (b * d + b + b + b * d + b * h + b * h)
+    assert acc.total() == hand
+    assert sum(acc.weight_casts.values()) == 0
+    with memory.count_saved(block) as acc, torch.autocast("cpu", dtype=torch.bfloat16):
+        block(x).sum()
+    assert sum(acc.weight_casts.values()) == 2 * (d * h + h * d)  # bf16 copies of the two weight matrices
+
+
+def test_accounting_under_fake_tensors_matches_real(tmp_path):
+    from vlaforge.diagnostics.profile import profile_one
+
+    cfg = tiny_config(tmp_path, components={"llm": {"checkpointing": "selective"}})
+    real = profile_one(cfg, CPU, batch_size=2, fake=False, repeats=1)
+    fake = profile_one(cfg, CPU, batch_size=2, fake=True, repeats=1)
+    assert real["per_component"] == fake["per_component"]
+    assert real["weight_cast_bytes"] == fake["weight_cast_bytes"]
+
+
+def test_profile_cli_tiny_json_and_budget(tmp_path):
+    from conftest import TINY_RECIPE, run_cli
+
+    out = run_cli("profile", str(TINY_RECIPE), "--json", "--repeats", "1", "--budget-gb", "1", "--offload",
+                  "--components.llm.offload_min_bytes=0")
+    assert out.returncode == 0, out.stderr
+    import json
+
+    report = json.loads(out.stdout)
+    rows = report["strategies"]
+    assert list(rows)[:2] == ["none", "none+cpu_offload"] and len(rows) == 12
+    assert rows["full"]["activation_bytes"] < rows["selective"]["activation_bytes"] < rows["none"]["activation_bytes"]
+    assert rows["none+cpu_offload"]["per_component"].get("llm", 0) == 0  # all of it left the device
+    assert all("step_s" in r and "overhead_vs_none" in r for r in rows.values())
+    assert report["recommendation"]["strategy"] in rows
+
+
+@pytest.mark.slow
+def test_profile_vla_7b_fake_at_4096_tokens():
+    from conftest import ROOT, run_cli
+
+    out = run_cli("profile", str(ROOT / "recipes" / "vla_7b.toml"), "--fake", "--seq-len", "4096",
+                  "--budget-gb", "141", timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("vla-7b on fake, batch 1, 4096 tokens/sample")
+    names = [line.split()[0] for line in lines[2:8]]
+    assert names == ["none", "selective_attn", "selective_ffn", "selective", "recommended", "full"]
+    assert "budget 141 GB ->" in out.stdout
+
+
+def test_profile_seq_len_too_short_is_one_line():
+    from conftest import TINY_RECIPE, run_cli
+
+    out = run_cli("profile", str(TINY_RECIPE), "--fake", "--seq-len", "10")
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("error: --seq-len 10 leaves no room for instruction tokens")
+    assert len(out.stderr.strip().splitlines()) == 1
