@@ -245,3 +245,23 @@ def test_profile_seq_len_too_short_is_one_line():
     assert out.returncode == 2
     assert out.stderr.strip().startswith("error: --seq-len 10 leaves no room for instruction tokens")
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_training_with_memory_techniques_matches_the_plain_run(tmp_path):
+    from safetensors.torch import load_file
+
+    from vlaforge.training.trainer import train
+
+    def run(name, **comps):
+        cfg = tiny_config(tmp_path, components=comps, train={"steps": 3, "output_dir": str(tmp_path / name)})
+        train(cfg)
+        return load_file(str(tmp_path / name / "checkpoints" / "step_00000003" / "model.safetensors"))
+
+    plain = run("plain")
+    techniques = run("techniques", vision={"checkpointing": "full"},
+                     llm={"checkpointing": "selective", "offload": "nvme", "offload_min_bytes": 0,
+                          "offload_path": str(tmp_path / "nvme")},
+                     action_head={"checkpointing": "full"})
+    assert plain.keys() == techniques.keys()
+    assert all(torch.equal(plain[k], techniques[k]) for k in plain)
+    assert not [p for p in (tmp_path / "nvme" / "vlaforge-offload").iterdir() if not p.name.startswith(".")]
