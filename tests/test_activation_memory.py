@@ -62,6 +62,7 @@ def test_gradients_equal_the_plain_run(tmp_path, reference, strategy, place):
         assert acc.per_component().get("llm", 0) < ref_acc.per_component()["llm"]
 
 
+@pytest.mark.filterwarnings("ignore::vlaforge.techniques.fp8.Fp8SlowWarning")
 @pytest.mark.parametrize("precision, strategy", [
     ("bf16", "full"), ("bf16", "selective"),
     pytest.param("fp8", "selective", marks=pytest.mark.slow)])  # CPU fp8 matmuls are slow emulations
