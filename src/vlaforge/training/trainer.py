@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 import warnings
@@ -23,6 +22,7 @@ from vlaforge.models.build import build_vla, tokens_per_sample
 from vlaforge.progress import progress_bar
 from vlaforge.techniques.freezing import apply_freezing, schedule_changes
 from vlaforge.diagnostics.numerics import NumericsMonitor
+from vlaforge.distributed.parallel_dims import ParallelDims, model_facts, world_from_env
 from vlaforge.techniques.checkpointing import apply_checkpointing
 from vlaforge.techniques.freezing import trainable_at
 from vlaforge.techniques.offload import apply_offload
@@ -48,10 +48,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_single_process() -> None:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise VlaforgeError("distributed training (WORLD_SIZE > 1) is not available yet (arrives with "
-                            "distributed scale-out); run without torchrun")
+def check_layout(cfg: VLAConfig) -> ParallelDims:
+    """The parallel layout for this world size, validated before anything is built (one line on a bad one)."""
+    dims = ParallelDims.build(cfg.parallel, world_from_env().size, model_facts(cfg.model))
+    if dims.distributed:
+        raise VlaforgeError(f"distributed training (WORLD_SIZE = {dims.world_size}) is not available yet (arrives "
+                            "with distributed scale-out); run without torchrun")
+    return dims
 
 
 def build_model(cfg: VLAConfig, device: torch.device) -> tuple[nn.Module, PrecisionSetup]:
@@ -105,7 +108,7 @@ class Run:
 
 
 def build_run(cfg: VLAConfig) -> Run:
-    check_single_process()
+    check_layout(cfg)
     device = resolve_device(cfg.train.device)
     seed_everything(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)

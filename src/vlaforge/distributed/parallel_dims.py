@@ -1,0 +1,162 @@
+"""`ParallelDims`: the runtime layout built from `[parallel]` and the world size, validated before any process group
+work; the one place that initializes `torch.distributed` (gloo on CPU, NCCL on GPU) and builds the device mesh.
+
+Mesh dimension order follows torchtitan: pp, dp_replicate, dp_shard, cp, tp (outermost to innermost), so tensor
+parallel groups are the closest ranks (one NVLink island) and pipeline stages the farthest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vlaforge.errors import VlaforgeError
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+class LayoutError(VlaforgeError):
+    """A parallel layout that cannot run on this world size or this model."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The shape facts a layout must respect, from the flavor or a pretrained folder's config.json."""
+
+    llm_heads: int
+    llm_kv_heads: int
+    llm_blocks: int
+    vision_heads: int
+
+
+def model_facts(model_cfg) -> ModelFacts:
+    from vlaforge.models.flavors import FLAVORS
+
+    flavor = FLAVORS.get(model_cfg.flavor)
+    llm, vision = dict(flavor.llm), dict(flavor.vision)
+    if model_cfg.llm.pretrained:
+        llm = _hf_config(model_cfg.llm.pretrained)
+    if model_cfg.vision.pretrained:
+        vision = _hf_config(model_cfg.vision.pretrained)
+        vision = vision.get("vision_config", vision)
+    heads = llm["num_attention_heads"]
+    return ModelFacts(llm_heads=heads, llm_kv_heads=llm.get("num_key_value_heads") or heads,
+                      llm_blocks=llm["num_hidden_layers"], vision_heads=vision["num_attention_heads"])
+
+
+def _hf_config(folder: str) -> dict:
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise VlaforgeError(f"{path}: cannot read the model config ({exc}); point the pretrained path at a "
+                            "save_pretrained folder") from None
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    cp: int
+    world_size: int
+    backend: str = "fsdp2"
+
+    @classmethod
+    def build(cls, cfg, world_size: int, facts: ModelFacts | None = None) -> "ParallelDims":
+        """Resolve `dp_shard = -1` and validate; raises `LayoutError` with one line naming the fix."""
+        others = cfg.dp_replicate * cfg.tp * cfg.pp * cfg.cp
+        dp_shard = cfg.dp_shard
+        if dp_shard == -1:
+            if world_size % others:
+                raise LayoutError(f"world size {world_size} is not divisible by dp_replicate x tp x pp x cp = "
+                                  f"{others}; change the degrees or the number of processes")
+            dp_shard = world_size // others
+        dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, world_size, cfg.backend)
+        dims.validate(facts)
+        return dims
+
+    def validate(self, facts: ModelFacts | None) -> None:
+        product = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+        if product != self.world_size:
+            raise LayoutError(f"parallel: dp_replicate x dp_shard x tp x pp x cp = {product} but the world size is "
+                              f"{self.world_size}; make the product equal the number of processes (torchrun "
+                              "--nproc-per-node x --nnodes) or set dp_shard = -1")
+        if self.backend == "ddp" and self.dp_shard > 1:
+            raise LayoutError(f"parallel.backend = 'ddp' replicates the model and cannot shard it (dp_shard = "
+                              f"{self.dp_shard}); use dp_replicate = {self.dp_shard * self.dp_replicate}, "
+                              "dp_shard = 1, or backend = 'fsdp2'")
+        if facts is None:
+            return
+        for degree, name in ((self.tp, "tp"), (self.cp, "cp")):
+            for count, what in ((facts.llm_heads, "attention heads"), (facts.llm_kv_heads, "kv-heads")):
+                if degree > 1 and count % degree:
+                    fits = [d for d in range(1, count + 1) if facts.llm_heads % d == 0 and facts.llm_kv_heads % d == 0]
+                    raise LayoutError(f"parallel.{name} = {degree} does not divide the llm's {count} {what}; use "
+                                      f"one of {fits}")
+        if self.pp > facts.llm_blocks:
+            raise LayoutError(f"parallel.pp = {self.pp} exceeds the llm's {facts.llm_blocks} blocks; use at most "
+                              f"{facts.llm_blocks} stages")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that see different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """(names, sizes) of the mesh dimensions with degree > 1, in MESH_ORDER (data dims kept when dp > 1)."""
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                 "tp": self.tp}
+        kept = [n for n in MESH_ORDER if sizes[n] > 1]
+        return tuple(kept), tuple(sizes[n] for n in kept)
+
+    def build_mesh(self, device_type: str):
+        """The device mesh over all ranks (needs `init_distributed` first)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names, sizes = self.mesh_shape()
+        if not names:
+            names, sizes = ("dp_shard",), (1,)
+        return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    local_rank: int
+    size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_from_env() -> World:
+    """Rank facts as torchrun sets them (RANK, LOCAL_RANK, WORLD_SIZE); one process without them."""
+    return World(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")),
+                 int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def init_distributed(world: World, device: torch.device) -> torch.device:
+    """Initialize the default process group (gloo on CPU, NCCL on GPU) when there is more than one process.
+
+    Returns the device this rank uses (cuda:LOCAL_RANK on GPU).
+    """
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)
+    if world.size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return device
