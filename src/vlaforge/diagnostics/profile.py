@@ -1,6 +1,7 @@
 """The recomputation profiler behind `vlaforge profile`: every checkpointing strategy on the model in a config.
 
-For each strategy it applies the techniques to a fresh model, runs forward + backward on one batch and reports
+For each strategy it applies the techniques to a fresh model, runs forward + backward on one batch (the first
+samples of the config's dataset; a batch of the config's shapes under fake tensors) and reports
 activation bytes (saved for backward, per component and per block, from `diagnostics/memory.py`), peak memory
 (CUDA's allocator peak on GPU; the saved-bytes accounting on CPU), step time and overhead against no
 checkpointing, and which strategy fits a memory budget. With `fake=True` the model and batch are fake tensors
@@ -81,6 +82,14 @@ def synthetic_batch(cfg: VLAConfig, model: torch.nn.Module, size: int) -> Batch:
                  text_mask=torch.ones(size, text, dtype=torch.long) if text else None)
 
 
+def real_batch(cfg: VLAConfig, model: torch.nn.Module, size: int) -> Batch:
+    """The first `size` samples of the config's dataset (synthetic or LeRobot), padded as training pads them."""
+    from vlaforge.data.loader import build_data
+
+    ds = build_data(cfg, model).dataset
+    return Batch.collate([ds[i % len(ds)] for i in range(size)])
+
+
 def model_state_bytes(model: torch.nn.Module, components) -> int:
     """Weights + gradients + AdamW moments (fp32) of the parameters that train."""
     total = 0
@@ -113,8 +122,7 @@ def profile_one(cfg: VLAConfig, device: torch.device, batch_size: int, fake: boo
         model, _ = build_model(cfg, torch.device("cpu") if fake else device)
         if fake:
             model.llm.tie_weights()
-        batch = synthetic_batch(cfg, model, batch_size)
-        batch = batch if fake else batch.to(device)
+        batch = synthetic_batch(cfg, model, batch_size) if fake else real_batch(cfg, model, batch_size).to(device)
         state = model_state_bytes(model, cfg.components)
         times: list[float] = []
         peak = None
