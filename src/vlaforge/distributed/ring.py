@@ -1,0 +1,210 @@
+"""Ring attention: each rank holds a sequence shard of Q, K, V; K/V blocks travel around the ring.
+
+Forward, at step i rank r attends its queries to the K/V block of rank (r - i) mod W. The transfer of the next
+block (`batch_isend_irecv` to r + 1, from r - 1) is started *before* the current block is computed, so
+communication overlaps compute. Blocks are merged with their log-sum-exp in fp32. Backward is its own autograd
+function: K/V go around the ring again together with their dK/dV accumulators, and the accumulators take one last
+hop home.
+
+Causal attention uses zigzag sharding: the sequence is cut into 2W chunks and rank r holds chunks r and 2W-1-r
+(`zigzag_shard`), so every rank does the same amount of causal work. GQA: K/V keep their kv-heads on the wire and
+are expanded to the query heads only for the local block computation.
+
+Shapes: q (B, H, S_local, D); k, v (B, Hkv, S_local, D), H a multiple of Hkv.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+# Test hook: called with ("send", step) when a transfer is issued and ("compute", step) before a block's math.
+trace: Callable[[str, int], None] | None = None
+
+
+def _note(event: str, step: int) -> None:
+    if trace is not None:
+        trace(event, step)
+
+
+# ---- sharding ------------------------------------------------------------------------------------------------
+
+def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int = 2) -> torch.Tensor:
+    """Rank `rank`'s zigzag shard of the full-sequence tensor `x`: chunks rank and 2W-1-rank of 2W."""
+    chunks = x.chunk(2 * world, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=dim)
+
+
+def zigzag_unshard(shards: list[torch.Tensor], dim: int = 2) -> torch.Tensor:
+    """The full sequence from every rank's zigzag shard, in rank order."""
+    world = len(shards)
+    pieces = [None] * (2 * world)
+    for r, s in enumerate(shards):
+        early, late = s.chunk(2, dim=dim)
+        pieces[r], pieces[2 * world - 1 - r] = early, late
+    return torch.cat(pieces, dim=dim)
+
+
+def causal_work(rank: int, world: int, zigzag: bool) -> int:
+    """Query x key chunk pairs rank `rank` computes under causal masking (a diagonal pair counts as one)."""
+    mine = (rank, 2 * world - 1 - rank) if zigzag else (2 * rank, 2 * rank + 1)
+    return sum(1 for q in mine for kv in range(2 * world) if kv <= q)
+
+
+# ---- block math (fp32) ---------------------------------------------------------------------------------------
+
+def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum a (B, H, S, D) gradient of expanded K/V back onto its kv-heads."""
+    b, h, s, d = grad.shape
+    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+def _scores(q, k, scale, causal_diag: bool):
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
+    if causal_diag:
+        n_q, n_k = s.shape[-2:]
+        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).tril(n_k - n_q)
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _block_forward(q, k, v, scale, causal_diag):
+    """(out, lse) of q against one K/V block; fp32."""
+    s = _scores(q, k, scale, causal_diag)
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
+    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
+
+
+def _block_backward(q, k, v, out, lse, dout, delta, scale, causal_diag):
+    """(dq, dk, dv) of one block, from the merged output's lse and delta = rowsum(dout * out)."""
+    p = torch.exp(_scores(q, k, scale, causal_diag) - lse[..., None])  # (B, H, Sq, Sk)
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta[..., None])
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+
+
+def _plan(rank: int, src: int, causal: bool, zigzag: bool, n: int):
+    """Which query rows attend which key columns of the block from rank `src`, as (q slice, k slice, diagonal)
+    triples; empty when the block is masked out entirely."""
+    every = slice(0, n)
+    if not causal:
+        return [(every, every, False)]
+    if src == rank:
+        return [(every, every, True)]  # the local block, in global order: causal over the concatenation
+    if not zigzag:
+        return [(every, every, False)] if src < rank else []
+    half = n // 2
+    if src < rank:  # all my queries see src's early chunk, none of its late one
+        return [(every, slice(0, half), False)]
+    return [(slice(half, n), every, False)]  # only my late chunk sees src's chunks, both entirely
+
+
+# ---- ring communication --------------------------------------------------------------------------------------
+
+class _Ring:
+    def __init__(self, group):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
+
+    def start(self, tensors: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
+        """Send `tensors` to the next rank and receive the same shapes from the previous one (asynchronously).
+
+        Returns (requests + the sent buffers, which must live until the requests complete; received buffers)."""
+        sent = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sent]  # (contiguous, like `sent`)
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
+        return (dist.batch_isend_irecv(ops), sent), received
+
+    @staticmethod
+    def wait(pending: tuple) -> None:
+        for req in pending[0]:
+            req.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, zigzag, scale):
+        ring = _Ring(group)
+        heads, n = q.shape[1], q.shape[2]
+        qf = q.float()
+        out = torch.zeros_like(qf)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = [k, v]
+        for step in range(ring.world):
+            pending = None
+            if step < ring.world - 1:
+                pending = ring.start(kv)  # NOTE: issued before this step's math: the transfer overlaps it
+                _note("send", step + 1)
+            src = (ring.rank - step) % ring.world
+            _note("compute", step)
+            kb, vb = _expand(kv[0], heads).float(), _expand(kv[1], heads).float()
+            for qs, ks, diag in _plan(ring.rank, src, causal, zigzag, n):
+                o_b, lse_b = _block_forward(qf[:, :, qs], kb[:, :, ks], vb[:, :, ks], scale, diag)
+                new = torch.logaddexp(lse[:, :, qs], lse_b)
+                out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - new)[..., None]
+                                 + o_b * torch.exp(lse_b - new)[..., None])
+                lse[:, :, qs] = new
+            if pending is not None:
+                ring.wait(pending[0])
+                kv = pending[1]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.zigzag, ctx.scale = group, causal, zigzag, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        heads, kv_heads, n = q.shape[1], k.shape[1], q.shape[2]
+        qf, doutf = q.float(), dout.float()
+        delta = (doutf * out).sum(-1)  # (B, H, Sq)
+        dq = torch.zeros_like(qf)
+        kv = [k, v]
+        dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+               torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+        for step in range(ring.world):
+            pending = ring.start(kv) if step < ring.world - 1 else None  # next K/V travels during the math
+            src = (ring.rank - step) % ring.world
+            kb, vb = _expand(kv[0], heads).float(), _expand(kv[1], heads).float()
+            dk_b, dv_b = torch.zeros_like(kb), torch.zeros_like(vb)
+            for qs, ks, diag in _plan(ring.rank, src, ctx.causal, ctx.zigzag, n):
+                g = _block_backward(qf[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs], lse[:, :, qs],
+                                    doutf[:, :, qs], delta[:, :, qs], ctx.scale, diag)
+                dq[:, :, qs] += g[0]
+                dk_b[:, :, ks] += g[1]
+                dv_b[:, :, ks] += g[2]
+            dkv = [dkv[0] + _fold(dk_b, kv_heads), dkv[1] + _fold(dv_b, kv_heads)]
+            grads = ring.start(dkv)  # the accumulators follow their block (the last hop takes them home)
+            if pending is not None:
+                ring.wait(pending[0])
+                kv = pending[1]
+            ring.wait(grads[0])
+            dkv = grads[1]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = False,
+                   zigzag: bool = True, scale: float | None = None) -> torch.Tensor:
+    """Exact attention over the sequence split across `group` (default: the world).
+
+    With `causal` and `zigzag`, the shards must come from `zigzag_shard`; otherwise rank r holds the r-th
+    contiguous chunk. Each shard's length must be even under zigzag.
+    """
+    group = group or dist.group.WORLD
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} are not a multiple of kv-heads {k.shape[1]}")
+    if causal and zigzag and q.shape[2] % 2:
+        raise ValueError(f"zigzag sharding needs an even local sequence length, got {q.shape[2]}")
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, group, causal, zigzag and causal, scale)

@@ -1,0 +1,104 @@
+"""Ulysses sequence parallelism and the all-gather-KV variant: two exact alternatives to ring attention.
+
+Ulysses: an all-to-all turns sequence shards of all heads into full sequences of H / W heads, attention runs
+locally (`F.scaled_dot_product_attention`), and a second all-to-all turns the result back into sequence shards.
+GQA: when the kv-heads are fewer than the degree (or not divisible by it) K/V heads are replicated up to the query
+heads first. All-gather KV: every rank gathers the whole K and V and attends its own queries to them; simple and
+good at short sequences. Both take contiguous shards (rank r holds the r-th chunk of the sequence).
+
+Shapes: q (B, H, S_local, D); k, v (B, Hkv, S_local, D).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def _world(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all over dim 0 (chunk j goes to rank j); it is its own adjoint, so backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()  # NOTE: before empty_like, which would copy a permuted gradient's strides
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllToAll.apply(grad, ctx.group), None
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """Concatenate every rank's shard along the sequence (dim 2); backward sums the full gradient over ranks
+    (all-reduce, which gloo has; it lacks reduce-scatter) and keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        world, rank = _world(group)
+        ctx.group, ctx.rank, ctx.n = group, rank, x.shape[2]
+        x = x.contiguous()
+        pieces = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(pieces, x, group=group)
+        return torch.cat(pieces, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[:, :, ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
+
+
+def _seq_to_heads(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """(B, H, S/W, D) sequence shard -> (B, H/W, S, D) head shard (autograd-aware all-to-all)."""
+    b, h, s, d = x.shape
+    send = x.reshape(b, world, h // world, s, d).transpose(0, 1).contiguous()  # (W, B, H/W, S/W, D) by head group
+    recv = _AllToAll.apply(send, group)  # (W, B, H/W, S/W, D) by source rank
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // world, world * s, d)
+
+
+def _heads_to_seq(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """(B, H/W, S, D) head shard -> (B, H, S/W, D) sequence shard."""
+    b, hl, s, d = x.shape
+    send = x.reshape(b, hl, world, s // world, d).permute(2, 0, 1, 3, 4).contiguous()  # (W, B, H/W, S/W, D)
+    recv = _AllToAll.apply(send, group)  # by source rank = head group
+    return recv.transpose(0, 1).reshape(b, world * hl, s // world, d)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = False,
+                      scale: float | None = None) -> torch.Tensor:
+    """Exact attention with sequence shards, via two all-to-alls around local full-sequence attention."""
+    group = group or dist.group.WORLD
+    world, _ = _world(group)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % world:
+        raise ValueError(f"Ulysses degree {world} does not divide the {heads} attention heads; use a cp degree "
+                         f"that divides them, or cp_method = 'ring'")
+    if kv_heads % world:  # GQA with fewer kv-heads than ranks: replicate K/V heads up to the query heads
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    qh, kh, vh = (_seq_to_heads(t, world, group) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale,
+                                         enable_gqa=kh.shape[1] != qh.shape[1])
+    return _heads_to_seq(out, world, group)
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = False,
+                        scale: float | None = None) -> torch.Tensor:
+    """Exact attention of local queries against the gathered K/V (gradients reduce-scatter back)."""
+    group = group or dist.group.WORLD
+    world, rank = _world(group)
+    kf = _AllGatherSeq.apply(k, group)  # (B, Hkv, S, D)
+    vf = _AllGatherSeq.apply(v, group)
+    mask = None
+    if causal:  # my queries sit at positions rank * S_local ... ; they see keys up to their own position
+        n, total = q.shape[2], kf.shape[2]
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(rank * n)
+    return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, scale=scale,
+                                          enable_gqa=kf.shape[1] != q.shape[1])

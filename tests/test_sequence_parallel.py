@@ -1,0 +1,193 @@
+"""Ring / Ulysses / all-gather attention on gloo process groups (2 and 4 ranks) against
+`F.scaled_dot_product_attention` on the full sequence: outputs and gradients of Q, K, V."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from vlaforge.distributed import ring
+from vlaforge.distributed.ring import causal_work, ring_attention, zigzag_shard, zigzag_unshard
+from vlaforge.distributed.ulysses import allgather_attention, ulysses_attention
+
+# (method, causal, heads, kv_heads)
+CASES = [(m, c, h, kv) for m in ("ring", "ring_zigzag", "ulysses", "allgather") for c in (False, True)
+         for h, kv in ((4, 4), (4, 2))]
+CASES += [("ulysses", True, 4, 1)]  # fewer kv-heads than ranks: K/V heads replicated
+
+
+def _shard(x, rank, world, zigzag):
+    return zigzag_shard(x, rank, world) if zigzag else x.chunk(world, dim=2)[rank]
+
+
+def _unshard(pieces, zigzag):
+    return zigzag_unshard(pieces) if zigzag else torch.cat(pieces, dim=2)
+
+
+def _gather(x, world):
+    pieces = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(pieces, x.contiguous())
+    return pieces
+
+
+def _case(rank, world, method, causal, heads, kv_heads, dtype, seq):
+    g = torch.Generator().manual_seed(1234)
+    q = torch.randn(2, heads, seq, 16, generator=g).to(dtype)
+    k = torch.randn(2, kv_heads, seq, 16, generator=g).to(dtype)
+    v = torch.randn(2, kv_heads, seq, 16, generator=g).to(dtype)
+    dout = torch.randn(2, heads, seq, 16, generator=g).to(dtype)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*ref_in, is_causal=causal, enable_gqa=heads != kv_heads)
+    ref.backward(dout)
+    zz = method == "ring_zigzag"
+    local = [_shard(t, rank, world, zz).clone().requires_grad_() for t in (q, k, v)]
+    fn = {"ring": lambda *a: ring_attention(*a, causal=causal, zigzag=False),
+          "ring_zigzag": lambda *a: ring_attention(*a, causal=causal, zigzag=True),
+          "ulysses": lambda *a: ulysses_attention(*a, causal=causal),
+          "allgather": lambda *a: allgather_attention(*a, causal=causal)}[method]
+    out = fn(*local)
+    out.backward(_shard(dout, rank, world, zz))
+    got = [out] + [t.grad for t in local]
+    want = [ref] + [t.grad for t in ref_in]
+    # fp32: absolute error; bf16: error relative to the largest reference value (bf16 keeps ~3 digits)
+    norm = (lambda b: 1.0) if dtype == torch.float32 else (lambda b: b.detach().float().abs().max().item())
+    return max((_unshard(_gather(a.detach(), world), zz).float() - b.detach().float()).abs().max().item() / norm(b)
+               for a, b in zip(got, want))
+
+
+def _worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    errors = {}
+    for case in CASES:
+        errors[case] = _case(rank, world, *case, torch.float32, seq=8 * world)
+    errors[("ring_zigzag", True, 4, 2, "bf16")] = _case(rank, world, "ring_zigzag", True, 4, 2, torch.bfloat16,
+                                                        seq=8 * world)
+    for method in ("ring", "ulysses", "allgather"):  # odd local lengths (3 tokens per rank); zigzag needs even
+        errors[(method, True, 4, 2, "odd")] = _case(rank, world, method, True, 4, 2, torch.float32, seq=3 * world)
+    try:
+        ulysses_attention(*(torch.randn(1, 3, 2, 4) for _ in range(3)))
+    except ValueError as exc:
+        out[f"ulysses_error_{rank}"] = str(exc)
+    events = []
+    ring.trace = lambda what, step: events.append((what, step))
+    q = torch.randn(1, 2, 4, 8)
+    ring_attention(q, q, q, causal=True)
+    ring.trace = None
+    if rank == 0:
+        out["errors"] = {k: v for k, v in errors.items()}
+        out["events"] = events
+    dist.destroy_process_group()
+
+
+def _run(world):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_worker, args=(world, port, out), nprocs=world)
+    return dict(out)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def results(request):
+    return request.param, _run(request.param)
+
+
+def test_outputs_and_gradients_match_sdpa(results):
+    world, res = results
+    for case, err in res["errors"].items():
+        tolerance = 1e-2 if "bf16" in case else 1e-5
+        assert err < tolerance, (world, case, err)
+
+
+def test_ulysses_refuses_heads_it_cannot_split(results):
+    world, res = results
+    assert res["ulysses_error_0"].startswith(f"Ulysses degree {world} does not divide the 3 attention heads")
+
+
+def test_next_transfer_is_issued_before_the_current_block_is_computed(results):
+    world, res = results
+    events = res["events"]
+    for step in range(world - 1):
+        assert events.index(("send", step + 1)) < events.index(("compute", step))
+
+
+def test_zigzag_balances_causal_work():
+    for world in (2, 4, 8):
+        zig = {causal_work(r, world, zigzag=True) for r in range(world)}
+        plain = [causal_work(r, world, zigzag=False) for r in range(world)]
+        assert len(zig) == 1  # every rank computes the same number of causal blocks
+        assert plain[-1] > plain[0]  # contiguous shards leave the last rank the most work
+    assert causal_work(0, 4, zigzag=True) == sum(causal_work(r, 4, zigzag=False) for r in range(4)) / 4
+
+
+def test_zigzag_round_trip():
+    x = torch.randn(2, 1, 16, 4)  # (B, H, S, D)
+    shards = [zigzag_shard(x, r, 4) for r in range(4)]
+    assert torch.equal(zigzag_unshard(shards), x)
+
+
+@pytest.mark.parametrize("seq, degree, heads, method", [
+    (32768, 4, 32, "ring"), (8192, 4, 32, "ulysses"), (8192, 3, 32, "ring"), (1024, 2, 32, "allgather")])
+def test_auto_method_by_length_and_degree(seq, degree, heads, method):
+    from vlaforge.distributed.sequence_parallel import choose_cp_method
+
+    chosen, why = choose_cp_method("auto", seq, degree, heads)
+    assert chosen == method and why
+
+
+def test_ulysses_that_cannot_split_heads_is_a_config_error():
+    from vlaforge.distributed.sequence_parallel import choose_cp_method
+    from vlaforge.errors import VlaforgeError
+
+    with pytest.raises(VlaforgeError, match="cp = 3 to divide the llm's 32 attention heads"):
+        choose_cp_method("ulysses", 8192, 3, 32)
+
+
+def _llm_worker(rank, world, port, out):
+    from transformers import LlamaConfig, LlamaModel
+
+    from vlaforge.distributed.sequence_parallel import register_attention
+    from vlaforge.models.flavors import FLAVORS
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(attn_implementation="sdpa", **FLAVORS.get("tiny").llm))  # GQA 4/2
+    x = torch.randn(2, 16 * world, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(16 * world)[None].expand(2, -1)
+    ref = model(inputs_embeds=x, position_ids=pos).last_hidden_state
+    probe = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))  # a loss the final norm keeps
+    (ref * probe).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for method in ("ring", "ring_contiguous", "ulysses", "allgather"):
+        model.zero_grad()
+        model.set_attn_implementation(register_attention(method))
+        zz = method == "ring"
+        shard = (lambda t: zigzag_shard(t, rank, world, dim=1)) if zz else (lambda t: t.chunk(world, 1)[rank])
+        h = model(inputs_embeds=shard(x), position_ids=shard(pos)).last_hidden_state
+        (h * shard(probe)).sum().backward()  # this rank's share of the full-sequence loss
+        grad_err = 0.0
+        for name, g in ref_grads.items():
+            total = model.get_parameter(name).grad.clone()
+            dist.all_reduce(total)  # every rank's tokens contribute to every weight
+            grad_err = max(grad_err, (total - g).abs().max().item() / g.abs().max().item())
+        out[(method, rank)] = ((h - shard(ref)).abs().max().item(), grad_err)
+    dist.destroy_process_group()
+
+
+def test_llama_through_the_attention_registry_matches_the_full_sequence():
+    """The `transformers` registry hook: a Llama run on sequence shards (2 gloo ranks, shared weights) gives the
+    full-sequence hidden states, and its weight gradients summed over ranks give the full-sequence gradients."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_llm_worker, args=(2, port, out), nprocs=2)
+    for key, (hidden_err, grad_err) in out.items():
+        assert hidden_err < 1e-5 and grad_err < 1e-5, (key, hidden_err, grad_err)
