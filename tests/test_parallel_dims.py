@@ -39,7 +39,7 @@ def test_impossible_layouts_are_one_line(flavor, kwargs, world, message):
 
 def test_ddp_replicas_are_fine():
     dims = ParallelDims.build(layout(dp_replicate=4, dp_shard=1, backend="ddp"), 4)
-    assert dims.dp == 4 and dims.mesh_shape() == (("dp_replicate",), (4,))
+    assert dims.dp == 4 and dims.mesh_shape() == (("dp_replicate", "dp_shard"), (4, 1))
 
 
 def _mesh_worker(rank: int, world: int, port: int, out):
@@ -63,16 +63,16 @@ def test_init_and_mesh_on_two_gloo_ranks():
         port = s.getsockname()[1]
     out = mp.Manager().dict()
     mp.spawn(_mesh_worker, args=(2, port, out), nprocs=2)
-    assert dict(out) == {0: (("dp_shard",), 3.0, "gloo"), 1: (("dp_shard",), 3.0, "gloo")}
+    assert dict(out) == {r: (("dp_replicate", "dp_shard"), 3.0, "gloo") for r in (0, 1)}
 
 
-def test_trainer_validates_the_layout_first(tmp_path, monkeypatch):
+def test_trainer_refuses_what_distributed_runs_lack_yet(tmp_path, monkeypatch):
     from vlaforge.errors import VlaforgeError
     from vlaforge.training.trainer import train
 
     from conftest import tiny_config
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(VlaforgeError, match=r"distributed training \(WORLD_SIZE = 2\) is not available yet"):
-        train(tiny_config(tmp_path))
-    assert not (tmp_path / "run").exists()  # nothing was built or written
+    with pytest.raises(VlaforgeError, match="loss.weighting is not available with more than one process yet"):
+        train(tiny_config(tmp_path, loss={"weighting": "dwa"}))
+    assert not (tmp_path / "run").exists()  # refused before anything was built or written

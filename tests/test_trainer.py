@@ -101,3 +101,20 @@ def test_cli_train_and_resume_from_run_dir(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*"))[-1] == "step_00000006"
     proc = run_cli("train", "--resume", str(tmp_path / "missing"))
     assert proc.returncode == 2 and "no checkpoint at" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_checkpoint_with_a_scalar_logit_scale_still_loads(tmp_path):
+    """Checkpoints from before FSDP2 support stored projector.logit_scale as a 0-d tensor."""
+    from safetensors.torch import save_file
+
+    from vlaforge.models.build import build_vla
+    from vlaforge.training.checkpoint import load_weights
+
+    cfg = tiny_config(tmp_path)
+    model = build_vla(cfg.model, cfg.loss)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["projector.logit_scale"] = torch.tensor(2.5)
+    (tmp_path / "ckpt").mkdir()
+    save_file(state, str(tmp_path / "ckpt" / "model.safetensors"))
+    load_weights(tmp_path / "ckpt", model)
+    assert model.projector.logit_scale.shape == (1,) and model.projector.logit_scale.item() == 2.5

@@ -47,13 +47,17 @@ def train(ctx: typer.Context,
           config: Optional[Path] = typer.Argument(None, help="TOML recipe, e.g. recipes/tiny_metaworld.toml"),
           resume: Optional[str] = typer.Option(None, help="'latest', a run folder or a checkpoint folder; "
                                                           "without CONFIG, the checkpoint's saved config is used")):
-    """Train a VLA. Overrides: --section.key=value (e.g. --train.steps=10)."""
+    """Train a VLA. Overrides: --section.key=value (e.g. --train.steps=10). Data parallel under torchrun
+    (--parallel.dp_shard / dp_replicate, --parallel.backend=fsdp2|ddp)."""
     from vlaforge.training.trainer import train as run_training
+
+    from vlaforge.distributed.parallel_dims import world_from_env
 
     cfg = _load(config, ctx, resume)
     last = run_training(cfg)
-    shown = {k: round(v, 5) for k, v in last.items() if k.startswith(("loss/", "perf/"))}
-    typer.echo(f"done: {cfg.train.steps} steps -> {cfg.train.output_dir}  {json.dumps(shown)}")
+    if world_from_env().is_main:  # under torchrun, one summary line
+        shown = {k: round(v, 5) for k, v in last.items() if k.startswith(("loss/", "perf/"))}
+        typer.echo(f"done: {cfg.train.steps} steps -> {cfg.train.output_dir}  {json.dumps(shown)}")
 
 
 @app.command("eval")

@@ -1,7 +1,7 @@
 """Config classes (pydantic v2). Unknown keys, wrong types and bad values fail before any model is built.
 
-Values that later work will implement (parallel degrees above 1) are validated already and rejected with a clear "not available yet" message, never
-silently ignored. The serializable description lives here; runtime objects are built elsewhere.
+Values that later work will implement (tp / pp / cp above 1, DeepSpeed) are validated already and rejected with
+a clear "not available yet" message, never silently ignored. The serializable description lives here; runtime objects are built elsewhere.
 """
 
 from __future__ import annotations
@@ -174,7 +174,9 @@ class LossConfig(Section):
 
 
 class ParallelConfig(Section):
-    dp_replicate: int = Field(1, ge=1)
+    """Data parallel today (FSDP2 / HSDP / DDP under torchrun); tp, pp, cp > 1 and DeepSpeed arrive later."""
+
+    dp_replicate: int = Field(1, ge=1, description="replicas (HSDP's outer dimension; DDP: all ranks)")
     dp_shard: int = Field(-1, ge=-1, description="-1: the rest of the world size")
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
@@ -182,20 +184,25 @@ class ParallelConfig(Section):
     cp_method: Literal["ring", "ulysses", "allgather", "auto"] = "ring"
     backend: Literal["fsdp2", "ddp", "deepspeed"] = "fsdp2"
 
-    @field_validator("dp_replicate", "tp", "pp", "cp")
+    @field_validator("tp", "pp", "cp")
     @classmethod
     def _degree_available(cls, v: int) -> int:
         if v > 1:
-            raise not_yet(v, "distributed scale-out", "1")
+            raise not_yet(v, "tensor / pipeline / context parallel", "1")
         return v
 
     @field_validator("dp_shard")
     @classmethod
-    def _shard_available(cls, v: int) -> int:
+    def _shard_valid(cls, v: int) -> int:
         if v == 0:
             raise ValueError("dp_shard must be -1 (the rest of the world) or >= 1")
-        if v > 1:
-            raise not_yet(v, "distributed scale-out", "-1 or 1")
+        return v
+
+    @field_validator("backend")
+    @classmethod
+    def _backend_available(cls, v: str) -> str:
+        if v == "deepspeed":
+            raise not_yet(v, "the DeepSpeed backend", "'fsdp2' or 'ddp'")
         return v
 
 

@@ -32,6 +32,20 @@ class ResumableSampler(Sampler[int]):
             epoch, offset = epoch + 1, 0
 
 
+class RankSlice(Sampler[int]):
+    """A rank's share of the global sample stream: of every global batch (batch_size x dp samples), the rank-th
+    contiguous slice, so that the ranks together see exactly what one process with a dp-times larger batch sees."""
+
+    def __init__(self, base: Sampler[int], batch_size: int, rank: int, dp: int):
+        self.base, self.batch_size, self.rank, self.dp = base, batch_size, rank, dp
+
+    def __iter__(self) -> Iterator[int]:
+        stream, b = iter(self.base), self.batch_size
+        while True:
+            chunk = [next(stream) for _ in range(b * self.dp)]
+            yield from chunk[self.rank * b:(self.rank + 1) * b]
+
+
 @dataclass
 class Data:
     """A training dataset and what a policy trained on it needs at inference (saved with every checkpoint)."""
@@ -94,8 +108,13 @@ def _lerobot_data(cfg, model) -> Data:
     return Data(dataset, spec, tokenizer)
 
 
-def build_loader(dataset: Dataset, batch_size: int, seed: int, start_sample: int, num_workers: int) -> DataLoader:
+def build_loader(dataset: Dataset, batch_size: int, seed: int, start_sample: int, num_workers: int,
+                 rank: int = 0, dp: int = 1) -> DataLoader:
+    """Batches of `batch_size` for data-parallel rank `rank` of `dp`; `start_sample` counts global samples."""
+    sampler: Sampler[int] = ResumableSampler(len(dataset), seed, start_sample)
+    if dp > 1:
+        sampler = RankSlice(sampler, batch_size, rank, dp)
     # NOTE: an explicit generator keeps the DataLoader from drawing on the global RNG, which resume restores.
-    return DataLoader(dataset, batch_size=batch_size, sampler=ResumableSampler(len(dataset), seed, start_sample),
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                       collate_fn=Batch.collate, num_workers=num_workers, generator=torch.Generator().manual_seed(seed),
                       persistent_workers=num_workers > 0)

@@ -35,30 +35,34 @@ def trainable_grads(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, torc
 
 
 @torch.no_grad()
-def component_stats(module: nn.Module, scale: float = 1.0) -> dict[str, float] | None:
+def component_stats(module: nn.Module, scale: float = 1.0, reducer=None) -> dict[str, float] | None:
     """Gradient statistics of one component's trainable parameters (None when nothing in it trains).
 
+    With `reducer` (sharded gradients), counts are summed over the shards.
     zero_frac: exactly-zero elements (a parameter without a gradient counts as all zeros);
     fp16_underflow_frac: nonzero elements with |g * scale| < 2^-24, i.e. lost if computed in fp16 at this scale;
     inf, nan: counts; grad_norm: L2 in fp32.
     """
-    numel = missing = 0
-    counts: torch.Tensor | None = None  # [zeros, tiny, inf, nan, sum of squares], summed on the grads' device
+    # [numel, zeros (incl. missing gradients), tiny, inf, nan, sum of squares] over this rank's elements
+    counts = torch.zeros(6, dtype=torch.float64)
     for _, p, g in trainable_grads(module):
-        numel += p.numel()
+        local = reducer.local(p) if reducer is not None else p
         if g is None:
-            missing += p.numel()
+            counts[:2] += local.numel()
             continue
-        absolute = g.detach().abs().float()
+        absolute = (reducer.local(g) if reducer is not None else g).detach().abs().float()
         finite = torch.isfinite(absolute)
-        row = torch.stack([(absolute == 0).sum(), ((absolute > 0) & (absolute * scale < FP16_TINY)).sum(),
-                           torch.isinf(absolute).sum(), torch.isnan(absolute).sum()]).double()
+        row = torch.stack([torch.tensor(absolute.numel(), device=absolute.device), (absolute == 0).sum(),
+                           ((absolute > 0) & (absolute * scale < FP16_TINY)).sum(), torch.isinf(absolute).sum(),
+                           torch.isnan(absolute).sum()]).double()
         row = torch.cat([row, torch.where(finite, absolute, 0.0).double().square().sum()[None]])
-        counts = row if counts is None else counts + row
+        counts = counts.to(row.device) + row
+    if reducer is not None:
+        counts = reducer.sum_shards(counts)
+    numel, zeros, tiny, inf, nan, square = counts.tolist()
     if numel == 0:
         return None
-    zeros, tiny, inf, nan, square = counts.tolist() if counts is not None else (0, 0, 0, 0, 0.0)
-    return {"grad_norm": square ** 0.5, "zero_frac": (zeros + missing) / numel, "fp16_underflow_frac": tiny / numel,
+    return {"grad_norm": square ** 0.5, "zero_frac": zeros / numel, "fp16_underflow_frac": tiny / numel,
             "inf": inf, "nan": nan}
 
 
@@ -95,9 +99,9 @@ class NumericsMonitor:
     def due(self, step: int) -> bool:
         return self.cfg.every > 0 and step % self.cfg.every == 0
 
-    def measure(self, model: nn.Module, scale: float, step: int) -> dict[str, float]:
+    def measure(self, model: nn.Module, scale: float, step: int, reducer=None) -> dict[str, float]:
         """Metrics `numerics/<component>/<stat>` for the gradients now on `model`; warns on underflow."""
-        stats = {c: s for c in COMPONENTS if (s := component_stats(getattr(model, c), scale)) is not None}
+        stats = {c: s for c in COMPONENTS if (s := component_stats(getattr(model, c), scale, reducer)) is not None}
         out = {f"numerics/{c}/{k}": v for c, s in stats.items() for k, v in s.items() if k != "grad_norm"}
         for c, s in stats.items():
             self.check_underflow(c, s, stats.get("llm"), step)

@@ -113,10 +113,11 @@ class ParallelDims:
         return self.world_size > 1
 
     def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        """(names, sizes) of the mesh dimensions with degree > 1, in MESH_ORDER (data dims kept when dp > 1)."""
+        """(names, sizes) of the mesh in MESH_ORDER: the two data dimensions always (FSDP2 replicates over a 2-D
+        (dp_replicate, dp_shard) mesh even when one of them is 1), the others when their degree is above 1."""
         sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
                  "tp": self.tp}
-        kept = [n for n in MESH_ORDER if sizes[n] > 1]
+        kept = [n for n in MESH_ORDER if sizes[n] > 1 or n.startswith("dp_")]
         return tuple(kept), tuple(sizes[n] for n in kept)
 
     def build_mesh(self, device_type: str):
@@ -124,8 +125,6 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         names, sizes = self.mesh_shape()
-        if not names:
-            names, sizes = ("dp_shard",), (1,)
         return init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
 

@@ -25,7 +25,8 @@ class Projector(nn.Module):
     def __init__(self, vision_dim: int, llm_dim: int, hidden: int):
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(vision_dim, hidden), nn.GELU(), nn.Linear(hidden, llm_dim))
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+        # (1,), not a scalar: FSDP2 cannot shard 0-d parameters.
+        self.logit_scale = nn.Parameter(torch.tensor([math.log(1 / 0.07)]))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.mlp(features)

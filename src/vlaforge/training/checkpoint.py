@@ -38,17 +38,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any], config_toml: str,
-                    keep: int, extra: Callable[[Path], None] | None = None) -> Path:
+                    keep: int, extra: Callable[[Path], None] | None = None,
+                    weights: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep` checkpoints.
 
     `extra(folder)` writes further files (the policy's observation spec, tokenizer) into the checkpoint.
+    `weights`: the full state dict to write instead of `model`'s own (a sharded model's, gathered).
     """
     root = run_dir / "checkpoints"
     final = root / f"step_{step:08d}"
     tmp = root / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / MODEL_FILE))
+    if weights is None:
+        save_model(model, str(tmp / MODEL_FILE))
+    else:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(tmp / MODEL_FILE))  # unties
     torch.save(state, tmp / STATE_FILE)
     (tmp / CONFIG_FILE).write_text(config_toml)
     if extra is not None:
@@ -81,8 +88,9 @@ def resolve_checkpoint(resume: str, output_dir: str | Path, what: str = "train.r
                         f"give a run folder or a checkpoints/step_* folder{fix}")
 
 
-def load_checkpoint(ckpt: Path, model: torch.nn.Module) -> dict[str, Any]:
-    """Load weights into `model` (strict) and return the trainer state.
+def load_checkpoint(ckpt: Path, model: torch.nn.Module, sharded: bool = False) -> dict[str, Any]:
+    """Load weights into `model` (strict; `sharded`: a parallelized model, loaded from the full state on every
+    rank) and return the trainer state.
 
     Raises:
         VlaforgeError: a file is missing, truncated or does not match the model.
@@ -90,7 +98,15 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module) -> dict[str, Any]:
     for name in (MODEL_FILE, STATE_FILE):
         if not (ckpt / name).is_file():
             raise VlaforgeError(f"checkpoint {ckpt} has no {name}; resume from another checkpoint")
-    load_weights(ckpt, model)
+    if sharded:
+        from safetensors.torch import load_file
+
+        from vlaforge.distributed.state import load_full_model_state
+
+        _upgrade_legacy(ckpt / MODEL_FILE)
+        load_full_model_state(model, load_file(str(ckpt / MODEL_FILE)))
+    else:
+        load_weights(ckpt, model)
     try:
         return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch.load raises many types for damaged files
@@ -107,6 +123,7 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
     if not (ckpt / MODEL_FILE).is_file():
         raise VlaforgeError(f"checkpoint {ckpt} has no {MODEL_FILE}; give a checkpoints/step_* folder")
     try:
+        _upgrade_legacy(ckpt / MODEL_FILE)
         missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise VlaforgeError(f"checkpoint file {ckpt / MODEL_FILE} is truncated or corrupt ({_first_line(exc)}); "
@@ -115,6 +132,23 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
         raise VlaforgeError(f"checkpoint {ckpt} does not match the model ({len(missing)} missing, "
                             f"{len(unexpected)} unexpected tensors, e.g. {(missing or unexpected)[0]}); "
                             "use the config saved in that checkpoint")
+
+
+def _upgrade_legacy(path: Path) -> None:
+    """Checkpoints written before `projector.logit_scale` became shape (1,) (FSDP2 cannot shard 0-d parameters)
+    store it as a scalar: rewrite the file once, atomically, with the new shape."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        if "projector.logit_scale" not in f.keys() or f.get_slice("projector.logit_scale").get_shape() != []:
+            return
+        metadata = f.metadata()
+    state = load_file(str(path))
+    state["projector.logit_scale"] = state["projector.logit_scale"].reshape(1)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(state, str(tmp), metadata=metadata)
+    tmp.replace(path)
 
 
 def _first_line(exc: BaseException) -> str:

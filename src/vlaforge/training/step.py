@@ -5,6 +5,7 @@ host syncs happen only for loss scaling (skip or not) and the non-finite check."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,21 +16,30 @@ from vlaforge.diagnostics.numerics import NumericsMonitor, nonfinite_error
 from vlaforge.training.loss_scale import LossScaler
 
 
-def grad_norms(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def local_grads(optimizer: torch.optim.Optimizer, reducer=None) -> list[torch.Tensor]:
+    """Every gradient the optimizer will use, as this rank's local tensors (the shard of a DTensor gradient)."""
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    return [reducer.local(g) for g in grads] if reducer is not None else grads
+
+
+def grad_norms(optimizer: torch.optim.Optimizer, reducer=None) -> dict[str, torch.Tensor]:
     """L2 norm of the gradients of each component (from the optimizer's per-component groups; learned loss
-    weights excluded), and of all of them ('total'). One fused norm kernel for all gradients."""
+    weights excluded), and of all of them ('total'). One fused norm kernel for all gradients; with sharded
+    gradients, one all-reduce of the per-component sums of squares."""
     owners, grads = [], []
     for group in optimizer.param_groups:
         if group["component"] in COMPONENTS:
             for p in group["params"]:
                 if p.grad is not None:
                     owners.append(group["component"])
-                    grads.append(p.grad)
+                    grads.append(reducer.local(p.grad) if reducer is not None else p.grad)
     if not grads:
         return {"total": torch.zeros(())}
     squares = torch.stack(torch._foreach_norm(grads)).square()  # (N,)
     index = torch.tensor([COMPONENTS.index(o) for o in owners], device=squares.device)
     per = torch.zeros(len(COMPONENTS), device=squares.device).index_add_(0, index, squares.float())
+    if reducer is not None:
+        per = reducer.sum_shards(per)
     norms = {c: per[i].sqrt() for i, c in enumerate(COMPONENTS) if c in owners}
     norms["total"] = per.sum().sqrt()
     return norms
@@ -42,6 +52,7 @@ class StepGuards:
     scaler: LossScaler = field(default_factory=lambda: LossScaler(enabled=False))
     monitor: NumericsMonitor | None = None
     step: int = 0
+    reducer: Any = None  # distributed.parallelize.GradReducer when gradients are sharded / replicated
 
     @property
     def measure(self) -> bool:
@@ -60,20 +71,24 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
     `guards.check_finite` stops at a non-finite gradient before the optimizer step, naming the parameters.
     """
     guards = guards or StepGuards()
-    scaler = guards.scaler
+    scaler, reducer = guards.scaler, guards.reducer
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, torch.Tensor] = {}
     n = len(micro_batches)
-    for batch in micro_batches:
+    for i, batch in enumerate(micro_batches):
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients on the last micro-step only
+            model.set_requires_gradient_sync(i == n - 1)
         loss, metrics = model.compute_loss(batch, weighting)
         scaler.scale_loss(loss / n).backward()
         for k, v in metrics.items():
             sums[k] = sums[k] + v / n if k in sums else v / n
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    grads = local_grads(optimizer, reducer)
     found_inf = scaler.unscale_(grads)
-    norms = grad_norms(optimizer)
+    if found_inf is not None and reducer is not None:
+        found_inf = reducer.any_rank(found_inf)  # every rank skips, or none
+    norms = grad_norms(optimizer, reducer)
     if guards.measure:
-        sums.update(guards.monitor.measure(model, scaler.scale, guards.step))
+        sums.update(guards.monitor.measure(model, scaler.scale, guards.step, reducer))
     skipped = found_inf is not None and bool(found_inf)  # host sync, only with loss scaling
     if found_inf is None and guards.check_finite and not bool(torch.isfinite(norms["total"])):
         raise nonfinite_error(model, guards.monitor.precisions, guards.step, "(no loss scaling)")
@@ -82,9 +97,9 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
         precisions = guards.monitor.precisions if guards.monitor else {}
         raise nonfinite_error(model, precisions, guards.step, f"at the minimum loss scale {scaler.min_scale:g}")
     if not skipped:
-        if grad_clip > 0:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norms["total"], foreach=True)
+        if grad_clip > 0:  # as torch.nn.utils.clip_grads_with_norm_, on local tensors (DTensor shards included)
+            coef = (grad_clip / (norms["total"] + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
         optimizer.step()
         scheduler.step()
     weighting.end_step()

@@ -22,7 +22,9 @@ from vlaforge.models.build import build_vla, tokens_per_sample
 from vlaforge.progress import progress_bar
 from vlaforge.techniques.freezing import apply_freezing, schedule_changes
 from vlaforge.diagnostics.numerics import NumericsMonitor
-from vlaforge.distributed.parallel_dims import ParallelDims, model_facts, world_from_env
+from vlaforge.distributed.parallel_dims import ParallelDims, World, init_distributed, model_facts, world_from_env
+from vlaforge.distributed.parallelize import parallelize
+from vlaforge.distributed.state import full_model_state, full_optimizer_state, load_full_optimizer_state
 from vlaforge.techniques.checkpointing import apply_checkpointing
 from vlaforge.techniques.freezing import trainable_at
 from vlaforge.techniques.offload import apply_offload
@@ -48,12 +50,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_layout(cfg: VLAConfig) -> ParallelDims:
+def check_layout(cfg: VLAConfig, world: World) -> ParallelDims:
     """The parallel layout for this world size, validated before anything is built (one line on a bad one)."""
-    dims = ParallelDims.build(cfg.parallel, world_from_env().size, model_facts(cfg.model))
+    dims = ParallelDims.build(cfg.parallel, world.size, model_facts(cfg.model))
     if dims.distributed:
-        raise VlaforgeError(f"distributed training (WORLD_SIZE = {dims.world_size}) is not available yet (arrives "
-                            "with distributed scale-out); run without torchrun")
+        unsupported = {"loss.weighting": cfg.loss.weighting != "static", "eval.every": cfg.eval.every > 0,
+                       "unfreeze_at_step": any(p.unfreeze_at_step is not None for _, p in cfg.components.items())}
+        for key, on in unsupported.items():
+            if on:
+                raise VlaforgeError(f"{key} is not available with more than one process yet (arrives with the rest "
+                                    "of scale-out); use static loss weights, eval.every = 0 and no unfreeze schedule")
     return dims
 
 
@@ -95,6 +101,8 @@ class Run:
     cfg: VLAConfig
     run_dir: Path
     device: torch.device
+    world: World
+    dims: ParallelDims
     model: nn.Module
     precision: PrecisionSetup
     guards: StepGuards
@@ -108,38 +116,52 @@ class Run:
 
 
 def build_run(cfg: VLAConfig) -> Run:
-    check_layout(cfg)
-    device = resolve_device(cfg.train.device)
-    seed_everything(cfg.train.seed)
+    world = world_from_env()
+    dims = check_layout(cfg, world)
+    device = init_distributed(world, resolve_device(cfg.train.device))
+    seed_everything(cfg.train.seed)  # the same on every rank: identical initial weights before sharding
     run_dir = Path(cfg.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model, precision = build_model(cfg, device)
     guards = build_guards(cfg, precision)
+    if dims.distributed:
+        guards.reducer = parallelize(model, dims, dims.build_mesh(device.type), dict(cfg.components.items()))
     weighting = build_loss_weighting(cfg, model, device)
     optimizer = build_optimizer(model, cfg, list(weighting.parameters()))
     scheduler = build_scheduler(optimizer, cfg.train)
     start = 0
     if cfg.train.resume:
         start = restore(ckpt.resolve_checkpoint(cfg.train.resume, run_dir), model, weighting, optimizer, scheduler,
-                        guards.scaler)
-    write_atomic(run_dir / "config.toml", dump_toml(cfg))
-    write_atomic(run_dir / "precision.json", json.dumps(precision.to_json(), indent=2))
+                        guards.scaler, dims.distributed)
+    if world.is_main:
+        write_atomic(run_dir / "config.toml", dump_toml(cfg))
+        write_atomic(run_dir / "precision.json", json.dumps(precision.to_json(), indent=2))
     tps = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
     data = build_data(cfg, model)
     tasks = eval_tasks(cfg) if cfg.eval.every else []  # checked before training, not at the first evaluation
-    return Run(cfg, run_dir, device, model, precision, guards, weighting, optimizer, scheduler, start, tps, data,
-               tasks)
+    return Run(cfg, run_dir, device, world, dims, model, precision, guards, weighting, optimizer, scheduler, start,
+               tps, data, tasks)
 
 
 def trainer_state(run: Run, step: int) -> dict[str, Any]:
-    return {"step": step, "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+    """Optimizer (full, keyed by parameter name when sharded), schedule, loss weighting, scaler, RNG."""
+    optim = full_optimizer_state(run.model, run.optimizer) if run.dims.distributed else run.optimizer.state_dict()
+    return {"step": step, "optimizer": optim, "scheduler": run.scheduler.state_dict(),
             "weighting": run.weighting.state_dict(), "loss_scale": run.guards.scaler.state_dict(),
-            "rng": ckpt.rng_state()}
+            "rng": ckpt.rng_state(), "world_size": run.dims.world_size}
 
 
-def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScaler) -> int:
-    state = ckpt.load_checkpoint(path, model)
-    optimizer.load_state_dict(state["optimizer"])
+def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScaler, distributed: bool) -> int:
+    state = ckpt.load_checkpoint(path, model, sharded=distributed)
+    saved_distributed = state.get("world_size", 1) > 1
+    if saved_distributed != distributed:
+        raise VlaforgeError(f"checkpoint {path} was written by {state.get('world_size', 1)} process(es); resuming "
+                            "its optimizer state across single-process and distributed runs is not available yet; "
+                            "resume with the same kind of run")
+    if distributed:
+        load_full_optimizer_state(model, optimizer, state["optimizer"])
+    else:
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     weighting.load_state_dict(state["weighting"])
     if "loss_scale" in state:
@@ -148,9 +170,17 @@ def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScal
     return int(state["step"])
 
 
-def save(run: Run, step: int) -> Path:
-    return ckpt.save_checkpoint(run.run_dir, step, run.model, trainer_state(run, step), dump_toml(run.cfg),
-                                run.cfg.train.keep_checkpoints, extra=run.data.save_policy_files)
+def save(run: Run, step: int) -> Path | None:
+    """Write a checkpoint (rank 0); with a sharded model every rank takes part in gathering it."""
+    weights = full_model_state(run.model) if run.dims.distributed else None
+    state = trainer_state(run, step)
+    path = None
+    if run.world.is_main:
+        path = ckpt.save_checkpoint(run.run_dir, step, run.model, state, dump_toml(run.cfg),
+                                    run.cfg.train.keep_checkpoints, extra=run.data.save_policy_files, weights=weights)
+    if run.dims.distributed:
+        torch.distributed.barrier()  # no rank runs ahead of a checkpoint it may need to resume from
+    return path
 
 
 def evaluate_checkpoint(run: Run, path: Path) -> dict[str, float]:
@@ -173,17 +203,20 @@ def train(cfg: VLAConfig) -> dict[str, float]:
     """Train as configured; returns the last logged metrics."""
     run = build_run(cfg)
     t = cfg.train
+    dp, main = run.dims.dp, run.world.is_main
     loader = build_loader(run.data.dataset, t.batch_size, t.seed,
-                          start_sample=run.start_step * t.batch_size * t.grad_accum, num_workers=cfg.data.num_workers)
+                          start_sample=run.start_step * t.batch_size * t.grad_accum * dp,
+                          num_workers=cfg.data.num_workers, rank=run.world.rank % dp, dp=dp)
     batches = iter(loader)
     policies = dict(cfg.components.items())
     changes = schedule_changes(policies) | {run.start_step}
-    logger = MetricsLogger(run.run_dir, t.tensorboard)
-    if t.progress:
+    logger = MetricsLogger(run.run_dir, t.tensorboard) if main else None
+    show = t.progress and main
+    if show:
         print(f"precision: {run.precision.summary()}", flush=True)
     last: dict[str, float] = {}
     window_start, window_steps = time.perf_counter(), 0
-    with progress_bar(t.progress, "train", t.steps, run.start_step) as advance:
+    with progress_bar(show, "train", t.steps, run.start_step) as advance:
         for step in range(run.start_step, t.steps):
             if step in changes:
                 apply_freezing(run.model, policies, step)
@@ -196,14 +229,17 @@ def train(cfg: VLAConfig) -> dict[str, float]:
             window_steps += 1
             done = step + 1
             numerics = {k: v for k, v in metrics.items() if k.startswith("numerics/")}
-            if numerics and not (done % t.log_every == 0 or done == t.steps):
+            if numerics and logger and not (done % t.log_every == 0 or done == t.steps):
                 logger.log(done, to_floats(numerics))
             if done % t.log_every == 0 or done == t.steps:
+                if run.guards.reducer is not None:  # every rank's losses, averaged (a collective: all ranks)
+                    metrics = run.guards.reducer.mean_over_ranks(metrics)
                 elapsed = time.perf_counter() - window_start
-                samples = window_steps * t.batch_size * t.grad_accum
+                samples = window_steps * t.batch_size * t.grad_accum * dp
                 last = {**to_floats(metrics), **group_lrs(run.optimizer), "perf/samples_per_s": samples / elapsed,
                         "perf/tokens_per_s": samples * run.tokens_per_sample / elapsed}
-                logger.log(done, last)
+                if logger:
+                    logger.log(done, last)
                 window_start, window_steps = time.perf_counter(), 0
             evaluate_now = cfg.eval.every and done % cfg.eval.every == 0
             if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or evaluate_now:
@@ -213,5 +249,6 @@ def train(cfg: VLAConfig) -> dict[str, float]:
                     logger.log(done, scores)
                     last |= scores
             advance(f"loss {last['loss/total']:.4f}" if last else "")
-    logger.close()
+    if logger:
+        logger.close()
     return last
