@@ -56,6 +56,18 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, single
         assert got["numerics/llm/zero_frac"] == pytest.approx(want["numerics/llm/zero_frac"])  # counts too
 
 
+def test_hsdp_2x2_on_four_ranks(tmp_path):
+    reference = tmp_path / "single"
+    done = run_cli("train", str(TINY_RECIPE), *COMMON, "--train.grad_accum=4", f"--train.output_dir={reference}")
+    assert done.returncode == 0, done.stderr
+    done = torchrun("train", str(TINY_RECIPE), *COMMON, "--parallel.dp_replicate=2", "--parallel.dp_shard=2",
+                    f"--train.output_dir={tmp_path / 'hsdp'}", nproc=4)
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = weights(tmp_path / "hsdp"), weights(reference)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+
+
 def test_distributed_resume_is_exact(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert torchrun("train", str(TINY_RECIPE), *COMMON, f"--train.output_dir={straight}").returncode == 0
