@@ -1,5 +1,6 @@
 """Data parallel under a real `torchrun`: `vlaforge train` on 2 gloo ranks matches one process that takes the same
-global batch as 2 accumulated micro-batches (FSDP2 and DDP), and a distributed run resumes bit for bit."""
+global batch as 2 accumulated micro-batches (FSDP2 and DDP) and, with the contrastive term off, one process with a
+twice larger batch; HSDP 2x2 on 4 ranks; a distributed run resumes bit for bit."""
 
 import json
 import os
@@ -54,6 +55,20 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, single
         assert got["loss/total"] == pytest.approx(want["loss/total"], abs=1e-5)
         assert got["grad_norm/total"] == pytest.approx(want["grad_norm/total"], rel=1e-5)  # norms over shards
         assert got["numerics/llm/zero_frac"] == pytest.approx(want["numerics/llm/zero_frac"])  # counts too
+
+
+def test_two_ranks_equal_one_process_with_a_twice_larger_batch(tmp_path):
+    """Masked means are normalized over all ranks: 2 ranks x 4 samples give one batch of 8 (contrastive off: its
+    negatives are per rank)."""
+    off = "--loss.weights={contrastive=0.0,language=0.4,action=0.3}"
+    large = tmp_path / "large"
+    done = run_cli("train", str(TINY_RECIPE), *COMMON, off, "--train.batch_size=8", f"--train.output_dir={large}")
+    assert done.returncode == 0, done.stderr
+    done = torchrun("train", str(TINY_RECIPE), *COMMON, off, f"--train.output_dir={tmp_path / 'dp'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = weights(tmp_path / "dp"), weights(large)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
 
 
 def test_hsdp_2x2_on_four_ranks(tmp_path):

@@ -118,3 +118,19 @@ def test_checkpoint_with_a_scalar_logit_scale_still_loads(tmp_path):
     save_file(state, str(tmp_path / "ckpt" / "model.safetensors"))
     load_weights(tmp_path / "ckpt", model)
     assert model.projector.logit_scale.shape == (1,) and model.projector.logit_scale.item() == 2.5
+
+
+def test_accumulated_micro_batches_equal_one_large_batch(tmp_path):
+    """Masked means are normalized over the whole step (HF's grad-accumulation loss bug, avoided): 4 micro-batches of
+    2 give the weights of one batch of 8. The contrastive term is off: its negatives are in-micro-batch by nature."""
+    def run(name, batch, accum):
+        cfg = tiny_config(tmp_path, loss={"weights": {"contrastive": 0.0, "language": 0.4, "action": 0.3},
+                                          "smoothness": 0.1},
+                          train={"steps": 3, "batch_size": batch, "grad_accum": accum,
+                                 "output_dir": str(tmp_path / name)})
+        train(cfg)
+        return _weights(tmp_path / name, 3)
+
+    large, accumulated = run("large", 8, 1), run("accumulated", 2, 4)
+    for k in large:
+        torch.testing.assert_close(accumulated[k], large[k], rtol=0, atol=1e-5, msg=k)

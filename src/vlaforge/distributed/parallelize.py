@@ -45,6 +45,16 @@ class GradReducer:
         return t
 
     @staticmethod
+    def world_size() -> int:
+        return dist.get_world_size()
+
+    @staticmethod
+    def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+        """Summed over every rank (all of them are data-parallel ranks today)."""
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    @staticmethod
     def any_rank(flag: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag

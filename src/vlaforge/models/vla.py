@@ -96,16 +96,20 @@ class VLA(nn.Module):
         }
 
     # ---- policy interface ---------------------------------------------------------------------------------
-    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """The unweighted loss terms of the objective, plus detached monitoring values (names ending in _m)."""
+    def forward(self, batch: Batch, denominators: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The unweighted loss terms of the objective, plus detached monitoring values (names ending in _m).
+
+        `denominators`: per masked-mean term, the count to divide by instead of this batch's own (the trainer's
+        global normalization over micro-batches and ranks)."""
         obj = self.objective
-        with_text = obj.active("language") and batch.text_ids is not None
+        den = denominators or {}
+        with_text = self.uses_text(batch)
         h = self.run_llm(batch, with_text)
         head = self.action_head(h["action_hidden"], batch.state, batch.actions)
         terms = {"action": L.action_loss(head.prediction, head.target, batch.action_mask, obj.action,
-                                         obj.huber_delta)}
+                                         obj.huber_delta, den.get("action"))}
         if obj.smoothness > 0:
-            smooth = L.smoothness_loss(head.actions, batch.action_mask)
+            smooth = L.smoothness_loss(head.actions, batch.action_mask, den.get("smoothness"))
             terms["action"] = terms["action"] + obj.smoothness * smooth
             terms["action_smoothness_m"] = smooth.detach()
         if obj.active("contrastive"):
@@ -113,13 +117,19 @@ class VLA(nn.Module):
             terms["contrastive"] = L.contrastive_loss(h["vision_tokens"].mean(1), text_pool, batch.instruction_ids,
                                                       batch.instruction_mask.bool(), self.projector.logit_scale)
         if with_text:
-            terms["language"] = L.language_loss(h["text_logits"], batch.text_ids, batch.text_mask)
-        terms["action_l1_m"] = L.masked_mean((head.actions.detach() - batch.actions).abs(), batch.action_mask)
+            terms["language"] = L.language_loss(h["text_logits"], batch.text_ids, batch.text_mask, den.get("language"))
+        terms["action_l1_m"] = L.masked_mean((head.actions.detach() - batch.actions).abs(), batch.action_mask,
+                                             den.get("action"))
         return terms
 
-    def compute_loss(self, batch: Batch, weighting: Callable | None = None) -> tuple[torch.Tensor, dict]:
+    def uses_text(self, batch: Batch) -> bool:
+        """Whether the language term is computed for `batch`."""
+        return self.objective.active("language") and batch.text_ids is not None
+
+    def compute_loss(self, batch: Batch, weighting: Callable | None = None,
+                     denominators: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
         """(weighted total loss, metrics). `weighting` maps the term dict to (loss, weights); static by default."""
-        out = self(batch)
+        out = self(batch, denominators=denominators)
         terms = {k: v for k, v in out.items() if not k.endswith("_m")}
         if weighting is None:
             weights = {k: self.objective.weights.get(k, 1.0) for k in terms}

@@ -33,12 +33,26 @@ class Objective:
         return self.weights.get(term, 0.0) > 0
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` over positions where `mask` is true; `mask` broadcasts over trailing dims."""
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, denominator: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of `values` over positions where `mask` is true; `mask` broadcasts over trailing dims.
+
+    `denominator` replaces the local count of valid positions: the trainer passes the count over all micro-batches
+    and ranks of the step (divided by their number), so that averaging the micro-batch losses gives the mean over
+    every valid position of the global batch."""
     while mask.dim() < values.dim():
         mask = mask.unsqueeze(-1)
     mask = mask.to(values.dtype).expand_as(values)
-    return (values * mask).sum() / mask.sum().clamp_min(1.0)
+    return (values * mask).sum() / (mask.sum().clamp_min(1.0) if denominator is None else denominator)
+
+
+def valid_counts(batch, with_text: bool) -> dict[str, torch.Tensor]:
+    """Positions each masked-mean loss term averages over in `batch` (float counts, as masked_mean counts them)."""
+    mask = batch.action_mask.float()
+    per_step = batch.actions.shape[-1]  # the mask covers every action dimension of a valid step
+    counts = {"action": mask.sum() * per_step, "smoothness": (mask[:, 1:] * mask[:, :-1]).sum() * per_step}
+    if with_text and batch.text_mask is not None:
+        counts["language"] = batch.text_mask.float().sum()
+    return counts
 
 
 def masked_mean_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -48,7 +62,7 @@ def masked_mean_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def action_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
-                kind: str = "huber", delta: float = 1.0) -> torch.Tensor:
+                kind: str = "huber", delta: float = 1.0, denominator: torch.Tensor | None = None) -> torch.Tensor:
     """Element-wise L1 / MSE / Huber between (B, T, A) tensors, averaged over valid chunk steps (mask (B, T))."""
     pred, target = pred.float(), target.float()
     if kind == "l1":
@@ -59,13 +73,14 @@ def action_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
         err = F.huber_loss(pred, target, reduction="none", delta=delta)
     else:
         raise ValueError(f"unknown action loss {kind!r}; choose l1, mse or huber")
-    return masked_mean(err, mask)
+    return masked_mean(err, mask, denominator)
 
 
-def smoothness_loss(actions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def smoothness_loss(actions: torch.Tensor, mask: torch.Tensor,
+                    denominator: torch.Tensor | None = None) -> torch.Tensor:
     """Mean squared difference of consecutive actions (B, T, A) where both steps are valid."""
     diff = (actions[:, 1:] - actions[:, :-1]).float().square()
-    return masked_mean(diff, mask[:, 1:] & mask[:, :-1])
+    return masked_mean(diff, mask[:, 1:] & mask[:, :-1], denominator)
 
 
 def contrastive_loss(vision: torch.Tensor, text: torch.Tensor, text_ids: torch.Tensor,
@@ -84,7 +99,8 @@ def contrastive_loss(vision: torch.Tensor, text: torch.Tensor, text_ids: torch.T
     return 0.5 * (F.cross_entropy(logits, targets) + F.cross_entropy(logits.T, targets.T))
 
 
-def language_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def language_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+                  denominator: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross-entropy; logits (B, L, V) already aligned with targets (B, L), mask (B, L)."""
     ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
-    return masked_mean(ce.view_as(targets), mask)
+    return masked_mean(ce.view_as(targets), mask, denominator)

@@ -14,6 +14,7 @@ from vlaforge import COMPONENTS
 from vlaforge.data.batch import Batch
 from vlaforge.diagnostics.numerics import NumericsMonitor, nonfinite_error
 from vlaforge.training.loss_scale import LossScaler
+from vlaforge.training.losses import valid_counts
 
 
 def local_grads(optimizer: torch.optim.Optimizer, reducer=None) -> list[torch.Tensor]:
@@ -63,6 +64,24 @@ class StepGuards:
         return self.monitor is not None and self.monitor.cfg.check_finite
 
 
+def loss_denominators(model: nn.Module, micro_batches: list[Batch], reducer=None) -> dict[str, torch.Tensor]:
+    """Per masked-mean loss term, its valid positions over every micro-batch and data-parallel rank of the step,
+    divided by (micro-batches x ranks): each micro-batch's loss is then a share of the global-batch mean, and the
+    average the step takes over micro-batches (and FSDP/DDP over ranks) is exactly that mean."""
+    totals: dict[str, torch.Tensor] = {}
+    for batch in micro_batches:
+        for term, count in valid_counts(batch, model.uses_text(batch)).items():
+            totals[term] = totals[term] + count if term in totals else count
+    keys = list(totals)
+    stacked = torch.stack([totals[k] for k in keys])
+    ranks = 1
+    if reducer is not None:
+        stacked = reducer.sum_over_ranks(stacked)
+        ranks = reducer.world_size()
+    stacked = stacked.clamp_min(1.0) / (len(micro_batches) * ranks)
+    return dict(zip(keys, stacked.unbind()))
+
+
 def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.optim.Optimizer,
                scheduler, weighting, grad_clip: float, guards: StepGuards | None = None) -> dict[str, torch.Tensor]:
     """Accumulate gradients over `micro_batches` (loss averaged over them), unscale, clip, step.
@@ -75,10 +94,11 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, torch.Tensor] = {}
     n = len(micro_batches)
+    denominators = loss_denominators(model, micro_batches, reducer)
     for i, batch in enumerate(micro_batches):
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients on the last micro-step only
             model.set_requires_gradient_sync(i == n - 1)
-        loss, metrics = model.compute_loss(batch, weighting)
+        loss, metrics = model.compute_loss(batch, weighting, denominators)
         scaler.scale_loss(loss / n).backward()
         for k, v in metrics.items():
             sums[k] = sums[k] + v / n if k in sums else v / n
