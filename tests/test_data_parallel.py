@@ -71,6 +71,23 @@ def test_two_ranks_equal_one_process_with_a_twice_larger_batch(tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
 
 
+@pytest.mark.parametrize("weighting", ["dwa", "uncertainty"])
+def test_dynamic_loss_weights_under_data_parallel(tmp_path, weighting):
+    """DWA sums every rank's losses; learned weights average their gradients over ranks: 2 ranks match one process
+    with grad_accum 2."""
+    kind = f"--loss.weighting={weighting}"
+    reference = tmp_path / "single"
+    done = run_cli("train", str(TINY_RECIPE), *COMMON, kind, "--train.grad_accum=2", f"--train.output_dir={reference}")
+    assert done.returncode == 0, done.stderr
+    done = torchrun("train", str(TINY_RECIPE), *COMMON, kind, f"--train.output_dir={tmp_path / 'dp'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = weights(tmp_path / "dp"), weights(reference)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+    assert metrics(tmp_path / "dp")[-1]["weight/action"] == pytest.approx(metrics(reference)[-1]["weight/action"],
+                                                                          rel=1e-5)
+
+
 def test_hsdp_2x2_on_four_ranks(tmp_path):
     reference = tmp_path / "single"
     done = run_cli("train", str(TINY_RECIPE), *COMMON, "--train.grad_accum=4", f"--train.output_dir={reference}")

@@ -73,6 +73,7 @@ def test_trainer_refuses_what_distributed_runs_lack_yet(tmp_path, monkeypatch):
     from conftest import tiny_config
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(VlaforgeError, match="loss.weighting is not available with more than one process yet"):
-        train(tiny_config(tmp_path, loss={"weighting": "dwa"}))
+    frozen = {"vision": {"trainable": False, "unfreeze_at_step": 2}}
+    with pytest.raises(VlaforgeError, match="unfreeze_at_step is not available with more than one process yet"):
+        train(tiny_config(tmp_path, components=frozen))
     assert not (tmp_path / "run").exists()  # refused before anything was built or written

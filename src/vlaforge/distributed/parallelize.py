@@ -55,6 +55,17 @@ class GradReducer:
         return t
 
     @staticmethod
+    def mean_grads(params: list[torch.Tensor]) -> None:
+        """Average the gradients of plain (unsharded, replicated) parameters over every rank, in place."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat /= dist.get_world_size()
+            chunks = flat.split([g.numel() for g in grads])
+            torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(chunks, grads)])
+
+    @staticmethod
     def any_rank(flag: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag

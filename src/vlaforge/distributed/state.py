@@ -24,10 +24,16 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=_options(cpu_offload=True))
 
 
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _owner(model: nn.Module, weighting: nn.Module) -> nn.Module:
+    """One module over every parameter the optimizer holds (the learned loss weights live outside the model), so
+    optimizer state is keyed by names: 'model.<fqn>', 'weighting.<name>'."""
+    return nn.ModuleDict({"model": model, "weighting": weighting})
+
+
+def full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+    return get_optimizer_state_dict(_owner(model, weighting), optimizer, options=_options(cpu_offload=True))
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -36,7 +42,8 @@ def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> N
     set_model_state_dict(model, state, options=_options())
 
 
-def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, state, options=_options())
+    set_optimizer_state_dict(_owner(model, weighting), optimizer, state, options=_options())

@@ -102,6 +102,9 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
         scaler.scale_loss(loss / n).backward()
         for k, v in metrics.items():
             sums[k] = sums[k] + v / n if k in sums else v / n
+    if reducer is not None:  # learned loss weights live outside the sharded model: average their gradients here
+        reducer.mean_grads([p for g in optimizer.param_groups if g["component"] not in COMPONENTS
+                            for p in g["params"]])
     grads = local_grads(optimizer, reducer)
     found_inf = scaler.unscale_(grads)
     if found_inf is not None and reducer is not None:
@@ -122,7 +125,7 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         optimizer.step()
         scheduler.step()
-    weighting.end_step()
+    weighting.end_step(reducer)
     sums.update({f"grad_norm/{k}": v for k, v in norms.items()})
     if scaler.enabled:
         sums["precision/loss_scale"] = torch.tensor(scaler.scale)

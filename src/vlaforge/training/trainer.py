@@ -54,12 +54,10 @@ def check_layout(cfg: VLAConfig, world: World) -> ParallelDims:
     """The parallel layout for this world size, validated before anything is built (one line on a bad one)."""
     dims = ParallelDims.build(cfg.parallel, world.size, model_facts(cfg.model))
     if dims.distributed:
-        unsupported = {"loss.weighting": cfg.loss.weighting != "static", "eval.every": cfg.eval.every > 0,
-                       "unfreeze_at_step": any(p.unfreeze_at_step is not None for _, p in cfg.components.items())}
-        for key, on in unsupported.items():
-            if on:
-                raise VlaforgeError(f"{key} is not available with more than one process yet (arrives with the rest "
-                                    "of scale-out); use static loss weights, eval.every = 0 and no unfreeze schedule")
+        if any(p.unfreeze_at_step is not None for _, p in cfg.components.items()):
+            raise VlaforgeError("unfreeze_at_step is not available with more than one process yet (FSDP2 fixes "
+                                "which parameters train when it shards); train the component from the start or "
+                                "run in one process")
     return dims
 
 
@@ -145,7 +143,8 @@ def build_run(cfg: VLAConfig) -> Run:
 
 def trainer_state(run: Run, step: int) -> dict[str, Any]:
     """Optimizer (full, keyed by parameter name when sharded), schedule, loss weighting, scaler, RNG."""
-    optim = full_optimizer_state(run.model, run.optimizer) if run.dims.distributed else run.optimizer.state_dict()
+    optim = (full_optimizer_state(run.model, run.weighting, run.optimizer) if run.dims.distributed
+             else run.optimizer.state_dict())
     return {"step": step, "optimizer": optim, "scheduler": run.scheduler.state_dict(),
             "weighting": run.weighting.state_dict(), "loss_scale": run.guards.scaler.state_dict(),
             "rng": ckpt.rng_state(), "world_size": run.dims.world_size}
@@ -159,7 +158,7 @@ def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScal
                             "its optimizer state across single-process and distributed runs is not available yet; "
                             "resume with the same kind of run")
     if distributed:
-        load_full_optimizer_state(model, optimizer, state["optimizer"])
+        load_full_optimizer_state(model, weighting, optimizer, state["optimizer"])
     else:
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -244,10 +243,12 @@ def train(cfg: VLAConfig) -> dict[str, float]:
             evaluate_now = cfg.eval.every and done % cfg.eval.every == 0
             if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or evaluate_now:
                 path = save(run, done)
-                if evaluate_now:
+                if evaluate_now and main:
                     scores = evaluate_checkpoint(run, path)
                     logger.log(done, scores)
                     last |= scores
+                if evaluate_now and run.dims.distributed:
+                    torch.distributed.barrier()  # the other ranks wait for rank 0's rollouts
             advance(f"loss {last['loss/total']:.4f}" if last else "")
     if logger:
         logger.close()

@@ -18,13 +18,14 @@ Terms = dict[str, torch.Tensor]
 
 
 class LossWeighting(nn.Module):
-    """Base: `forward(terms) -> (total, weights)`; `end_step()` after every optimizer step."""
+    """Base: `forward(terms) -> (total, weights)`; `end_step(reducer)` after every optimizer step (`reducer`: the
+    data-parallel statistics helper, None in one process)."""
 
     def __init__(self, terms: list[str], **_: object):
         super().__init__()
         self.terms = list(terms)
 
-    def end_step(self) -> None:
+    def end_step(self, reducer=None) -> None:
         pass
 
 
@@ -91,7 +92,10 @@ class DynamicWeightAverage(LossWeighting):
                 self.count[i] += 1
         return total, weights
 
-    def end_step(self) -> None:
+    def end_step(self, reducer=None) -> None:
+        if reducer is not None:  # every rank's losses: the weights stay global (and equal on all ranks)
+            reducer.sum_over_ranks(self.acc)
+            reducer.sum_over_ranks(self.count)
         mean = torch.where(self.count > 0, self.acc / self.count.clamp_min(1), self.history[1])
         self.history.copy_(torch.stack([self.history[1], mean]))
         self.seen += 1
