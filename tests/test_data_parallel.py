@@ -100,6 +100,38 @@ def test_hsdp_2x2_on_four_ranks(tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
 
 
+def test_saved_at_four_ranks_resumes_at_two(tmp_path):
+    """Full-state checkpoints reshard on load: 2 steps on 4 ranks (batch 4 each), then step 3 on 2 ranks (batch 8
+    each) equal 3 steps of one process with batch 16 (contrastive off, so the global batch is all that matters)."""
+    off = "--loss.weights={contrastive=0.0,language=0.4,action=0.3}"
+    reference, run = tmp_path / "single", tmp_path / "dp"
+    done = run_cli("train", str(TINY_RECIPE), *COMMON, off, "--train.batch_size=16", f"--train.output_dir={reference}")
+    assert done.returncode == 0, done.stderr
+    first = torchrun("train", str(TINY_RECIPE), *COMMON, off, "--train.steps=2", f"--train.output_dir={run}", nproc=4)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = torchrun("train", str(TINY_RECIPE), *COMMON, off, "--train.batch_size=8", f"--train.output_dir={run}",
+                     "--train.resume=latest")
+    assert again.returncode == 0, again.stderr[-2000:]
+    a, b = weights(run), weights(reference)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_single_process_checkpoint_resumes_on_two_ranks(tmp_path):
+    off = "--loss.weights={contrastive=0.0,language=0.4,action=0.3}"
+    reference, run = tmp_path / "single", tmp_path / "mixed"
+    assert run_cli("train", str(TINY_RECIPE), *COMMON, off, "--train.batch_size=8",
+                   f"--train.output_dir={reference}").returncode == 0
+    first = run_cli("train", str(TINY_RECIPE), *COMMON, off, "--train.steps=2", "--train.batch_size=8",
+                    f"--train.output_dir={run}")
+    assert first.returncode == 0, first.stderr
+    again = torchrun("train", str(TINY_RECIPE), *COMMON, off, f"--train.output_dir={run}", "--train.resume=latest")
+    assert again.returncode == 0, again.stderr[-2000:]
+    a, b = weights(run), weights(reference)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+
+
 def test_distributed_resume_is_exact(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert torchrun("train", str(TINY_RECIPE), *COMMON, f"--train.output_dir={straight}").returncode == 0

@@ -46,4 +46,6 @@ def load_full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer:
                               state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    set_optimizer_state_dict(_owner(model, weighting), optimizer, state, options=_options())
+    # NOTE: strict=False: a parameter that never had a gradient (e.g. the contrastive temperature with that term
+    # off) has no optimizer state to restore, exactly as in the run that saved it.
+    set_optimizer_state_dict(_owner(model, weighting), optimizer, state, options=_options(strict=False))

@@ -108,6 +108,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     start_step: int
+    start_sample: int  # global samples consumed before start_step (the batch may have changed with the world size)
     tokens_per_sample: int
     data: Data
     eval_tasks: list[str]
@@ -127,10 +128,11 @@ def build_run(cfg: VLAConfig) -> Run:
     weighting = build_loss_weighting(cfg, model, device)
     optimizer = build_optimizer(model, cfg, list(weighting.parameters()))
     scheduler = build_scheduler(optimizer, cfg.train)
-    start = 0
+    start = samples = 0
     if cfg.train.resume:
-        start = restore(ckpt.resolve_checkpoint(cfg.train.resume, run_dir), model, weighting, optimizer, scheduler,
-                        guards.scaler, dims.distributed)
+        start, samples = restore(ckpt.resolve_checkpoint(cfg.train.resume, run_dir), model, weighting, optimizer,
+                                 scheduler, guards.scaler, dims.distributed,
+                                 cfg.train.batch_size * cfg.train.grad_accum * dims.dp)
     if world.is_main:
         write_atomic(run_dir / "config.toml", dump_toml(cfg))
         write_atomic(run_dir / "precision.json", json.dumps(precision.to_json(), indent=2))
@@ -138,35 +140,39 @@ def build_run(cfg: VLAConfig) -> Run:
     data = build_data(cfg, model)
     tasks = eval_tasks(cfg) if cfg.eval.every else []  # checked before training, not at the first evaluation
     return Run(cfg, run_dir, device, world, dims, model, precision, guards, weighting, optimizer, scheduler, start,
-               tps, data, tasks)
+               samples, tps, data, tasks)
 
 
 def trainer_state(run: Run, step: int) -> dict[str, Any]:
     """Optimizer (full, keyed by parameter name when sharded), schedule, loss weighting, scaler, RNG."""
-    optim = (full_optimizer_state(run.model, run.weighting, run.optimizer) if run.dims.distributed
-             else run.optimizer.state_dict())
-    return {"step": step, "optimizer": optim, "scheduler": run.scheduler.state_dict(),
+    optim = full_optimizer_state(run.model, run.weighting, run.optimizer)  # by name: loads at any world size
+    samples = run.start_sample + (step - run.start_step) * global_batch(run)
+    return {"step": step, "samples": samples, "optimizer": optim, "scheduler": run.scheduler.state_dict(),
             "weighting": run.weighting.state_dict(), "loss_scale": run.guards.scaler.state_dict(),
             "rng": ckpt.rng_state(), "world_size": run.dims.world_size}
 
 
-def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScaler, distributed: bool) -> int:
+def global_batch(run: Run) -> int:
+    """Samples per optimizer step over all ranks."""
+    return run.cfg.train.batch_size * run.cfg.train.grad_accum * run.dims.dp
+
+
+def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScaler, distributed: bool,
+            step_samples: int) -> tuple[int, int]:
+    """Load a checkpoint into the run's pieces; returns (step, global samples consumed). `step_samples`: this
+    run's samples per step, for checkpoints written before the count was kept (all single-process)."""
     state = ckpt.load_checkpoint(path, model, sharded=distributed)
-    saved_distributed = state.get("world_size", 1) > 1
-    if saved_distributed != distributed:
-        raise VlaforgeError(f"checkpoint {path} was written by {state.get('world_size', 1)} process(es); resuming "
-                            "its optimizer state across single-process and distributed runs is not available yet; "
-                            "resume with the same kind of run")
-    if distributed:
-        load_full_optimizer_state(model, weighting, optimizer, state["optimizer"])
+    if isinstance(state["optimizer"]["param_groups"][0]["params"][0], int):
+        optimizer.load_state_dict(state["optimizer"])  # written before optimizer state was keyed by name
     else:
-        optimizer.load_state_dict(state["optimizer"])
+        load_full_optimizer_state(model, weighting, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     weighting.load_state_dict(state["weighting"])
     if "loss_scale" in state:
         scaler.load_state_dict(state["loss_scale"])
     ckpt.set_rng_state(state["rng"])
-    return int(state["step"])
+    step = int(state["step"])
+    return step, int(state.get("samples", step * step_samples))
 
 
 def save(run: Run, step: int) -> Path | None:
@@ -204,7 +210,7 @@ def train(cfg: VLAConfig) -> dict[str, float]:
     t = cfg.train
     dp, main = run.dims.dp, run.world.is_main
     loader = build_loader(run.data.dataset, t.batch_size, t.seed,
-                          start_sample=run.start_step * t.batch_size * t.grad_accum * dp,
+                          start_sample=run.start_sample,
                           num_workers=cfg.data.num_workers, rank=run.world.rank % dp, dp=dp)
     batches = iter(loader)
     policies = dict(cfg.components.items())
