@@ -43,7 +43,7 @@ def test_toml_round_trip():
     ("--components.projector.checkpointing=selective", "no transformer blocks to checkpoint selectively"),
     ("--components.llm.offload=disk", "'none', 'cpu' or 'nvme'"),
     ("--components.llm.offload_fraction=0", "offload_fraction: Input should be greater than 0"),
-    ("--parallel.tp=2", "not available yet"),
+    ("--parallel.pp=2", "not available yet (arrives with pipeline / context parallel)"),
     ("--parallel.backend=deepspeed", "not available yet (arrives with the DeepSpeed backend)"),
     ("--data.source=lerobot", "needs data.path"),
     ("--eval.execute=9", "eval.execute = 9 exceeds model.action_chunk = 8"),

@@ -41,6 +41,14 @@ def single(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def single_batch4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single_batch4")
+    done = run_cli("train", str(TINY_RECIPE), *COMMON, f"--train.output_dir={out}")
+    assert done.returncode == 0, done.stderr
+    return out
+
+
 @pytest.mark.parametrize("layout", [[], ["--parallel.backend=ddp", "--parallel.dp_replicate=2",
                                          "--parallel.dp_shard=1"]], ids=["fsdp2", "ddp"])
 def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, single, layout):
@@ -86,6 +94,26 @@ def test_dynamic_loss_weights_under_data_parallel(tmp_path, weighting):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
     assert metrics(tmp_path / "dp")[-1]["weight/action"] == pytest.approx(metrics(reference)[-1]["weight/action"],
                                                                           rel=1e-5)
+
+
+def test_tensor_parallel_llm_on_two_ranks(tmp_path, single_batch4):
+    """tp = 2: both ranks see the same batch; the LLM's blocks are split Megatron-style."""
+    done = torchrun("train", str(TINY_RECIPE), *COMMON, "--parallel.tp=2", f"--train.output_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = weights(tmp_path), weights(single_batch4)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+    for got, want in zip(metrics(tmp_path), metrics(single_batch4)):
+        assert got["grad_norm/total"] == pytest.approx(want["grad_norm/total"], rel=1e-5)  # TP shards summed once
+        assert got["numerics/llm/zero_frac"] == pytest.approx(want["numerics/llm/zero_frac"])
+
+
+def test_fsdp2_times_tensor_parallel_2x2_on_four_ranks(tmp_path, single):
+    done = torchrun("train", str(TINY_RECIPE), *COMMON, "--parallel.tp=2", f"--train.output_dir={tmp_path}", nproc=4)
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = weights(tmp_path), weights(single)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
 
 
 def test_hsdp_2x2_on_four_ranks(tmp_path):

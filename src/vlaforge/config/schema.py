@@ -174,21 +174,23 @@ class LossConfig(Section):
 
 
 class ParallelConfig(Section):
-    """Data parallel today (FSDP2 / HSDP / DDP under torchrun); tp, pp, cp > 1 and DeepSpeed arrive later."""
+    """Data parallel (FSDP2 / HSDP / DDP) and LLM tensor parallel under torchrun; pp, cp > 1 and DeepSpeed arrive
+    later."""
 
     dp_replicate: int = Field(1, ge=1, description="replicas (HSDP's outer dimension; DDP: all ranks)")
     dp_shard: int = Field(-1, ge=-1, description="-1: the rest of the world size")
-    tp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1, description="tensor-parallel degree of the LLM's blocks (must divide heads and "
+                                         "kv-heads)")
     pp: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)
     cp_method: Literal["ring", "ulysses", "allgather", "auto"] = "ring"
     backend: Literal["fsdp2", "ddp", "deepspeed"] = "fsdp2"
 
-    @field_validator("tp", "pp", "cp")
+    @field_validator("pp", "cp")
     @classmethod
     def _degree_available(cls, v: int) -> int:
         if v > 1:
-            raise not_yet(v, "tensor / pipeline / context parallel", "1")
+            raise not_yet(v, "pipeline / context parallel", "1")
         return v
 
     @field_validator("dp_shard")

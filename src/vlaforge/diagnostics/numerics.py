@@ -43,12 +43,14 @@ def component_stats(module: nn.Module, scale: float = 1.0, reducer=None) -> dict
     fp16_underflow_frac: nonzero elements with |g * scale| < 2^-24, i.e. lost if computed in fp16 at this scale;
     inf, nan: counts; grad_norm: L2 in fp32.
     """
-    # [numel, zeros (incl. missing gradients), tiny, inf, nan, sum of squares] over this rank's elements
-    counts = torch.zeros(6, dtype=torch.float64)
+    # [numel, zeros (incl. missing gradients), tiny, inf, nan, sum of squares] over this rank's elements; row 1
+    # holds tensor-parallel-sharded weights (their sums also run over the TP group)
+    counts = torch.zeros(2, 6, dtype=torch.float64)
     for _, p, g in trainable_grads(module):
         local = reducer.local(p) if reducer is not None else p
+        row_of = int(reducer is not None and reducer.tp_sharded(p))
         if g is None:
-            counts[:2] += local.numel()
+            counts[row_of, :2] += local.numel()
             continue
         absolute = (reducer.local(g) if reducer is not None else g).detach().abs().float()
         finite = torch.isfinite(absolute)
@@ -56,9 +58,9 @@ def component_stats(module: nn.Module, scale: float = 1.0, reducer=None) -> dict
                            ((absolute > 0) & (absolute * scale < FP16_TINY)).sum(), torch.isinf(absolute).sum(),
                            torch.isnan(absolute).sum()]).double()
         row = torch.cat([row, torch.where(finite, absolute, 0.0).double().square().sum()[None]])
-        counts = counts.to(row.device) + row
-    if reducer is not None:
-        counts = reducer.sum_shards(counts)
+        counts = counts.to(row.device)
+        counts[row_of] += row
+    counts = reducer.combine(counts[0].contiguous(), counts[1].contiguous()) if reducer is not None else counts.sum(0)
     numel, zeros, tiny, inf, nan, square = counts.tolist()
     if numel == 0:
         return None

@@ -108,6 +108,11 @@ class ParallelDims:
         """Data-parallel degree: ranks that see different samples."""
         return self.dp_replicate * self.dp_shard
 
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel coordinate of global rank `rank` (ranks that differ only in tp / cp see the same
+        samples); MESH_ORDER puts tp and cp innermost."""
+        return (rank // (self.cp * self.tp)) % self.dp
+
     @property
     def distributed(self) -> bool:
         return self.world_size > 1

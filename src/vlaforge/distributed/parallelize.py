@@ -28,10 +28,27 @@ from vlaforge.techniques.precision import DTYPES
 
 @dataclass
 class GradReducer:
-    """Global views of per-rank gradient statistics. `shard_group`: ranks that hold different shards of a
-    parameter (sums of squares and counts add up over it); the world agrees on overflow and averages metrics."""
+    """Global views of per-rank gradient statistics. `shard_group`: ranks that hold different FSDP shards of a
+    parameter; `tp_group`: ranks that hold different tensor-parallel slices of the LLM's TP-sharded weights. Sums
+    of squares and counts add up over the shard group, and for TP-sharded weights over the TP group too (weights
+    replicated over TP must not be counted once per TP rank). The world agrees on overflow and averages metrics."""
 
     shard_group: Any = None
+    tp_group: Any = None
+
+    def tp_sharded(self, t: torch.Tensor) -> bool:
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self.tp_group is None or not isinstance(t, DTensor):
+            return False
+        names = t.device_mesh.mesh_dim_names or ()
+        return any(n == "tp" and isinstance(pl, Shard) for n, pl in zip(names, t.placements))
+
+    def combine(self, replicated: torch.Tensor, tp_sharded: torch.Tensor) -> torch.Tensor:
+        """Global sums from this rank's partial sums over weights replicated over TP and weights sharded by it."""
+        if self.tp_group is not None:
+            dist.all_reduce(tp_sharded, op=dist.ReduceOp.SUM, group=self.tp_group)
+        return self.sum_shards(replicated + tp_sharded)
 
     @staticmethod
     def local(t: torch.Tensor) -> torch.Tensor:
@@ -89,9 +106,29 @@ def _policy(precision: str):
     return MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
 
 
+# Megatron's split of a Llama block: column-parallel into the heads / FFN width, row-parallel out of them.
+LLM_TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+               "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+               "mlp.down_proj": "rowwise"}
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """Tensor-parallel the LLM's blocks (DTensor `parallelize_module`); the rest stays replicated over TP."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {name: styles[kind]() for name, kind in LLM_TP_PLAN.items()}
+    for block in blocks_of(model, "llm"):
+        parallelize_module(block, tp_mesh, plan)
+
+
 def parallelize(model: nn.Module, dims, mesh, policies: Mapping[str, Any]) -> GradReducer:
-    """Shard (or replicate) `model` over the data-parallel dimensions of `mesh`, in place."""
+    """Tensor-parallel the LLM over `mesh["tp"]` when tp > 1, then shard (or replicate) over the data-parallel
+    dimensions, in place (DESIGN.md order)."""
     from torch.distributed.fsdp import fully_shard
+
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
 
     names = mesh.mesh_dim_names
     dp_mesh = mesh["dp_replicate", "dp_shard"]  # 2-D: HSDP in general, DDP when dp_shard = 1, FSDP when replicate = 1
@@ -100,4 +137,4 @@ def parallelize(model: nn.Module, dims, mesh, policies: Mapping[str, Any]) -> Gr
             fully_shard(block, mesh=dp_mesh, mp_policy=_policy(policies[comp].precision))
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=_policy("fp32"))
     shard_group = mesh.get_group("dp_shard") if "dp_shard" in names and dims.dp_shard > 1 else None
-    return GradReducer(shard_group)
+    return GradReducer(shard_group, mesh.get_group("tp") if dims.tp > 1 else None)

@@ -27,20 +27,21 @@ def grad_norms(optimizer: torch.optim.Optimizer, reducer=None) -> dict[str, torc
     """L2 norm of the gradients of each component (from the optimizer's per-component groups; learned loss
     weights excluded), and of all of them ('total'). One fused norm kernel for all gradients; with sharded
     gradients, one all-reduce of the per-component sums of squares."""
-    owners, grads = [], []
+    owners, grads, tp = [], [], []
     for group in optimizer.param_groups:
         if group["component"] in COMPONENTS:
             for p in group["params"]:
                 if p.grad is not None:
                     owners.append(group["component"])
                     grads.append(reducer.local(p.grad) if reducer is not None else p.grad)
+                    tp.append(reducer is not None and reducer.tp_sharded(p.grad))
     if not grads:
         return {"total": torch.zeros(())}
-    squares = torch.stack(torch._foreach_norm(grads)).square()  # (N,)
-    index = torch.tensor([COMPONENTS.index(o) for o in owners], device=squares.device)
-    per = torch.zeros(len(COMPONENTS), device=squares.device).index_add_(0, index, squares.float())
-    if reducer is not None:
-        per = reducer.sum_shards(per)
+    squares = torch.stack(torch._foreach_norm(grads)).square().float()  # (N,)
+    # row 0: weights replicated over tensor parallel, row 1: TP-sharded ones (summed over the TP group too)
+    index = torch.tensor([2 * COMPONENTS.index(o) + t for o, t in zip(owners, tp)], device=squares.device)
+    per = torch.zeros(2 * len(COMPONENTS), device=squares.device).index_add_(0, index, squares).view(-1, 2)
+    per = reducer.combine(per[:, 0].contiguous(), per[:, 1].contiguous()) if reducer is not None else per.sum(1)
     norms = {c: per[i].sqrt() for i, c in enumerate(COMPONENTS) if c in owners}
     norms["total"] = per.sum().sqrt()
     return norms

@@ -211,7 +211,7 @@ def train(cfg: VLAConfig) -> dict[str, float]:
     dp, main = run.dims.dp, run.world.is_main
     loader = build_loader(run.data.dataset, t.batch_size, t.seed,
                           start_sample=run.start_sample,
-                          num_workers=cfg.data.num_workers, rank=run.world.rank % dp, dp=dp)
+                          num_workers=cfg.data.num_workers, rank=run.dims.dp_rank(run.world.rank), dp=dp)
     batches = iter(loader)
     policies = dict(cfg.components.items())
     changes = schedule_changes(policies) | {run.start_step}
