@@ -258,4 +258,6 @@ def train(cfg: VLAConfig) -> dict[str, float]:
             advance(f"loss {last['loss/total']:.4f}" if last else "")
     if logger:
         logger.close()
+    if run.dims.distributed:
+        torch.distributed.destroy_process_group()
     return last
