@@ -29,36 +29,48 @@ def weights(run_dir, step=3):
     return load_file(str(run_dir / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
 
 
+def assert_same_weights(run_dir, reference):
+    a, b = weights(run_dir), weights(reference)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+
+
+def train_single(out, *args: str):
+    done = run_cli("train", str(TINY_RECIPE), *COMMON, *args, f"--train.output_dir={out}")
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def train_distributed(out, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    done = torchrun("train", str(TINY_RECIPE), *COMMON, *args, f"--train.output_dir={out}", nproc=nproc)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
 def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+OFF = "--loss.weights={contrastive=0.0,language=0.4,action=0.3}"  # contrastive negatives are per rank
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    done = run_cli("train", str(TINY_RECIPE), *COMMON, "--train.grad_accum=2", f"--train.output_dir={out}")
-    assert done.returncode == 0, done.stderr
-    return out
+    return train_single(tmp_path_factory.mktemp("single"), "--train.grad_accum=2")
 
 
 @pytest.fixture(scope="module")
 def single_batch4(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single_batch4")
-    done = run_cli("train", str(TINY_RECIPE), *COMMON, f"--train.output_dir={out}")
-    assert done.returncode == 0, done.stderr
-    return out
+    return train_single(tmp_path_factory.mktemp("single_batch4"))
 
 
 @pytest.mark.parametrize("layout", [[], ["--parallel.backend=ddp", "--parallel.dp_replicate=2",
                                          "--parallel.dp_shard=1"]], ids=["fsdp2", "ddp"])
 def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, single, layout):
-    done = torchrun("train", str(TINY_RECIPE), *COMMON, *layout, f"--train.output_dir={tmp_path}")
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = train_distributed(tmp_path, *layout)
     assert done.stdout.count("done: 3 steps") == 1  # rank 0 reports
-    a, b = weights(tmp_path), weights(single)
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+    assert_same_weights(tmp_path, single)
     for got, want in zip(metrics(tmp_path), metrics(single)):
         assert got["loss/total"] == pytest.approx(want["loss/total"], abs=1e-5)
         assert got["grad_norm/total"] == pytest.approx(want["grad_norm/total"], rel=1e-5)  # norms over shards
@@ -68,15 +80,9 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, single
 def test_two_ranks_equal_one_process_with_a_twice_larger_batch(tmp_path):
     """Masked means are normalized over all ranks: 2 ranks x 4 samples give one batch of 8 (contrastive off: its
     negatives are per rank)."""
-    off = "--loss.weights={contrastive=0.0,language=0.4,action=0.3}"
-    large = tmp_path / "large"
-    done = run_cli("train", str(TINY_RECIPE), *COMMON, off, "--train.batch_size=8", f"--train.output_dir={large}")
-    assert done.returncode == 0, done.stderr
-    done = torchrun("train", str(TINY_RECIPE), *COMMON, off, f"--train.output_dir={tmp_path / 'dp'}")
-    assert done.returncode == 0, done.stderr[-2000:]
-    a, b = weights(tmp_path / "dp"), weights(large)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+    large = train_single(tmp_path / "large", OFF, "--train.batch_size=8")
+    train_distributed(tmp_path / "dp", OFF)
+    assert_same_weights(tmp_path / "dp", large)
 
 
 @pytest.mark.parametrize("weighting", ["dwa", "uncertainty"])
@@ -84,88 +90,53 @@ def test_dynamic_loss_weights_under_data_parallel(tmp_path, weighting):
     """DWA sums every rank's losses; learned weights average their gradients over ranks: 2 ranks match one process
     with grad_accum 2."""
     kind = f"--loss.weighting={weighting}"
-    reference = tmp_path / "single"
-    done = run_cli("train", str(TINY_RECIPE), *COMMON, kind, "--train.grad_accum=2", f"--train.output_dir={reference}")
-    assert done.returncode == 0, done.stderr
-    done = torchrun("train", str(TINY_RECIPE), *COMMON, kind, f"--train.output_dir={tmp_path / 'dp'}")
-    assert done.returncode == 0, done.stderr[-2000:]
-    a, b = weights(tmp_path / "dp"), weights(reference)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+    reference = train_single(tmp_path / "single", kind, "--train.grad_accum=2")
+    train_distributed(tmp_path / "dp", kind)
+    assert_same_weights(tmp_path / "dp", reference)
     assert metrics(tmp_path / "dp")[-1]["weight/action"] == pytest.approx(metrics(reference)[-1]["weight/action"],
                                                                           rel=1e-5)
 
 
 def test_tensor_parallel_llm_on_two_ranks(tmp_path, single_batch4):
     """tp = 2: both ranks see the same batch; the LLM's blocks are split Megatron-style."""
-    done = torchrun("train", str(TINY_RECIPE), *COMMON, "--parallel.tp=2", f"--train.output_dir={tmp_path}")
-    assert done.returncode == 0, done.stderr[-2000:]
-    a, b = weights(tmp_path), weights(single_batch4)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+    train_distributed(tmp_path, "--parallel.tp=2")
+    assert_same_weights(tmp_path, single_batch4)
     for got, want in zip(metrics(tmp_path), metrics(single_batch4)):
         assert got["grad_norm/total"] == pytest.approx(want["grad_norm/total"], rel=1e-5)  # TP shards summed once
         assert got["numerics/llm/zero_frac"] == pytest.approx(want["numerics/llm/zero_frac"])
 
 
 def test_fsdp2_times_tensor_parallel_2x2_on_four_ranks(tmp_path, single):
-    done = torchrun("train", str(TINY_RECIPE), *COMMON, "--parallel.tp=2", f"--train.output_dir={tmp_path}", nproc=4)
-    assert done.returncode == 0, done.stderr[-2000:]
-    a, b = weights(tmp_path), weights(single)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+    train_distributed(tmp_path, "--parallel.tp=2", nproc=4)
+    assert_same_weights(tmp_path, single)
 
 
 def test_hsdp_2x2_on_four_ranks(tmp_path):
-    reference = tmp_path / "single"
-    done = run_cli("train", str(TINY_RECIPE), *COMMON, "--train.grad_accum=4", f"--train.output_dir={reference}")
-    assert done.returncode == 0, done.stderr
-    done = torchrun("train", str(TINY_RECIPE), *COMMON, "--parallel.dp_replicate=2", "--parallel.dp_shard=2",
-                    f"--train.output_dir={tmp_path / 'hsdp'}", nproc=4)
-    assert done.returncode == 0, done.stderr[-2000:]
-    a, b = weights(tmp_path / "hsdp"), weights(reference)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+    reference = train_single(tmp_path / "single", "--train.grad_accum=4")
+    train_distributed(tmp_path / "hsdp", "--parallel.dp_replicate=2", "--parallel.dp_shard=2", nproc=4)
+    assert_same_weights(tmp_path / "hsdp", reference)
 
 
 def test_saved_at_four_ranks_resumes_at_two(tmp_path):
     """Full-state checkpoints reshard on load: 2 steps on 4 ranks (batch 4 each), then step 3 on 2 ranks (batch 8
     each) equal 3 steps of one process with batch 16 (contrastive off, so the global batch is all that matters)."""
-    off = "--loss.weights={contrastive=0.0,language=0.4,action=0.3}"
-    reference, run = tmp_path / "single", tmp_path / "dp"
-    done = run_cli("train", str(TINY_RECIPE), *COMMON, off, "--train.batch_size=16", f"--train.output_dir={reference}")
-    assert done.returncode == 0, done.stderr
-    first = torchrun("train", str(TINY_RECIPE), *COMMON, off, "--train.steps=2", f"--train.output_dir={run}", nproc=4)
-    assert first.returncode == 0, first.stderr[-2000:]
-    again = torchrun("train", str(TINY_RECIPE), *COMMON, off, "--train.batch_size=8", f"--train.output_dir={run}",
-                     "--train.resume=latest")
-    assert again.returncode == 0, again.stderr[-2000:]
-    a, b = weights(run), weights(reference)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+    reference = train_single(tmp_path / "single", OFF, "--train.batch_size=16")
+    train_distributed(tmp_path / "dp", OFF, "--train.steps=2", nproc=4)
+    train_distributed(tmp_path / "dp", OFF, "--train.batch_size=8", "--train.resume=latest")
+    assert_same_weights(tmp_path / "dp", reference)
 
 
 def test_single_process_checkpoint_resumes_on_two_ranks(tmp_path):
-    off = "--loss.weights={contrastive=0.0,language=0.4,action=0.3}"
-    reference, run = tmp_path / "single", tmp_path / "mixed"
-    assert run_cli("train", str(TINY_RECIPE), *COMMON, off, "--train.batch_size=8",
-                   f"--train.output_dir={reference}").returncode == 0
-    first = run_cli("train", str(TINY_RECIPE), *COMMON, off, "--train.steps=2", "--train.batch_size=8",
-                    f"--train.output_dir={run}")
-    assert first.returncode == 0, first.stderr
-    again = torchrun("train", str(TINY_RECIPE), *COMMON, off, f"--train.output_dir={run}", "--train.resume=latest")
-    assert again.returncode == 0, again.stderr[-2000:]
-    a, b = weights(run), weights(reference)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+    reference = train_single(tmp_path / "single", OFF, "--train.batch_size=8")
+    train_single(tmp_path / "mixed", OFF, "--train.steps=2", "--train.batch_size=8")
+    train_distributed(tmp_path / "mixed", OFF, "--train.resume=latest")
+    assert_same_weights(tmp_path / "mixed", reference)
 
 
 def test_distributed_resume_is_exact(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert torchrun("train", str(TINY_RECIPE), *COMMON, f"--train.output_dir={straight}").returncode == 0
-    first = torchrun("train", str(TINY_RECIPE), *COMMON[1:], "--train.steps=2", f"--train.output_dir={resumed}")
-    assert first.returncode == 0, first.stderr[-2000:]
-    again = torchrun("train", str(TINY_RECIPE), *COMMON, f"--train.output_dir={resumed}", "--train.resume=latest")
-    assert again.returncode == 0, again.stderr[-2000:]
+    train_distributed(straight)
+    train_distributed(resumed, "--train.steps=2")
+    train_distributed(resumed, "--train.resume=latest")
     a, b = weights(straight), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)

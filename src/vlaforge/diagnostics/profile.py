@@ -101,23 +101,12 @@ def model_state_bytes(model: torch.nn.Module, components) -> int:
     return total
 
 
-@contextlib.contextmanager
-def _fake_mode(fake: bool):
-    if not fake:
-        yield
-        return
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers.initialization import no_init_weights
-
-    with FakeTensorMode(allow_non_fake_inputs=True), no_init_weights():
-        yield
-
-
 def profile_one(cfg: VLAConfig, device: torch.device, batch_size: int, fake: bool, repeats: int) -> dict:
     """Activation bytes, state bytes, peak and step time of one configured model."""
+    from vlaforge.models.build import fake_build, tokens_per_sample
     from vlaforge.training.trainer import build_model
 
-    with _fake_mode(fake):
+    with fake_build() if fake else contextlib.nullcontext():
         torch.manual_seed(cfg.train.seed)
         model, _ = build_model(cfg, torch.device("cpu") if fake else device)
         if fake:
@@ -146,9 +135,8 @@ def profile_one(cfg: VLAConfig, device: torch.device, batch_size: int, fake: boo
            "weight_cast_bytes": sum(acc.weight_casts.values()),
            "per_component": acc.per_component(memory.DEVICE),
            "per_block": {c: acc.per_block(c, memory.DEVICE) for c in WITH_BLOCKS},
-           "state_bytes": state, "tokens": batch.instruction_ids.shape[1] + model.layout.frames *
-           model.layout.patches_per_frame + cfg.model.action_chunk + (batch.text_ids.shape[1]
-                                                                        if batch.text_ids is not None else 0)}
+           "state_bytes": state, "tokens": tokens_per_sample(model, batch.instruction_ids.shape[1],
+                                                             0 if batch.text_ids is None else batch.text_ids.shape[1])}
     out["peak_bytes"] = peak if peak is not None else out["activation_bytes"] + out["weight_cast_bytes"] + state
     out["peak_source"] = "cuda" if peak is not None else "saved-bytes accounting + model state"
     if times:

@@ -28,7 +28,7 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
             summaries of large flavors. Parameters are then FakeTensors.
     """
     flavor = FLAVORS.get(model_cfg.flavor)
-    ctx = _fake_build() if fake else contextlib.nullcontext()
+    ctx = fake_build() if fake else contextlib.nullcontext()
     with ctx:
         vision = build_vision(flavor, model_cfg.image_size, model_cfg.vision.pretrained, model_cfg.patch_size)
         llm = build_llm(flavor, model_cfg.llm.pretrained)
@@ -49,7 +49,7 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
 
 
 @contextlib.contextmanager
-def _fake_build():
+def fake_build():
     """FakeTensorMode plus transformers' no_init_weights (random inits read data, which fake tensors lack)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.initialization import no_init_weights

@@ -132,7 +132,7 @@ def build_run(cfg: VLAConfig) -> Run:
     if cfg.train.resume:
         start, samples = restore(ckpt.resolve_checkpoint(cfg.train.resume, run_dir), model, weighting, optimizer,
                                  scheduler, guards.scaler, dims.distributed,
-                                 cfg.train.batch_size * cfg.train.grad_accum * dims.dp)
+                                 global_batch(cfg, dims))
     if world.is_main:
         write_atomic(run_dir / "config.toml", dump_toml(cfg))
         write_atomic(run_dir / "precision.json", json.dumps(precision.to_json(), indent=2))
@@ -146,15 +146,15 @@ def build_run(cfg: VLAConfig) -> Run:
 def trainer_state(run: Run, step: int) -> dict[str, Any]:
     """Optimizer (full, keyed by parameter name when sharded), schedule, loss weighting, scaler, RNG."""
     optim = full_optimizer_state(run.model, run.weighting, run.optimizer)  # by name: loads at any world size
-    samples = run.start_sample + (step - run.start_step) * global_batch(run)
+    samples = run.start_sample + (step - run.start_step) * global_batch(run.cfg, run.dims)
     return {"step": step, "samples": samples, "optimizer": optim, "scheduler": run.scheduler.state_dict(),
             "weighting": run.weighting.state_dict(), "loss_scale": run.guards.scaler.state_dict(),
             "rng": ckpt.rng_state(), "world_size": run.dims.world_size}
 
 
-def global_batch(run: Run) -> int:
+def global_batch(cfg: VLAConfig, dims: ParallelDims) -> int:
     """Samples per optimizer step over all ranks."""
-    return run.cfg.train.batch_size * run.cfg.train.grad_accum * run.dims.dp
+    return cfg.train.batch_size * cfg.train.grad_accum * dims.dp
 
 
 def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScaler, distributed: bool,
@@ -240,7 +240,7 @@ def train(cfg: VLAConfig) -> dict[str, float]:
                 if run.guards.reducer is not None:  # every rank's losses, averaged (a collective: all ranks)
                     metrics = run.guards.reducer.mean_over_ranks(metrics)
                 elapsed = time.perf_counter() - window_start
-                samples = window_steps * t.batch_size * t.grad_accum * dp
+                samples = window_steps * global_batch(cfg, run.dims)
                 last = {**to_floats(metrics), **group_lrs(run.optimizer), "perf/samples_per_s": samples / elapsed,
                         "perf/tokens_per_s": samples * run.tokens_per_sample / elapsed}
                 if logger:
