@@ -2,57 +2,12 @@
 global batch as 2 accumulated micro-batches (FSDP2 and DDP) and, with the contrastive term off, one process with a
 twice larger batch; HSDP 2x2 on 4 ranks; a distributed run resumes bit for bit."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import ROOT, TINY_RECIPE, run_cli
+from launch import OFF, assert_same_weights, metrics, train_distributed, train_single, weights
 
-COMMON = ["--train.steps=3", "--train.batch_size=4", "--train.progress=false", "--train.tensorboard=false",
-          "--train.log_every=1", "--data.num_samples=64", "--numerics.every=1"]
 pytestmark = pytest.mark.slow
-
-
-def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "vlaforge", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-
-
-def weights(run_dir, step=3):
-    return load_file(str(run_dir / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
-
-
-def assert_same_weights(run_dir, reference):
-    a, b = weights(run_dir), weights(reference)
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
-
-
-def train_single(out, *args: str):
-    done = run_cli("train", str(TINY_RECIPE), *COMMON, *args, f"--train.output_dir={out}")
-    assert done.returncode == 0, done.stderr
-    return out
-
-
-def train_distributed(out, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    done = torchrun("train", str(TINY_RECIPE), *COMMON, *args, f"--train.output_dir={out}", nproc=nproc)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-OFF = "--loss.weights={contrastive=0.0,language=0.4,action=0.3}"  # contrastive negatives are per rank
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ def test_rest_of_the_world_goes_to_dp_shard_and_mesh_order():
     ("vla-7b", dict(tp=3, dp_shard=1), 3, "parallel.tp = 3 does not divide the llm's 32 attention heads"),
     ("tiny", dict(pp=4, dp_shard=1), 4, "parallel.pp = 4 exceeds the llm's 2 blocks"),
     ("tiny", dict(backend="ddp"), 4, "backend = 'ddp' replicates the model and cannot shard it"),
+    ("small", dict(pp=2), 4, "parallel.pp > 1 with tied input/output embeddings"),
 ])
 def test_impossible_layouts_are_one_line(flavor, kwargs, world, message):
     with pytest.raises(LayoutError) as err:
@@ -76,4 +77,9 @@ def test_trainer_refuses_what_distributed_runs_lack_yet(tmp_path, monkeypatch):
     frozen = {"vision": {"trainable": False, "unfreeze_at_step": 2}}
     with pytest.raises(VlaforgeError, match="unfreeze_at_step is not available with more than one process yet"):
         train(tiny_config(tmp_path, components=frozen))
+    with pytest.raises(VlaforgeError, match=r"parallel.pp = 2 needs train.grad_accum >= 2"):
+        train(tiny_config(tmp_path, parallel={"pp": 2, "dp_shard": 1}))
+    with pytest.raises(VlaforgeError, match="loss.weighting = 'dwa' is not available with parallel.pp > 1"):
+        train(tiny_config(tmp_path, parallel={"pp": 2, "dp_shard": 1}, train={"grad_accum": 2},
+                          loss={"weighting": "dwa"}))
     assert not (tmp_path / "run").exists()  # refused before anything was built or written

@@ -91,6 +91,19 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     typer.echo(f"report: {report['report']}")
 
 
+@app.command()
+def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint) or a checkpoints/step_* "
+                                                       "folder"),
+           out: Optional[Path] = typer.Option(None, help="the safetensors file to write (default "
+                                                         "CHECKPOINT/model.safetensors)")):
+    """Consolidate a checkpoint's weights into one safetensors file for inference: a sharded checkpoint's shards
+    (train.checkpoint_format = 'sharded') are read in this one process and written as one file."""
+    from vlaforge.training.checkpoint import export_weights, resolve_checkpoint
+
+    path = export_weights(resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT"), out)
+    typer.echo(f"wrote {path}")
+
+
 @app.command(context_settings=OVERRIDES)
 def profile(ctx: typer.Context,
             config: Optional[Path] = typer.Argument(None, help="TOML recipe, e.g. recipes/vla_7b.toml"),

@@ -174,23 +174,27 @@ class LossConfig(Section):
 
 
 class ParallelConfig(Section):
-    """Data parallel (FSDP2 / HSDP / DDP) and LLM tensor parallel under torchrun; pp, cp > 1 and DeepSpeed arrive
-    later."""
+    """Data parallel (FSDP2 / HSDP / DDP), LLM tensor parallel and pipeline parallel under torchrun; cp > 1 and
+    DeepSpeed arrive later."""
 
     dp_replicate: int = Field(1, ge=1, description="replicas (HSDP's outer dimension; DDP: all ranks)")
     dp_shard: int = Field(-1, ge=-1, description="-1: the rest of the world size")
     tp: int = Field(1, ge=1, description="tensor-parallel degree of the LLM's blocks (must divide heads and "
                                          "kv-heads)")
-    pp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1, description="pipeline stages: stage 0 holds vision + projector + the first LLM blocks, "
+                                         "the last the last blocks + LM head + action head; train.grad_accum "
+                                         "micro-batches go through the pipeline (at least pp of them)")
+    pp_schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="pipeline schedule (same bubble; 1f1b holds "
+                                                                       "at most pp micro-batches' activations)")
     cp: int = Field(1, ge=1)
     cp_method: Literal["ring", "ulysses", "allgather", "auto"] = "ring"
     backend: Literal["fsdp2", "ddp", "deepspeed"] = "fsdp2"
 
-    @field_validator("pp", "cp")
+    @field_validator("cp")
     @classmethod
     def _degree_available(cls, v: int) -> int:
         if v > 1:
-            raise not_yet(v, "pipeline / context parallel", "1")
+            raise not_yet(v, "context parallel in training", "1")
         return v
 
     @field_validator("dp_shard")
@@ -306,6 +310,10 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
     keep_checkpoints: int = Field(2, ge=1)
+    checkpoint_format: Literal["full", "sharded"] = Field(
+        "full", description="full: model.safetensors + optimizer gathered on rank 0 (loads anywhere as is); "
+                            "sharded: torch.distributed.checkpoint shards written by every rank (no gather; for "
+                            "large models), resumable at any layout, `vlaforge export` consolidates it")
     tensorboard: bool = True
     progress: bool = True
 

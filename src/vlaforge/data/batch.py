@@ -60,6 +60,15 @@ class Batch:
             out[f.name] = None if values[0] is None else torch.stack(values)
         return cls(**out)
 
+    @classmethod
+    def concat(cls, batches: list["Batch"]) -> "Batch":
+        """Join batches along B (micro-batches -> the pipeline's whole batch)."""
+        out = {}
+        for f in fields(cls):
+            values = [getattr(b, f.name) for b in batches]
+            out[f.name] = None if values[0] is None else torch.cat(values)
+        return cls(**out)
+
 
 def _expect(t: torch.Tensor | None, name: str, rank: int, batch: int, floating: bool = False,
             shape: tuple | torch.Size | None = None) -> None:

@@ -31,10 +31,13 @@ _active: list["SavedBytes"] = []
 
 
 def blocks_of(model: nn.Module, component: str) -> nn.ModuleList | None:
-    """The transformer blocks of `component` (None for the projector and the action head)."""
+    """The transformer blocks of `component` (None for the projector and the action head, and for a component
+    another pipeline stage holds)."""
     from vlaforge.models.llm import llm_blocks
     from vlaforge.models.vision import vision_blocks
 
+    if getattr(getattr(model, component), "removed", False):
+        return None
     if component == "vision":
         return vision_blocks(model.vision)
     if component == "llm":

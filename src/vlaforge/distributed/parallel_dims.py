@@ -31,6 +31,7 @@ class ModelFacts:
     llm_kv_heads: int
     llm_blocks: int
     vision_heads: int
+    tied_embeddings: bool = False
 
 
 def model_facts(model_cfg) -> ModelFacts:
@@ -45,7 +46,8 @@ def model_facts(model_cfg) -> ModelFacts:
         vision = vision.get("vision_config", vision)
     heads = llm["num_attention_heads"]
     return ModelFacts(llm_heads=heads, llm_kv_heads=llm.get("num_key_value_heads") or heads,
-                      llm_blocks=llm["num_hidden_layers"], vision_heads=vision["num_attention_heads"])
+                      llm_blocks=llm["num_hidden_layers"], vision_heads=vision["num_attention_heads"],
+                      tied_embeddings=bool(llm.get("tie_word_embeddings", False)))
 
 
 def _hf_config(folder: str) -> dict:
@@ -102,6 +104,10 @@ class ParallelDims:
         if self.pp > facts.llm_blocks:
             raise LayoutError(f"parallel.pp = {self.pp} exceeds the llm's {facts.llm_blocks} blocks; use at most "
                               f"{facts.llm_blocks} stages")
+        if self.pp > 1 and facts.tied_embeddings:
+            raise LayoutError("parallel.pp > 1 with tied input/output embeddings (this llm ties them) is not "
+                              "supported: the first and last stages would share one weight; use pp = 1 with "
+                              "dp_shard / tp")
 
     @property
     def dp(self) -> int:

@@ -35,6 +35,7 @@ class GradReducer:
 
     shard_group: Any = None
     tp_group: Any = None
+    pp_group: Any = None  # pipeline stages hold different parameters: their sums add up too
 
     def tp_sharded(self, t: torch.Tensor) -> bool:
         from torch.distributed.tensor import DTensor, Shard
@@ -57,8 +58,10 @@ class GradReducer:
         return t.to_local() if isinstance(t, DTensor) else t
 
     def sum_shards(self, t: torch.Tensor) -> torch.Tensor:
-        if self.shard_group is not None:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.shard_group)
+        """Summed over the ranks that hold different pieces of the model (FSDP shards, pipeline stages)."""
+        for group in (self.shard_group, self.pp_group):
+            if group is not None:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         return t
 
     @staticmethod
@@ -92,7 +95,7 @@ class GradReducer:
         """Every rank's metrics averaged (one all-reduce of the stacked values)."""
         if not values:
             return values
-        keys = list(values)
+        keys = sorted(values)  # the same order on every rank
         stacked = torch.stack([torch.as_tensor(values[k]).detach().float().reshape(()) for k in keys])
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
         stacked /= dist.get_world_size()
@@ -122,9 +125,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
-def parallelize(model: nn.Module, dims, mesh, policies: Mapping[str, Any]) -> GradReducer:
+def parallelize(model: nn.Module, dims, mesh, policies: Mapping[str, Any], root: nn.Module | None = None
+                ) -> GradReducer:
     """Tensor-parallel the LLM over `mesh["tp"]` when tp > 1, then shard (or replicate) over the data-parallel
-    dimensions, in place (DESIGN.md order)."""
+    dimensions, in place (DESIGN.md order). `root`: the module whose forward runs the step (a pipeline stage's
+    module over `model`'s components; `model` by default) - FSDP2's root unit."""
     from torch.distributed.fsdp import fully_shard
 
     if dims.tp > 1:
@@ -135,6 +140,8 @@ def parallelize(model: nn.Module, dims, mesh, policies: Mapping[str, Any]) -> Gr
     for comp in COMPONENTS:
         for block in blocks_of(model, comp) or ():
             fully_shard(block, mesh=dp_mesh, mp_policy=_policy(policies[comp].precision))
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=_policy("fp32"))
+    fully_shard(root if root is not None else model, mesh=dp_mesh, reshard_after_forward=False,
+                mp_policy=_policy("fp32"))
     shard_group = mesh.get_group("dp_shard") if "dp_shard" in names and dims.dp_shard > 1 else None
-    return GradReducer(shard_group, mesh.get_group("tp") if dims.tp > 1 else None)
+    return GradReducer(shard_group, mesh.get_group("tp") if dims.tp > 1 else None,
+                       mesh.get_group("pp") if dims.pp > 1 else None)

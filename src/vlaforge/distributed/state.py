@@ -1,15 +1,22 @@
 """Full (unsharded) model and optimizer state of a parallelized model, for checkpoints that load at any world
 size and in a single process (`torch.distributed.checkpoint.state_dict`, full state dicts).
 
-Every rank must call the getters (they are collectives); only rank 0 receives the tensors (CPU).
+Every rank must call the getters (they are collectives); only rank 0 receives the tensors (CPU). Under pipeline
+parallel each stage holds part of the model: `pp` > 1 gathers every stage's part onto rank 0 (the names are
+those of the whole model, so the merged dict is the single-process one).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+# DCP warns on every single-process load; reading shards in one process (resume, eval, export) is intended here
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def _options(**kw):
@@ -18,10 +25,47 @@ def _options(**kw):
     return StateDictOptions(full_state_dict=True, **kw)
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_model_state(model: nn.Module, pp: int = 1) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_options(cpu_offload=True))
+    if pp == 1:
+        return get_model_state_dict(model, options=_options(cpu_offload=True))
+    # NOTE: cpu_offload would keep the tensors on global rank 0 only, which holds stage 0 alone
+    state = get_model_state_dict(model, options=_options())
+    return _merge_stages({k: v.cpu() for k, v in state.items()}, _merge_dicts, pp)
+
+
+def _merge_stages(part: dict[str, Any], merge, pp: int) -> dict[str, Any]:
+    """Rank 0: every pipeline stage's `part` merged (from each stage's first rank); other ranks: {}."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sending = part if rank % (world // pp) == 0 else {}  # pp is the outermost mesh dimension
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(sending, gathered, dst=0)
+    if rank != 0:
+        return {}
+    parts = [g for g in gathered if g]
+    out = parts[0]
+    for other in parts[1:]:
+        out = merge(out, other)
+    return out
+
+
+def _merge_dicts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {**a, **b}
+
+
+def _merge_optimizer(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two stages' full optimizer states (keyed by name) -> one: states joined; parameter groups matched by their
+    name (a stage has only the groups of the components it holds), their parameter names joined in stage order."""
+    groups = {g["name"]: {**g, "params": list(g["params"])} for g in a["param_groups"]}
+    for g in b["param_groups"]:
+        if g["name"] in groups:
+            groups[g["name"]]["params"] += [n for n in g["params"] if n not in groups[g["name"]]["params"]]
+        else:
+            groups[g["name"]] = g
+    return {"state": {**a["state"], **b["state"]}, "param_groups": list(groups.values())}
 
 
 def _owner(model: nn.Module, weighting: nn.Module) -> nn.Module:
@@ -30,16 +74,30 @@ def _owner(model: nn.Module, weighting: nn.Module) -> nn.Module:
     return nn.ModuleDict({"model": model, "weighting": weighting})
 
 
-def full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer: torch.optim.Optimizer,
+                         pp: int = 1) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.utils._pytree import tree_map_only
 
-    return get_optimizer_state_dict(_owner(model, weighting), optimizer, options=_options(cpu_offload=True))
+    if pp == 1:
+        return get_optimizer_state_dict(_owner(model, weighting), optimizer, options=_options(cpu_offload=True))
+    state = get_optimizer_state_dict(_owner(model, weighting), optimizer, options=_options())
+    return _merge_stages(tree_map_only(torch.Tensor, lambda t: t.cpu(), state), _merge_optimizer, pp)
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict; tensors of parameters this rank does not hold (other pipeline stages') are skipped,
+    every tensor it holds must be there."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(model, state, options=_options())
+    mine = set(model.state_dict())
+    missing = mine - state.keys()
+    if missing:
+        from vlaforge.errors import VlaforgeError
+
+        raise VlaforgeError(f"the checkpoint lacks {len(missing)} tensors of the model (e.g. {sorted(missing)[0]}); "
+                            "resume with the config saved in that checkpoint")
+    set_model_state_dict(model, {k: v for k, v in state.items() if k in mine}, options=_options())
 
 
 def load_full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer: torch.optim.Optimizer,
@@ -48,4 +106,97 @@ def load_full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer:
 
     # NOTE: strict=False: a parameter that never had a gradient (e.g. the contrastive temperature with that term
     # off) has no optimizer state to restore, exactly as in the run that saved it.
-    set_optimizer_state_dict(_owner(model, weighting), optimizer, state, options=_options(strict=False))
+    owner = _owner(model, weighting)
+    names = {n for n, _ in owner.named_parameters()}
+    state = {"state": {k: v for k, v in state["state"].items() if k in names},  # this pipeline stage's share
+             "param_groups": [{**g, "params": [n for n in g["params"] if n in names]} for g in state["param_groups"]
+                              if any(n in names for n in g["params"])]}
+    set_optimizer_state_dict(owner, optimizer, state, options=_options(strict=False))
+
+
+# ---- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------------------------
+# Every rank writes its own shards of the model and of the optimizer (no gather anywhere); DCP records the global
+# layout, so `dcp.load` reshards to whatever the loading run holds: another world size, another FSDP / TP / PP
+# layout, or one process. Optimizer state is flattened to per-parameter keys ('state.<fqn>.exp_avg',
+# 'param_groups.<fqn>.lr'), so pipeline stages, which hold different parameter groups, never collide.
+
+def _sharded_state(model: nn.Module, weighting: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(_owner(model, weighting), optimizer,
+                                                      options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return state
+
+
+def save_sharded(folder, model: nn.Module, weighting: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Collective: every rank writes its shards of model and optimizer into `folder` (one shared directory)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_sharded_state(model, weighting, optimizer), checkpoint_id=str(folder))
+
+
+def load_sharded(folder, model: nn.Module, weighting: nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a sharded checkpoint into this run's model (and optimizer), resharding as needed; works in one
+    process too.
+
+    Raises:
+        VlaforgeError: the checkpoint is incomplete, corrupt or does not match the model.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+    weighting = weighting if weighting is not None else nn.Module()
+    state = _sharded_state(model, weighting, optimizer)
+    try:
+        saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        missing = sorted(f"model.{k}" for k in state["model"] if f"model.{k}" not in saved)
+        # Partial load, for the optimizer only: a parameter that never had a gradient (the contrastive temperature
+        # with that term off) has no optimizer state in the checkpoint, exactly as in the run that saved it.
+        dcp.load(state, checkpoint_id=str(folder), planner=DefaultLoadPlanner(allow_partial_load=True))
+    except (Exception, CheckpointException) as exc:  # files missing or cut (CheckpointException: a BaseException)
+        raise _unreadable(folder, exc, "resume from another checkpoint") from None
+    if missing:
+        from vlaforge.errors import VlaforgeError
+
+        raise VlaforgeError(f"sharded checkpoint {folder} does not match the model ({len(missing)} tensors missing, "
+                            f"e.g. {missing[0][len('model.'):]}); use the config saved in that checkpoint")
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(_owner(model, weighting), optimizer, state["optimizer"],
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+def consolidate_sharded(folder) -> dict[str, torch.Tensor]:
+    """The full model state dict of a sharded checkpoint, read in this one process from the checkpoint's own
+    metadata (no model is built; optimizer shards are not read).
+
+    Raises:
+        VlaforgeError: the checkpoint's metadata or shards cannot be read.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+                 if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    except (Exception, CheckpointException) as exc:
+        raise _unreadable(folder, exc, "use another checkpoint") from None
+    return {k[len("model."):]: v for k, v in state.items()}
+
+
+def _unreadable(folder, exc: BaseException, fix: str):
+    from vlaforge.errors import VlaforgeError
+
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    why = (lines[-1] if lines else type(exc).__name__).strip()[:200]
+    return VlaforgeError(f"sharded checkpoint {folder} cannot be read ({why}); {fix}")

@@ -19,6 +19,11 @@ from vlaforge.models.action_heads import ActionHead
 from vlaforge.training import losses as L
 
 
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip padding: the n-th real token of a row is at position n-1 (padding repeats a neighbour's)."""
+    return (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
 class Projector(nn.Module):
     """MLP from vision width to LLM width; also holds the contrastive loss's learned temperature."""
 
@@ -66,34 +71,54 @@ class VLA(nn.Module):
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
         return self.llm.get_input_embeddings()(ids)  # (B, L, D)
 
+    def input_embeddings(self, images: torch.Tensor, instruction_ids: torch.Tensor,
+                         text_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(LLM input embeddings (B, N, D), projected vision tokens, instruction embeddings) in the layout order."""
+        vision_tokens = self.embed_images(images)
+        instruction = self.embed_text(instruction_ids)
+        dtype = instruction.dtype
+        queries = self.action_head.queries.to(dtype).expand(images.shape[0], -1, -1)  # (B, T, D)
+        parts = [vision_tokens.to(dtype), instruction, queries]
+        if text_ids is not None:
+            parts.append(self.embed_text(text_ids))
+        return torch.cat(parts, dim=1), vision_tokens, instruction
+
+    def token_mask(self, batch: Batch, with_text: bool) -> torch.Tensor:
+        """Which of the N layout positions are real tokens (B, N) bool; padding sits in instruction and text."""
+        device = batch.instruction_ids.device
+        vision = self.layout.frames * self.layout.patches_per_frame
+        ones = lambda n: torch.ones(batch.size, n, dtype=torch.bool, device=device)  # noqa: E731
+        masks = [ones(vision), batch.instruction_mask.bool(), ones(self.action_head.chunk)]
+        if with_text:
+            masks.append(batch.text_mask.bool())
+        return torch.cat(masks, dim=1)
+
     def run_llm(self, batch: Batch, with_text: bool) -> dict[str, torch.Tensor]:
         """One LLM pass over the full layout; returns the pieces the losses and the action head need."""
-        b = batch.size
-        vision_tokens = self.embed_images(batch.images)
-        instruction = self.embed_text(batch.instruction_ids)
-        dtype = instruction.dtype
-        queries = self.action_head.queries.to(dtype).expand(b, -1, -1)  # (B, T, D)
-        parts = [vision_tokens.to(dtype), instruction, queries]
-        masks = [torch.ones(vision_tokens.shape[:2], dtype=torch.bool, device=instruction.device),
-                 batch.instruction_mask.bool(),
-                 torch.ones(queries.shape[:2], dtype=torch.bool, device=instruction.device)]
-        n_text = 0
-        if with_text:
-            parts.append(self.embed_text(batch.text_ids))
-            masks.append(batch.text_mask.bool())
-            n_text = batch.text_ids.shape[1]
-        mask = torch.cat(masks, dim=1)  # (B, N)
-        position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
-        out = self.llm(inputs_embeds=torch.cat(parts, dim=1), attention_mask=mask.long(), position_ids=position_ids,
+        embeds, vision_tokens, instruction = self.input_embeddings(batch.images, batch.instruction_ids,
+                                                                   batch.text_ids if with_text else None)
+        mask = self.token_mask(batch, with_text)
+        n_text = batch.text_ids.shape[1] if with_text else 0
+        out = self.llm(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids(mask),
                        output_hidden_states=True, logits_to_keep=n_text + 1, use_cache=False)
-        t = queries.shape[1]
+        h = self.split_outputs(out.hidden_states[-1], out.logits, n_text)
+        if self.objective.active("contrastive"):
+            h.update(self.contrastive_inputs(vision_tokens, instruction, batch.instruction_mask))
+        return h
+
+    def contrastive_inputs(self, vision_tokens: torch.Tensor, instruction: torch.Tensor,
+                           instruction_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Pooled vision (B, D) and instruction (B, D) embeddings and the temperature, for the contrastive term."""
+        return {"vision_pool": vision_tokens.mean(1), "text_pool": L.masked_mean_rows(instruction, instruction_mask),
+                "logit_scale": self.projector.logit_scale}
+
+    def split_outputs(self, hidden: torch.Tensor, logits: torch.Tensor | None, n_text: int) -> dict[str, torch.Tensor]:
+        """The action queries' final hidden states (B, T, D) and the text logits (B, Lt, V) that predict the text
+        targets, from the LLM's final (normed) hidden states and its logits over the last n_text + 1 positions."""
+        t = self.action_head.chunk
         q_end = -n_text if n_text else None
-        return {
-            "vision_tokens": vision_tokens,
-            "instruction": instruction,
-            "action_hidden": out.hidden_states[-1][:, -(n_text + t):q_end],  # (B, T, D)
-            "text_logits": out.logits[:, :-1] if n_text else None,  # (B, Lt, V): predicts text_ids
-        }
+        return {"action_hidden": hidden[:, -(n_text + t):q_end],
+                "text_logits": logits[:, :-1] if n_text else None}
 
     # ---- policy interface ---------------------------------------------------------------------------------
     def forward(self, batch: Batch, denominators: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -101,10 +126,13 @@ class VLA(nn.Module):
 
         `denominators`: per masked-mean term, the count to divide by instead of this batch's own (the trainer's
         global normalization over micro-batches and ranks)."""
+        return self.loss_terms(batch, self.run_llm(batch, self.uses_text(batch)), denominators)
+
+    def loss_terms(self, batch: Batch, h: dict[str, torch.Tensor],
+                   denominators: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The objective's terms from `run_llm`'s pieces (or a pipeline's last stage's): the action head runs here."""
         obj = self.objective
         den = denominators or {}
-        with_text = self.uses_text(batch)
-        h = self.run_llm(batch, with_text)
         head = self.action_head(h["action_hidden"], batch.state, batch.actions)
         terms = {"action": L.action_loss(head.prediction, head.target, batch.action_mask, obj.action,
                                          obj.huber_delta, den.get("action"))}
@@ -113,10 +141,9 @@ class VLA(nn.Module):
             terms["action"] = terms["action"] + obj.smoothness * smooth
             terms["action_smoothness_m"] = smooth.detach()
         if obj.active("contrastive"):
-            text_pool = L.masked_mean_rows(h["instruction"], batch.instruction_mask)
-            terms["contrastive"] = L.contrastive_loss(h["vision_tokens"].mean(1), text_pool, batch.instruction_ids,
-                                                      batch.instruction_mask.bool(), self.projector.logit_scale)
-        if with_text:
+            terms["contrastive"] = L.contrastive_loss(h["vision_pool"], h["text_pool"], batch.instruction_ids,
+                                                      batch.instruction_mask.bool(), h["logit_scale"])
+        if h["text_logits"] is not None:
             terms["language"] = L.language_loss(h["text_logits"], batch.text_ids, batch.text_mask, den.get("language"))
         terms["action_l1_m"] = L.masked_mean((head.actions.detach() - batch.actions).abs(), batch.action_mask,
                                              den.get("action"))
@@ -129,7 +156,10 @@ class VLA(nn.Module):
     def compute_loss(self, batch: Batch, weighting: Callable | None = None,
                      denominators: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
         """(weighted total loss, metrics). `weighting` maps the term dict to (loss, weights); static by default."""
-        out = self(batch, denominators=denominators)
+        return self.weigh(self(batch, denominators=denominators), weighting)
+
+    def weigh(self, out: dict[str, torch.Tensor], weighting: Callable | None = None) -> tuple[torch.Tensor, dict]:
+        """`forward`'s terms -> (weighted total loss, metrics)."""
         terms = {k: v for k, v in out.items() if not k.endswith("_m")}
         if weighting is None:
             weights = {k: self.objective.weights.get(k, 1.0) for k in terms}

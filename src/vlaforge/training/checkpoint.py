@@ -3,7 +3,9 @@ file, the resolved config beside them. Written to a temporary folder and renamed
 half-written checkpoint; `latest` names the newest complete one.
 
 Layout: RUN_DIR/checkpoints/step_00000010/{model.safetensors, trainer_state.pt, config.toml[, policy.json,
-tokenizer.json]}, RUN_DIR/checkpoints/latest
+tokenizer.json]}, RUN_DIR/checkpoints/latest. A sharded checkpoint (`train.checkpoint_format = "sharded"`) has
+`dcp/` (torch.distributed.checkpoint: every rank's shards of model and optimizer) instead of model.safetensors, and
+no optimizer in trainer_state.pt; `vlaforge export` writes its model.safetensors.
 """
 
 from __future__ import annotations
@@ -20,7 +22,22 @@ from safetensors.torch import load_model, save_model
 from vlaforge.config.loading import write_atomic
 from vlaforge.errors import VlaforgeError
 
-MODEL_FILE, STATE_FILE, CONFIG_FILE = "model.safetensors", "trainer_state.pt", "config.toml"
+MODEL_FILE, STATE_FILE, CONFIG_FILE, DCP_DIR = "model.safetensors", "trainer_state.pt", "config.toml", "dcp"
+
+
+def is_sharded(ckpt: Path) -> bool:
+    """A sharded (DCP) checkpoint: training resumes from its shards (model.safetensors, once exported, is for
+    inference)."""
+    return (ckpt / DCP_DIR / ".metadata").is_file()
+
+
+def has_weights(ckpt: Path) -> bool:
+    return (ckpt / MODEL_FILE).is_file() or is_sharded(ckpt)
+
+
+def temporary_folder(run_dir: Path, step: int) -> Path:
+    """Where checkpoint `step` is written before the rename (the same path on every rank)."""
+    return run_dir / "checkpoints" / f".step_{step:08d}.tmp"
 
 
 def rng_state() -> dict[str, Any]:
@@ -39,23 +56,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any], config_toml: str,
                     keep: int, extra: Callable[[Path], None] | None = None,
-                    weights: dict[str, torch.Tensor] | None = None) -> Path:
+                    weights: dict[str, torch.Tensor] | None = None, sharded: bool = False) -> Path:
     """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep` checkpoints.
 
     `extra(folder)` writes further files (the policy's observation spec, tokenizer) into the checkpoint.
     `weights`: the full state dict to write instead of `model`'s own (a sharded model's, gathered).
+    `sharded`: the ranks have already written `dcp/` into `temporary_folder(run_dir, step)`; add the rest.
     """
     root = run_dir / "checkpoints"
     final = root / f"step_{step:08d}"
-    tmp = root / f".{final.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if weights is None:
-        save_model(model, str(tmp / MODEL_FILE))
-    else:
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(tmp / MODEL_FILE))  # unties
+    tmp = temporary_folder(run_dir, step)
+    if not sharded:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if weights is None:
+            save_model(model, str(tmp / MODEL_FILE))
+        else:
+            save_full_weights(weights, tmp / MODEL_FILE)
     torch.save(state, tmp / STATE_FILE)
     (tmp / CONFIG_FILE).write_text(config_toml)
     if extra is not None:
@@ -69,6 +86,12 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dic
     return final
 
 
+def save_full_weights(weights: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(path))  # clone: unties shared tensors
+
+
 def resolve_checkpoint(resume: str, output_dir: str | Path, what: str = "train.resume") -> Path:
     """'latest' (in output_dir), a run folder or a checkpoint folder -> the checkpoint folder.
 
@@ -76,15 +99,15 @@ def resolve_checkpoint(resume: str, output_dir: str | Path, what: str = "train.r
         VlaforgeError: nothing to resume from there.
     """
     path = Path(output_dir) if resume == "latest" else Path(resume)
-    if (path / MODEL_FILE).is_file():
+    if has_weights(path):
         return path
     latest = path / "checkpoints" / "latest"
     if latest.is_file():
         ckpt = path / "checkpoints" / latest.read_text().strip()
-        if (ckpt / MODEL_FILE).is_file():
+        if has_weights(ckpt):
             return ckpt
     fix = ", or drop --train.resume" if what == "train.resume" else ""
-    raise VlaforgeError(f"{what}: no checkpoint at {path} (expected {MODEL_FILE} or checkpoints/latest); "
+    raise VlaforgeError(f"{what}: no checkpoint at {path} (expected {MODEL_FILE}, {DCP_DIR}/ or checkpoints/latest); "
                         f"give a run folder or a checkpoints/step_* folder{fix}")
 
 
@@ -107,6 +130,17 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, sharded: bool = False) -
         load_full_model_state(model, load_file(str(ckpt / MODEL_FILE)))
     else:
         load_weights(ckpt, model)
+    return load_trainer_state(ckpt)
+
+
+def load_trainer_state(ckpt: Path) -> dict[str, Any]:
+    """trainer_state.pt of a checkpoint.
+
+    Raises:
+        VlaforgeError: the file is missing, truncated or corrupt.
+    """
+    if not (ckpt / STATE_FILE).is_file():
+        raise VlaforgeError(f"checkpoint {ckpt} has no {STATE_FILE}; resume from another checkpoint")
     try:
         return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch.load raises many types for damaged files
@@ -115,11 +149,16 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, sharded: bool = False) -
 
 
 def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
-    """Load model.safetensors into `model` (strict).
+    """Load model.safetensors (or a sharded checkpoint's model shards) into `model` (strict).
 
     Raises:
         VlaforgeError: the file is missing, truncated or does not match the model.
     """
+    if is_sharded(ckpt) and not (ckpt / MODEL_FILE).is_file():
+        from vlaforge.distributed.state import load_sharded
+
+        load_sharded(ckpt / DCP_DIR, model)
+        return
     if not (ckpt / MODEL_FILE).is_file():
         raise VlaforgeError(f"checkpoint {ckpt} has no {MODEL_FILE}; give a checkpoints/step_* folder")
     try:
@@ -154,3 +193,29 @@ def _upgrade_legacy(path: Path) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def export_weights(ckpt: Path, out: Path | None = None) -> Path:
+    """Consolidate a checkpoint's weights into one safetensors file for inference (default: CKPT/model.safetensors,
+    which `vlaforge eval` and the policy server read); written to a temporary name and renamed.
+
+    Raises:
+        VlaforgeError: the checkpoint is not sharded and `out` is not given (nothing to do), or it cannot be read.
+    """
+    out = out or ckpt / MODEL_FILE
+    if not is_sharded(ckpt):
+        if out == ckpt / MODEL_FILE:
+            raise VlaforgeError(f"checkpoint {ckpt} already holds {MODEL_FILE} (it is not sharded); give --out to "
+                                "copy it elsewhere")
+        from safetensors.torch import load_file
+
+        state = load_file(str(ckpt / MODEL_FILE))
+    else:
+        from vlaforge.distributed.state import consolidate_sharded
+
+        state = consolidate_sharded(ckpt / DCP_DIR)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_full_weights(state, tmp)
+    tmp.replace(out)
+    return out

@@ -26,7 +26,7 @@ def local_grads(optimizer: torch.optim.Optimizer, reducer=None) -> list[torch.Te
 def grad_norms(optimizer: torch.optim.Optimizer, reducer=None) -> dict[str, torch.Tensor]:
     """L2 norm of the gradients of each component (from the optimizer's per-component groups; learned loss
     weights excluded), and of all of them ('total'). One fused norm kernel for all gradients; with sharded
-    gradients, one all-reduce of the per-component sums of squares."""
+    gradients, one all-reduce of the per-component sums of squares and gradient counts."""
     owners, grads, tp = [], [], []
     for group in optimizer.param_groups:
         if group["component"] in COMPONENTS:
@@ -35,14 +35,21 @@ def grad_norms(optimizer: torch.optim.Optimizer, reducer=None) -> dict[str, torc
                     owners.append(group["component"])
                     grads.append(reducer.local(p.grad) if reducer is not None else p.grad)
                     tp.append(reducer is not None and reducer.tp_sharded(p.grad))
-    if not grads:
-        return {"total": torch.zeros(())}
-    squares = torch.stack(torch._foreach_norm(grads)).square().float()  # (N,)
-    # row 0: weights replicated over tensor parallel, row 1: TP-sharded ones (summed over the TP group too)
+    device = optimizer.param_groups[0]["params"][0].device
+    squares = torch.stack(torch._foreach_norm(grads)).square().float() if grads else torch.zeros(0, device=device)
+    # row 0: weights replicated over tensor parallel, row 1: TP-sharded ones (summed over the TP group too); then
+    # the number of gradients per component, so every rank reports the components any rank (pipeline stage) holds
+    c = len(COMPONENTS)
     index = torch.tensor([2 * COMPONENTS.index(o) + t for o, t in zip(owners, tp)], device=squares.device)
-    per = torch.zeros(2 * len(COMPONENTS), device=squares.device).index_add_(0, index, squares).view(-1, 2)
-    per = reducer.combine(per[:, 0].contiguous(), per[:, 1].contiguous()) if reducer is not None else per.sum(1)
-    norms = {c: per[i].sqrt() for i, c in enumerate(COMPONENTS) if c in owners}
+    per = torch.zeros(2 * c, device=squares.device).index_add_(0, index, squares).view(-1, 2)
+    counts = torch.tensor([float(owners.count(o)) for o in COMPONENTS], device=squares.device)
+    if reducer is not None:
+        both = reducer.combine(torch.cat([per[:, 0], counts]), torch.cat([per[:, 1], torch.zeros_like(counts)]))
+        per, counts = both[:c], both[c:]
+    else:
+        per = per.sum(1)
+    present = (counts > 0).tolist()  # one host sync
+    norms = {comp: per[i].sqrt() for i, comp in enumerate(COMPONENTS) if present[i]}
     norms["total"] = per.sum().sqrt()
     return norms
 
@@ -55,6 +62,7 @@ class StepGuards:
     monitor: NumericsMonitor | None = None
     step: int = 0
     reducer: Any = None  # distributed.parallelize.GradReducer when gradients are sharded / replicated
+    pipeline: Any = None  # distributed.pipeline.Pipeline under pipeline parallel: it runs forward and backward
 
     @property
     def measure(self) -> bool:
@@ -96,7 +104,9 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
     sums: dict[str, torch.Tensor] = {}
     n = len(micro_batches)
     denominators = loss_denominators(model, micro_batches, reducer)
-    for i, batch in enumerate(micro_batches):
+    if guards.pipeline is not None:  # the schedule runs every micro-batch and syncs gradients after the last
+        sums = guards.pipeline.run(micro_batches, weighting, scaler, denominators)
+    for i, batch in enumerate(micro_batches if guards.pipeline is None else ()):
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients on the last micro-step only
             model.set_requires_gradient_sync(i == n - 1)
         loss, metrics = model.compute_loss(batch, weighting, denominators)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 import warnings
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ from vlaforge.techniques.freezing import apply_freezing, schedule_changes
 from vlaforge.diagnostics.numerics import NumericsMonitor
 from vlaforge.distributed.parallel_dims import ParallelDims, World, init_distributed, model_facts, world_from_env
 from vlaforge.distributed.parallelize import parallelize
-from vlaforge.distributed.state import full_model_state, full_optimizer_state, load_full_optimizer_state
+from vlaforge.distributed.pipeline import Pipeline, split_for_stage
+from vlaforge.distributed.state import (full_model_state, full_optimizer_state, load_full_optimizer_state,
+                                        load_sharded, save_sharded)
 from vlaforge.techniques.checkpointing import apply_checkpointing
 from vlaforge.techniques.freezing import trainable_at
 from vlaforge.techniques.offload import apply_offload
@@ -53,6 +56,17 @@ def seed_everything(seed: int) -> None:
 def check_layout(cfg: VLAConfig, world: World) -> ParallelDims:
     """The parallel layout for this world size, validated before anything is built (one line on a bad one)."""
     dims = ParallelDims.build(cfg.parallel, world.size, model_facts(cfg.model))
+    if dims.pp > 1:
+        if cfg.train.grad_accum < dims.pp:
+            raise VlaforgeError(f"parallel.pp = {dims.pp} needs train.grad_accum >= {dims.pp} (the accumulation "
+                                f"micro-batches are the pipeline's; fewer leave stages idle); set train.grad_accum "
+                                f"= {2 * dims.pp} or more")
+        if cfg.loss.weighting != "static":
+            raise VlaforgeError(f"loss.weighting = '{cfg.loss.weighting}' is not available with parallel.pp > 1 "
+                                "(the losses exist on the last stage only); use 'static'")
+        if dims.backend == "ddp":
+            raise VlaforgeError("parallel.pp > 1 runs with backend = 'fsdp2' (set dp_shard = 1 to replicate); "
+                                "use backend = 'fsdp2'")
     if dims.distributed:
         if any(p.unfreeze_at_step is not None for _, p in cfg.components.items()):
             raise VlaforgeError("unfreeze_at_step is not available with more than one process yet (FSDP2 fixes "
@@ -124,7 +138,16 @@ def build_run(cfg: VLAConfig) -> Run:
     model, precision = build_model(cfg, device)
     guards = build_guards(cfg, precision)
     if dims.distributed:
-        guards.reducer = parallelize(model, dims, dims.build_mesh(device.type), dict(cfg.components.items()))
+        mesh = dims.build_mesh(device.type)
+        stage_module = None
+        if dims.pp > 1:
+            stage_module, plan = split_for_stage(model, cfg, dims.pp, mesh)
+            if world.is_main and cfg.train.progress:
+                print(f"pipeline: {plan.summary()}", flush=True)
+        guards.reducer = parallelize(model, dims, mesh, dict(cfg.components.items()), root=stage_module)
+        if stage_module is not None:
+            guards.pipeline = Pipeline(model, stage_module, dims.pp, cfg.train.grad_accum, cfg.parallel.pp_schedule,
+                                       mesh, device)
     weighting = build_loss_weighting(cfg, model, device)
     optimizer = build_optimizer(model, cfg, list(weighting.parameters()))
     scheduler = build_scheduler(optimizer, cfg.train)
@@ -143,13 +166,16 @@ def build_run(cfg: VLAConfig) -> Run:
                samples, tps, data, tasks)
 
 
-def trainer_state(run: Run, step: int) -> dict[str, Any]:
-    """Optimizer (full, keyed by parameter name when sharded), schedule, loss weighting, scaler, RNG."""
-    optim = full_optimizer_state(run.model, run.weighting, run.optimizer)  # by name: loads at any world size
+def trainer_state(run: Run, step: int, optimizer: bool = True) -> dict[str, Any]:
+    """Optimizer (full, keyed by parameter name; left out for sharded checkpoints, which hold it in their shards),
+    schedule, loss weighting, scaler, RNG."""
     samples = run.start_sample + (step - run.start_step) * global_batch(run.cfg, run.dims)
-    return {"step": step, "samples": samples, "optimizer": optim, "scheduler": run.scheduler.state_dict(),
-            "weighting": run.weighting.state_dict(), "loss_scale": run.guards.scaler.state_dict(),
-            "rng": ckpt.rng_state(), "world_size": run.dims.world_size}
+    state = {"step": step, "samples": samples, "scheduler": run.scheduler.state_dict(),
+             "weighting": run.weighting.state_dict(), "loss_scale": run.guards.scaler.state_dict(),
+             "rng": ckpt.rng_state(), "world_size": run.dims.world_size}
+    if optimizer:  # by name: loads at any layout
+        state["optimizer"] = full_optimizer_state(run.model, run.weighting, run.optimizer, run.dims.pp)
+    return state
 
 
 def global_batch(cfg: VLAConfig, dims: ParallelDims) -> int:
@@ -161,12 +187,19 @@ def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScal
             step_samples: int) -> tuple[int, int]:
     """Load a checkpoint into the run's pieces; returns (step, global samples consumed). `step_samples`: this
     run's samples per step, for checkpoints written before the count was kept (all single-process)."""
-    state = ckpt.load_checkpoint(path, model, sharded=distributed)
-    if isinstance(state["optimizer"]["param_groups"][0]["params"][0], int):
-        optimizer.load_state_dict(state["optimizer"])  # written before optimizer state was keyed by name
+    if ckpt.is_sharded(path):
+        state = ckpt.load_trainer_state(path)
+        load_sharded(path / ckpt.DCP_DIR, model, weighting, optimizer)  # resharded to this run's layout
     else:
-        load_full_optimizer_state(model, weighting, optimizer, state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+        state = ckpt.load_checkpoint(path, model, sharded=distributed)
+        if isinstance(state["optimizer"]["param_groups"][0]["params"][0], int):
+            optimizer.load_state_dict(state["optimizer"])  # written before optimizer state was keyed by name
+        else:
+            load_full_optimizer_state(model, weighting, optimizer, state["optimizer"])
+    # the position only: base learning rates come from the config, one per parameter group of this run (a
+    # pipeline stage has fewer groups than the run that saved)
+    position = {k: state["scheduler"][k] for k in ("last_epoch", "_step_count")}
+    scheduler.load_state_dict({**scheduler.state_dict(), **position})
     weighting.load_state_dict(state["weighting"])
     if "loss_scale" in state:
         scaler.load_state_dict(state["loss_scale"])
@@ -176,14 +209,27 @@ def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScal
 
 
 def save(run: Run, step: int) -> Path | None:
-    """Write a checkpoint (rank 0); with a sharded model every rank takes part in gathering it."""
-    weights = full_model_state(run.model) if run.dims.distributed else None
-    state = trainer_state(run, step)
+    """Write a checkpoint (rank 0 writes the files; with a sharded model every rank takes part: gathering the full
+    state, or writing its own shards with `checkpoint_format = "sharded"`)."""
+    t, distributed = run.cfg.train, run.dims.distributed
+    sharded = t.checkpoint_format == "sharded"
+    weights = None
+    if sharded:
+        tmp = ckpt.temporary_folder(run.run_dir, step)
+        if run.world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if distributed:
+            torch.distributed.barrier()  # the folder exists before any rank writes into it
+        save_sharded(tmp / ckpt.DCP_DIR, run.model, run.weighting, run.optimizer)
+    elif distributed:
+        weights = full_model_state(run.model, run.dims.pp)
+    state = trainer_state(run, step, optimizer=not sharded)
     path = None
     if run.world.is_main:
-        path = ckpt.save_checkpoint(run.run_dir, step, run.model, state, dump_toml(run.cfg),
-                                    run.cfg.train.keep_checkpoints, extra=run.data.save_policy_files, weights=weights)
-    if run.dims.distributed:
+        path = ckpt.save_checkpoint(run.run_dir, step, run.model, state, dump_toml(run.cfg), t.keep_checkpoints,
+                                    extra=run.data.save_policy_files, weights=weights, sharded=sharded)
+    if distributed:
         torch.distributed.barrier()  # no rank runs ahead of a checkpoint it may need to resume from
     return path
 
