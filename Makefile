@@ -17,7 +17,7 @@ DEMO_RUN ?= runs/tiny_metaworld
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,deepspeed]'
 	touch $@
 
 venv: $(VENV)/.installed

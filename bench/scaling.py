@@ -1,5 +1,6 @@
-"""Data-parallel scaling on this machine: per-rank parameter + gradient + optimizer bytes and step time of FSDP2
-and DDP at N ranks against one process, measured in one invocation. Prints JSON.
+"""Scaling on this machine: per-rank parameter + gradient + optimizer bytes and step time of FSDP2, DDP and tensor
+parallel (the LLM's blocks split over the N ranks, which share the batch) at N ranks against one process, measured
+in one invocation. Prints JSON.
 
 Bytes are counted from each rank's local tensors (the DTensor shards under FSDP2) after real optimizer steps, so
 they are exact; the target is FSDP2 at N ranks <= 1/N of one process + 5 %. Step times on CPU gloo measure the
@@ -52,6 +53,8 @@ def worker(rank: int, world: int, port: int, backend: str, args, out) -> None:
                  "train": {"batch_size": args.batch}}
     if backend == "ddp":
         overrides["parallel"] = {"backend": "ddp", "dp_replicate": world, "dp_shard": 1}
+    if backend == "tp":
+        overrides["parallel"] = {"tp": world, "dp_shard": 1}
     cfg = load_config(RECIPE, overrides)
     guards = StepGuards()
     torch.manual_seed(0)
@@ -65,7 +68,8 @@ def worker(rank: int, world: int, port: int, backend: str, args, out) -> None:
     opt = build_optimizer(model, cfg, list(weighting.parameters()))
     sched = build_scheduler(opt, cfg.train)
     ds = build_data(cfg, model).dataset
-    batch = Batch.collate([ds[(rank * args.batch + j) % len(ds)] for j in range(args.batch)])
+    data_rank = 0 if backend == "tp" else rank  # tensor-parallel ranks read the same samples
+    batch = Batch.collate([ds[(data_rank * args.batch + j) % len(ds)] for j in range(args.batch)])
     times = []
     for _ in range(args.steps + 1):
         start = time.perf_counter()
@@ -100,7 +104,7 @@ def main() -> None:
     one = run("fsdp2", 1, args)
     results = {"bench": "scaling", "flavor": args.flavor, "hardware": f"CPU, gloo, {torch.get_num_threads()} threads",
                "ranks": args.ranks, "one_process": one}
-    for backend in ("fsdp2", "ddp"):
+    for backend in ("fsdp2", "ddp", "tp"):
         r = run(backend, args.ranks, args)
         state = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
         base = one["param_bytes"] + one["grad_bytes"] + one["optimizer_bytes"]

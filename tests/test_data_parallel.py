@@ -66,6 +66,14 @@ def test_fsdp2_times_tensor_parallel_2x2_on_four_ranks(tmp_path, single):
     assert_same_weights(tmp_path, single)
 
 
+def test_reducing_every_micro_step_keeps_the_math(tmp_path):
+    """train.sync_every = 1 reduce-scatters after each of the 2 micro-batches instead of once: the same weights as
+    one process accumulating all 4 micro-batches."""
+    reference = train_single(tmp_path / "single", "--train.grad_accum=4")
+    train_distributed(tmp_path / "dp", "--train.grad_accum=2", "--train.sync_every=1")
+    assert_same_weights(tmp_path / "dp", reference)
+
+
 def test_hsdp_2x2_on_four_ranks(tmp_path):
     reference = train_single(tmp_path / "single", "--train.grad_accum=4")
     train_distributed(tmp_path / "hsdp", "--parallel.dp_replicate=2", "--parallel.dp_shard=2", nproc=4)

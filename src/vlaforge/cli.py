@@ -27,11 +27,12 @@ OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 _DEFAULT = "; default: the same key of the eval section in the checkpoint's config"
 
 
-def _load(config: Optional[Path], ctx: typer.Context, resume: Optional[str] = None):
+def _load(config: Optional[Path], ctx: typer.Context, resume: Optional[str] = None, first: list[str] = ()):
+    """The config from a recipe (or a resumed checkpoint's), then `first` overrides, then the command line's."""
     from vlaforge.config import load_config
     from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint
 
-    overrides = list(ctx.args)
+    overrides = [*first, *ctx.args]
     if config is not None and str(config).startswith("--"):  # an override, not a recipe path
         overrides.insert(0, str(config))
         config = None
@@ -46,14 +47,24 @@ def _load(config: Optional[Path], ctx: typer.Context, resume: Optional[str] = No
 def train(ctx: typer.Context,
           config: Optional[Path] = typer.Argument(None, help="TOML recipe, e.g. recipes/tiny_metaworld.toml"),
           resume: Optional[str] = typer.Option(None, help="'latest', a run folder or a checkpoint folder; "
-                                                          "without CONFIG, the checkpoint's saved config is used")):
-    """Train a VLA. Overrides: --section.key=value (e.g. --train.steps=10). Data parallel under torchrun
-    (--parallel.dp_shard / dp_replicate, --parallel.backend=fsdp2|ddp)."""
+                                                          "without CONFIG, the checkpoint's saved config is used"),
+          deepspeed: Optional[Path] = typer.Option(None, help="a DeepSpeed JSON/YAML config, mapped onto [parallel] "
+                                                              "(backend = deepspeed, ZeRO stage, offload) and [train] "
+                                                              "(batch sizes, clipping); unhonoured fields are "
+                                                              "refused")):
+    """Train a VLA. Overrides: --section.key=value (e.g. --train.steps=10), applied after --deepspeed. Under
+    torchrun: data parallel (--parallel.dp_shard / dp_replicate, --parallel.backend=fsdp2|ddp|deepspeed), tensor
+    parallel (--parallel.tp) and pipeline parallel (--parallel.pp)."""
     from vlaforge.training.trainer import train as run_training
 
     from vlaforge.distributed.parallel_dims import world_from_env
 
-    cfg = _load(config, ctx, resume)
+    first: list[str] = []
+    if deepspeed is not None:
+        from vlaforge.distributed.deepspeed_backend import config_overrides, read_config_file
+
+        first = config_overrides(read_config_file(deepspeed), world_from_env().size, f"--deepspeed {deepspeed}")
+    cfg = _load(config, ctx, resume, first)
     last = run_training(cfg)
     if world_from_env().is_main:  # under torchrun, one summary line
         shown = {k: round(v, 5) for k, v in last.items() if k.startswith(("loss/", "perf/"))}

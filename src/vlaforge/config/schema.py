@@ -174,8 +174,8 @@ class LossConfig(Section):
 
 
 class ParallelConfig(Section):
-    """Data parallel (FSDP2 / HSDP / DDP), LLM tensor parallel and pipeline parallel under torchrun; cp > 1 and
-    DeepSpeed arrive later."""
+    """Data parallel (FSDP2 / HSDP / DDP / DeepSpeed ZeRO), LLM tensor parallel and pipeline parallel under
+    torchrun; cp > 1 arrives later."""
 
     dp_replicate: int = Field(1, ge=1, description="replicas (HSDP's outer dimension; DDP: all ranks)")
     dp_shard: int = Field(-1, ge=-1, description="-1: the rest of the world size")
@@ -188,7 +188,18 @@ class ParallelConfig(Section):
                                                                        "at most pp micro-batches' activations)")
     cp: int = Field(1, ge=1)
     cp_method: Literal["ring", "ulysses", "allgather", "auto"] = "ring"
-    backend: Literal["fsdp2", "ddp", "deepspeed"] = "fsdp2"
+    backend: Literal["fsdp2", "ddp", "deepspeed"] = Field("fsdp2", description="deepspeed: the optional extra "
+                                                                             "(pip install vlaforge[deepspeed])")
+    zero_stage: int = Field(2, ge=1, le=3, description="deepspeed: ZeRO stage (1 optimizer state, 2 + gradients, "
+                                                       "3 + parameters partitioned)")
+    offload_optimizer: Literal["none", "cpu", "nvme"] = Field("none", description="deepspeed: optimizer state and "
+                                                                                  "step on the CPU or NVMe")
+    offload_param: Literal["none", "cpu", "nvme"] = Field("none", description="deepspeed ZeRO-3: parameters on the "
+                                                                              "CPU or NVMe between uses")
+    nvme_path: str | None = Field(None, description="deepspeed: folder on the NVMe drive for *_offload = 'nvme'")
+    zero_tuning: dict[str, int | float | bool] = Field(default_factory=dict, description="deepspeed: "
+                                                       "zero_optimization tuning keys passed through (bucket sizes, "
+                                                       "overlap_comm, stage3_* ...)")
 
     @field_validator("cp")
     @classmethod
@@ -204,12 +215,27 @@ class ParallelConfig(Section):
             raise ValueError("dp_shard must be -1 (the rest of the world) or >= 1")
         return v
 
-    @field_validator("backend")
+    @field_validator("zero_tuning")
     @classmethod
-    def _backend_available(cls, v: str) -> str:
-        if v == "deepspeed":
-            raise not_yet(v, "the DeepSpeed backend", "'fsdp2' or 'ddp'")
+    def _known_tuning(cls, v: dict) -> dict:
+        from vlaforge.distributed.deepspeed_backend import ZERO_TUNING
+
+        unknown = sorted(set(v) - set(ZERO_TUNING))
+        if unknown:
+            raise ValueError(f"unknown zero_optimization keys {unknown}; known: {', '.join(ZERO_TUNING)}")
         return v
+
+    @model_validator(mode="after")
+    def _deepspeed_fields(self) -> "ParallelConfig":
+        offloads = self.offload_optimizer != "none" or self.offload_param != "none"
+        if self.backend != "deepspeed" and offloads:
+            raise ValueError("offload_optimizer / offload_param need backend = 'deepspeed'")
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise ValueError(f"offload_param needs zero_stage = 3 (only ZeRO-3 partitions parameters), not "
+                             f"{self.zero_stage}")
+        if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
+            raise ValueError("offload to 'nvme' needs nvme_path (a folder on the NVMe drive)")
+        return self
 
 
 class DataConfig(Section):
@@ -290,9 +316,23 @@ class NumericsConfig(Section):
 
 
 class TrainConfig(Section):
+    @model_validator(mode="after")
+    def _sync_keeps_the_math(self) -> "TrainConfig":
+        if self.sync_every > self.grad_accum:
+            raise ValueError(f"sync_every = {self.sync_every} > grad_accum = {self.grad_accum} would step the "
+                             "optimizer with gradients never reduced across ranks (local SGD), which changes the "
+                             f"math; use 1..{self.grad_accum} (0: reduce once, on the last micro-batch)")
+        return self
+
     steps: int = Field(100, ge=1, description="optimizer steps")
+    compile: bool = Field(False, description="torch.compile each transformer block of the vision tower and the LLM "
+                                             "(after checkpointing / offload wrapping, before FSDP2), torchtitan's "
+                                             "per-block unit: repeated blocks compile once")
     batch_size: int = Field(8, ge=1, description="micro-batch per rank per forward")
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    sync_every: int = Field(0, ge=0, description="data parallel: reduce gradients every N micro-batches (0: once, "
+                                                 "on the last; smaller N sends more but FSDP2 then keeps sharded "
+                                                 "instead of full gradients between micro-batches)")
     precision_master: Literal["fp32", "bf16"] = Field(
         "fp32", description="dtype of weights, gradients and optimizer state of components not in fp32 "
                             "(bf16: half the memory, updates lose low-order bits)")

@@ -156,8 +156,9 @@ def world_from_env() -> World:
                  int(os.environ.get("WORLD_SIZE", "1")))
 
 
-def init_distributed(world: World, device: torch.device) -> torch.device:
-    """Initialize the default process group (gloo on CPU, NCCL on GPU) when there is more than one process.
+def init_distributed(world: World, device: torch.device, single: bool = False) -> torch.device:
+    """Initialize the default process group (gloo on CPU, NCCL on GPU) when there is more than one process, or
+    a one-rank group when `single` (DeepSpeed needs one even in a single process).
 
     Returns the device this rank uses (cuda:LOCAL_RANK on GPU).
     """
@@ -166,7 +167,9 @@ def init_distributed(world: World, device: torch.device) -> torch.device:
     if device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if world.size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    elif single and not dist.is_initialized():
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     return device

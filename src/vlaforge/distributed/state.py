@@ -8,6 +8,7 @@ those of the whole model, so the merged dict is the single-process one).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -15,8 +16,14 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-# DCP warns on every single-process load; reading shards in one process (resume, eval, export) is intended here
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP warns on every single-process load; reading shards in one process (resume, eval, export) is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _options(**kw):
@@ -159,7 +166,8 @@ def load_sharded(folder, model: nn.Module, weighting: nn.Module | None = None,
         missing = sorted(f"model.{k}" for k in state["model"] if f"model.{k}" not in saved)
         # Partial load, for the optimizer only: a parameter that never had a gradient (the contrastive temperature
         # with that term off) has no optimizer state in the checkpoint, exactly as in the run that saved it.
-        dcp.load(state, checkpoint_id=str(folder), planner=DefaultLoadPlanner(allow_partial_load=True))
+        with _quiet_dcp():
+            dcp.load(state, checkpoint_id=str(folder), planner=DefaultLoadPlanner(allow_partial_load=True))
     except (Exception, CheckpointException) as exc:  # files missing or cut (CheckpointException: a BaseException)
         raise _unreadable(folder, exc, "resume from another checkpoint") from None
     if missing:
@@ -188,7 +196,8 @@ def consolidate_sharded(folder) -> dict[str, torch.Tensor]:
         metadata = FileSystemReader(str(folder)).read_metadata()
         state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
                  if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+        with _quiet_dcp():
+            dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     except (Exception, CheckpointException) as exc:
         raise _unreadable(folder, exc, "use another checkpoint") from None
     return {k[len("model."):]: v for k, v in state.items()}

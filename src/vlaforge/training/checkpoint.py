@@ -56,23 +56,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any], config_toml: str,
                     keep: int, extra: Callable[[Path], None] | None = None,
-                    weights: dict[str, torch.Tensor] | None = None, sharded: bool = False) -> Path:
+                    weights: dict[str, torch.Tensor] | None = None, prepared: bool = False) -> Path:
     """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep` checkpoints.
 
     `extra(folder)` writes further files (the policy's observation spec, tokenizer) into the checkpoint.
     `weights`: the full state dict to write instead of `model`'s own (a sharded model's, gathered).
-    `sharded`: the ranks have already written `dcp/` into `temporary_folder(run_dir, step)`; add the rest.
+    `prepared`: every rank has already written its part (DCP's `dcp/`, DeepSpeed's `deepspeed/`) into
+    `temporary_folder(run_dir, step)`; add the rest (model.safetensors only when `weights` is given).
     """
     root = run_dir / "checkpoints"
     final = root / f"step_{step:08d}"
     tmp = temporary_folder(run_dir, step)
-    if not sharded:
+    if not prepared:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        if weights is None:
-            save_model(model, str(tmp / MODEL_FILE))
-        else:
-            save_full_weights(weights, tmp / MODEL_FILE)
+    if weights is not None:
+        save_full_weights(weights, tmp / MODEL_FILE)
+    elif not prepared:
+        save_model(model, str(tmp / MODEL_FILE))
     torch.save(state, tmp / STATE_FILE)
     (tmp / CONFIG_FILE).write_text(config_toml)
     if extra is not None:

@@ -63,6 +63,8 @@ class StepGuards:
     step: int = 0
     reducer: Any = None  # distributed.parallelize.GradReducer when gradients are sharded / replicated
     pipeline: Any = None  # distributed.pipeline.Pipeline under pipeline parallel: it runs forward and backward
+    engine: Any = None  # a DeepSpeed engine (parallel.backend = "deepspeed"): it reduces, clips and steps
+    sync_every: int = 0  # train.sync_every: reduce gradients every k-th micro-step too (0: the last only)
 
     @property
     def measure(self) -> bool:
@@ -99,6 +101,8 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
     `guards.check_finite` stops at a non-finite gradient before the optimizer step, naming the parameters.
     """
     guards = guards or StepGuards()
+    if guards.engine is not None:
+        return deepspeed_step(guards.engine, micro_batches, weighting, guards.reducer)
     scaler, reducer = guards.scaler, guards.reducer
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, torch.Tensor] = {}
@@ -107,8 +111,9 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
     if guards.pipeline is not None:  # the schedule runs every micro-batch and syncs gradients after the last
         sums = guards.pipeline.run(micro_batches, weighting, scaler, denominators)
     for i, batch in enumerate(micro_batches if guards.pipeline is None else ()):
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients on the last micro-step only
-            model.set_requires_gradient_sync(i == n - 1)
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce on the last micro-step (or every k-th)
+            every = guards.sync_every
+            model.set_requires_gradient_sync(i == n - 1 or (every > 0 and (i + 1) % every == 0))
         loss, metrics = model.compute_loss(batch, weighting, denominators)
         scaler.scale_loss(loss / n).backward()
         for k, v in metrics.items():
@@ -141,4 +146,26 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
     if scaler.enabled:
         sums["precision/loss_scale"] = torch.tensor(scaler.scale)
         sums["precision/skipped_steps"] = torch.tensor(float(scaler.skipped_steps))
+    return sums
+
+
+def deepspeed_step(engine, micro_batches: list[Batch], weighting, reducer) -> dict[str, torch.Tensor]:
+    """One optimizer step through a DeepSpeed engine: the same globally normalized losses as `train_step`;
+    `engine.backward` divides by the accumulation steps, and the last `engine.step()` reduces the gradients over
+    ranks, clips by `train.grad_clip`, steps the optimizer and the schedule. Per-component gradient norms and the
+    numerics monitor need the gradients, which ZeRO keeps in its partitions: only the total norm is reported."""
+    model = engine.module
+    n = len(micro_batches)
+    denominators = loss_denominators(model, micro_batches, reducer)
+    sums: dict[str, torch.Tensor] = {}
+    for batch in micro_batches:
+        loss, metrics = model.weigh(engine(batch, denominators=denominators), weighting)
+        engine.backward(loss)
+        engine.step()
+        for k, v in metrics.items():
+            sums[k] = sums[k] + v / n if k in sums else v / n
+    weighting.end_step(reducer)
+    norm = engine.get_global_grad_norm()
+    if norm is not None:
+        sums["grad_norm/total"] = torch.as_tensor(float(norm))
     return sums

@@ -24,7 +24,8 @@ from vlaforge.progress import progress_bar
 from vlaforge.techniques.freezing import apply_freezing, schedule_changes
 from vlaforge.diagnostics.numerics import NumericsMonitor
 from vlaforge.distributed.parallel_dims import ParallelDims, World, init_distributed, model_facts, world_from_env
-from vlaforge.distributed.parallelize import parallelize
+from vlaforge.distributed.deepspeed_backend import build_engine, full_weights, load_engine, save_engine
+from vlaforge.distributed.parallelize import GradReducer, parallelize
 from vlaforge.distributed.pipeline import Pipeline, split_for_stage
 from vlaforge.distributed.state import (full_model_state, full_optimizer_state, load_full_optimizer_state,
                                         load_sharded, save_sharded)
@@ -56,6 +57,8 @@ def seed_everything(seed: int) -> None:
 def check_layout(cfg: VLAConfig, world: World) -> ParallelDims:
     """The parallel layout for this world size, validated before anything is built (one line on a bad one)."""
     dims = ParallelDims.build(cfg.parallel, world.size, model_facts(cfg.model))
+    if dims.backend == "deepspeed":
+        check_deepspeed(cfg, dims)
     if dims.pp > 1:
         if cfg.train.grad_accum < dims.pp:
             raise VlaforgeError(f"parallel.pp = {dims.pp} needs train.grad_accum >= {dims.pp} (the accumulation "
@@ -75,9 +78,33 @@ def check_layout(cfg: VLAConfig, world: World) -> ParallelDims:
     return dims
 
 
+def check_deepspeed(cfg: VLAConfig, dims: ParallelDims) -> None:
+    """What the DeepSpeed backend runs, refused with one line otherwise."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise VlaforgeError("parallel.backend = 'deepspeed' needs the deepspeed extra: pip install "
+                            "'vlaforge[deepspeed]' (DS_BUILD_OPS=0: ops compile on first use)")
+    if dims.tp > 1 or dims.pp > 1 or dims.cp > 1 or dims.dp_replicate > 1:
+        raise VlaforgeError("parallel.backend = 'deepspeed' shards over all ranks (ZeRO); set tp = pp = cp = "
+                            "dp_replicate = 1, or use backend = 'fsdp2' for tensor / pipeline parallel and HSDP")
+    if cfg.loss.weighting in ("uncertainty", "gradnorm"):
+        raise VlaforgeError(f"loss.weighting = '{cfg.loss.weighting}' is not available with DeepSpeed (its learned "
+                            "weights live outside the engine); use 'static' or 'dwa'")
+    if any(p.precision == "fp16" for _, p in cfg.components.items()):
+        raise VlaforgeError("fp16 components are not available with DeepSpeed (vlaforge's per-component loss scaler "
+                            "cannot reach ZeRO's gradient partitions); use 'bf16'")
+    if cfg.train.checkpoint_format == "sharded":
+        raise VlaforgeError("train.checkpoint_format = 'sharded' is for fsdp2 / ddp; DeepSpeed checkpoints hold "
+                            "ZeRO's own partitions plus model.safetensors: use 'full'")
+    if any(p.unfreeze_at_step is not None for _, p in cfg.components.items()):
+        raise VlaforgeError("unfreeze_at_step is not available with DeepSpeed (ZeRO fixes the trained parameters "
+                            "at initialization); train the component from the start")
+
+
 def build_model(cfg: VLAConfig, device: torch.device) -> tuple[nn.Module, PrecisionSetup]:
     """The VLA with its techniques applied in DESIGN.md order: precision (fp8 converters), then checkpointing, then
-    activation offload."""
+    activation offload, then `torch.compile` per block (`train.compile`)."""
     model = build_vla(cfg.model, cfg.loss)
     if next(model.parameters()).device != device:  # (built on CPU; also keeps fake-tensor builds off `.to`)
         model.to(device)
@@ -85,7 +112,22 @@ def build_model(cfg: VLAConfig, device: torch.device) -> tuple[nn.Module, Precis
     precision = apply_precision(model, policies, device, cfg.train.precision_master)
     apply_checkpointing(model, policies)
     apply_offload(model, policies, device)
+    if cfg.train.compile:
+        compile_blocks(model)
     return model, precision
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """`torch.compile` every transformer block in place (`nn.Module.compile`: names and hooks unchanged; blocks of
+    one shape share the compiled code). Returns how many were compiled."""
+    from vlaforge.diagnostics.memory import blocks_of
+
+    count = 0
+    for comp in ("vision", "llm"):
+        for block in blocks_of(model, comp) or ():
+            block.compile()
+            count += 1
+    return count
 
 
 def build_guards(cfg: VLAConfig, precision: PrecisionSetup) -> StepGuards:
@@ -95,7 +137,7 @@ def build_guards(cfg: VLAConfig, precision: PrecisionSetup) -> StepGuards:
     if precision.computes_in("fp16") and not scaler.enabled:
         warnings.warn("components compute in fp16 with loss_scale.mode = 'off': small gradients (the vision "
                       "encoder's first) will underflow to zero", UserWarning, stacklevel=2)
-    return StepGuards(scaler, NumericsMonitor(cfg.numerics, precision.used))
+    return StepGuards(scaler, NumericsMonitor(cfg.numerics, precision.used), sync_every=cfg.train.sync_every)
 
 
 def build_loss_weighting(cfg: VLAConfig, model: nn.Module, device: torch.device) -> nn.Module:
@@ -131,13 +173,15 @@ class Run:
 def build_run(cfg: VLAConfig) -> Run:
     world = world_from_env()
     dims = check_layout(cfg, world)
-    device = init_distributed(world, resolve_device(cfg.train.device))
+    device = init_distributed(world, resolve_device(cfg.train.device), single=dims.backend == "deepspeed")
     seed_everything(cfg.train.seed)  # the same on every rank: identical initial weights before sharding
     run_dir = Path(cfg.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model, precision = build_model(cfg, device)
     guards = build_guards(cfg, precision)
-    if dims.distributed:
+    if dims.backend == "deepspeed":
+        guards.reducer = GradReducer()  # world sums: loss denominators, DWA, metrics
+    elif dims.distributed:
         mesh = dims.build_mesh(device.type)
         stage_module = None
         if dims.pp > 1:
@@ -149,13 +193,17 @@ def build_run(cfg: VLAConfig) -> Run:
             guards.pipeline = Pipeline(model, stage_module, dims.pp, cfg.train.grad_accum, cfg.parallel.pp_schedule,
                                        mesh, device)
     weighting = build_loss_weighting(cfg, model, device)
-    optimizer = build_optimizer(model, cfg, list(weighting.parameters()))
-    scheduler = build_scheduler(optimizer, cfg.train)
+    if dims.backend == "deepspeed":
+        guards.engine, scheduler = build_engine(model, cfg, dims.dp, lambda o: build_scheduler(o, cfg.train), device)
+        optimizer = scheduler.optimizer  # ours, with the per-component groups; ZeRO partitions its state
+    else:
+        optimizer = build_optimizer(model, cfg, list(weighting.parameters()))
+        scheduler = build_scheduler(optimizer, cfg.train)
     start = samples = 0
     if cfg.train.resume:
         start, samples = restore(ckpt.resolve_checkpoint(cfg.train.resume, run_dir), model, weighting, optimizer,
                                  scheduler, guards.scaler, dims.distributed,
-                                 global_batch(cfg, dims))
+                                 global_batch(cfg, dims), guards.engine)
     if world.is_main:
         write_atomic(run_dir / "config.toml", dump_toml(cfg))
         write_atomic(run_dir / "precision.json", json.dumps(precision.to_json(), indent=2))
@@ -184,14 +232,21 @@ def global_batch(cfg: VLAConfig, dims: ParallelDims) -> int:
 
 
 def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScaler, distributed: bool,
-            step_samples: int) -> tuple[int, int]:
+            step_samples: int, engine=None) -> tuple[int, int]:
     """Load a checkpoint into the run's pieces; returns (step, global samples consumed). `step_samples`: this
-    run's samples per step, for checkpoints written before the count was kept (all single-process)."""
-    if ckpt.is_sharded(path):
+    run's samples per step, for checkpoints written before the count was kept (all single-process). `engine`: a
+    DeepSpeed run's engine, which restores its own partitions."""
+    if engine is not None:
+        state = ckpt.load_trainer_state(path)
+        load_engine(engine, path, state.get("world_size"), torch.distributed.get_world_size())
+    elif ckpt.is_sharded(path):
         state = ckpt.load_trainer_state(path)
         load_sharded(path / ckpt.DCP_DIR, model, weighting, optimizer)  # resharded to this run's layout
     else:
         state = ckpt.load_checkpoint(path, model, sharded=distributed)
+        if "optimizer" not in state:
+            raise VlaforgeError(f"checkpoint {path} holds DeepSpeed's optimizer partitions; resume it with "
+                                "parallel.backend = 'deepspeed' at the world size that wrote it")
         if isinstance(state["optimizer"]["param_groups"][0]["params"][0], int):
             optimizer.load_state_dict(state["optimizer"])  # written before optimizer state was keyed by name
         else:
@@ -209,26 +264,31 @@ def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScal
 
 
 def save(run: Run, step: int) -> Path | None:
-    """Write a checkpoint (rank 0 writes the files; with a sharded model every rank takes part: gathering the full
-    state, or writing its own shards with `checkpoint_format = "sharded"`)."""
-    t, distributed = run.cfg.train, run.dims.distributed
+    """Write a checkpoint. Rank 0 writes the files; with a sharded model every rank takes part: gathering the full
+    state, or writing its own shards (`checkpoint_format = "sharded"`, and DeepSpeed's optimizer partitions)."""
+    t, distributed, engine = run.cfg.train, run.dims.distributed, run.guards.engine
     sharded = t.checkpoint_format == "sharded"
-    weights = None
-    if sharded:
+    prepared = sharded or engine is not None  # every rank writes into the temporary folder first
+    if prepared:
         tmp = ckpt.temporary_folder(run.run_dir, step)
         if run.world.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         if distributed:
             torch.distributed.barrier()  # the folder exists before any rank writes into it
+    weights = None
+    if engine is not None:
+        weights = full_weights(engine)
+        save_engine(engine, tmp)
+    elif sharded:
         save_sharded(tmp / ckpt.DCP_DIR, run.model, run.weighting, run.optimizer)
     elif distributed:
         weights = full_model_state(run.model, run.dims.pp)
-    state = trainer_state(run, step, optimizer=not sharded)
+    state = trainer_state(run, step, optimizer=not prepared)
     path = None
     if run.world.is_main:
         path = ckpt.save_checkpoint(run.run_dir, step, run.model, state, dump_toml(run.cfg), t.keep_checkpoints,
-                                    extra=run.data.save_policy_files, weights=weights, sharded=sharded)
+                                    extra=run.data.save_policy_files, weights=weights, prepared=prepared)
     if distributed:
         torch.distributed.barrier()  # no rank runs ahead of a checkpoint it may need to resume from
     return path
@@ -304,6 +364,6 @@ def train(cfg: VLAConfig) -> dict[str, float]:
             advance(f"loss {last['loss/total']:.4f}" if last else "")
     if logger:
         logger.close()
-    if run.dims.distributed:
+    if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return last

@@ -1,0 +1,223 @@
+"""`parallel.backend = "deepspeed"`: DeepSpeed ZeRO stage 1/2/3 with optimizer / parameter offload to CPU or NVMe,
+built from the same `[parallel]` and `[train]` sections as the torch-native backends (the optional `deepspeed`
+extra).
+
+What stays vlaforge's: per-component precision (autocast regions over fp32 master weights, as with FSDP2, so
+DeepSpeed runs its fp32 path and the components keep their own compute dtypes), per-component learning rates (the
+optimizer's groups), the schedule, the global loss normalization and the checkpoints' consolidated weights. What is
+DeepSpeed's: partitioning optimizer state (ZeRO-1), gradients (ZeRO-2) and parameters (ZeRO-3), offload, the
+gradient all-reduce / reduce-scatter, clipping (`gradient_clipping = train.grad_clip`, the same formula as ours) and
+the optimizer step at the accumulation boundary.
+
+`config_overrides` maps a DeepSpeed JSON/YAML file onto vlaforge's fields and rejects the fields it does not
+honour, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlaforge.errors import VlaforgeError
+
+ENGINE_DIR = "deepspeed"  # inside a checkpoint folder: DeepSpeed's own partitioned optimizer state
+TAG = "state"
+
+# zero_optimization keys passed through unchanged (tuning knobs with no vlaforge counterpart)
+ZERO_TUNING = ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
+               "allgather_partitions", "reduce_scatter", "round_robin_gradients", "sub_group_size",
+               "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+               "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save")
+IGNORED = ("steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state")
+
+
+def engine_config(cfg, dp: int) -> dict[str, Any]:
+    """The DeepSpeed config for this run."""
+    p, t = cfg.parallel, cfg.train
+    zero: dict[str, Any] = {"stage": p.zero_stage, **p.zero_tuning}
+    for kind, device in (("offload_optimizer", p.offload_optimizer), ("offload_param", p.offload_param)):
+        if device != "none":
+            zero[kind] = {"device": device, **({"nvme_path": p.nvme_path} if device == "nvme" else {})}
+    return {
+        "train_micro_batch_size_per_gpu": t.batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.batch_size * t.grad_accum * dp,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": zero,
+        # torch's AdamW with our per-component groups also under offload (DeepSpeedCPUAdam is used on GPUs)
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(model: nn.Module, cfg, dp: int, scheduler_factory, device: torch.device):
+    """(engine, scheduler): `model` wrapped by DeepSpeed with our per-component AdamW groups; the schedule steps
+    inside `engine.step()` at each accumulation boundary."""
+    import deepspeed
+
+    from vlaforge.training.optim import build_param_groups
+
+    groups = build_param_groups(model, cfg.components)
+    t = cfg.train
+    if cfg.parallel.offload_optimizer == "cpu" and device.type == "cuda":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(groups, betas=t.betas, eps=t.eps, adamw_mode=True)
+    else:
+        optimizer = torch.optim.AdamW(groups, betas=t.betas, eps=t.eps, foreach=True)
+    scheduler = scheduler_factory(optimizer)
+    if cfg.parallel.zero_stage == 3:
+        # ZeRO-3 gathers a module's parameters around its own forward; these two are read by the VLA's forward
+        # outside their modules' (the action queries join the LLM input, the temperature scales the contrastive
+        # logits), so the root module gathers them too.
+        for param in (model.action_head.queries, model.projector.logit_scale):
+            deepspeed.zero.register_external_parameter(model, param)
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists on it; torchrun sets it, one process has rank 0
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=engine_config(cfg, dp), dist_init_required=False)
+    return engine, scheduler
+
+
+def full_weights(engine) -> dict[str, torch.Tensor]:
+    """The whole model's weights on every rank (ZeRO-3 gathers its partitions; a collective)."""
+    import deepspeed
+
+    model = engine.module
+    if engine.zero_optimization_stage() < 3:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def save_engine(engine, folder: Path) -> None:
+    """Collective: DeepSpeed writes its partitioned optimizer state (one file per rank) into folder/deepspeed."""
+    engine.save_checkpoint(str(folder / ENGINE_DIR), tag=TAG, client_state={}, save_latest=False)
+
+
+def load_engine(engine, folder: Path, saved_world: int | None, world: int) -> None:
+    """Restore DeepSpeed's partitioned state (the model weights come with it).
+
+    Raises:
+        VlaforgeError: the checkpoint is not a DeepSpeed one, or was written at another world size.
+    """
+    if not (folder / ENGINE_DIR / TAG).is_dir():
+        raise VlaforgeError(f"checkpoint {folder} has no DeepSpeed state ({ENGINE_DIR}/); a deepspeed run resumes "
+                            "from a deepspeed checkpoint: use parallel.backend = 'fsdp2' to resume this one")
+    if saved_world is not None and saved_world != world:
+        raise VlaforgeError(f"checkpoint {folder} was written by DeepSpeed at {saved_world} ranks and ZeRO "
+                            f"partitions do not reshard; resume with --nproc-per-node x --nnodes = {saved_world}")
+    path, _ = engine.load_checkpoint(str(folder / ENGINE_DIR), tag=TAG, load_lr_scheduler_states=False)
+    if path is None:
+        raise VlaforgeError(f"checkpoint {folder}: DeepSpeed could not read {ENGINE_DIR}/{TAG}; resume from another "
+                            "checkpoint")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A DeepSpeed JSON or YAML config.
+
+    Raises:
+        VlaforgeError: missing or unparsable.
+    """
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise VlaforgeError(f"--deepspeed {path}: cannot read it ({exc.strerror}); give a DeepSpeed JSON or YAML "
+                            "file") from None
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # json / yaml syntax errors
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise VlaforgeError(f"--deepspeed {path}: not valid {path.suffix.lstrip('.') or 'JSON'} ({first}); fix the "
+                            "file") from None
+    if not isinstance(data, dict):
+        raise VlaforgeError(f"--deepspeed {path}: expected a mapping of DeepSpeed fields at the top level")
+    return data
+
+
+def config_overrides(ds: dict[str, Any], world_size: int, where: str = "--deepspeed") -> list[str]:
+    """`--section.key=value` overrides equivalent to a DeepSpeed config, for `load_config`.
+
+    Raises:
+        VlaforgeError: a field vlaforge does not honour (named, with where its setting lives), or inconsistent
+            batch sizes.
+    """
+    out = ["--parallel.backend=deepspeed"]
+    rejected: list[str] = []
+    ds = dict(ds)
+    zero = dict(ds.pop("zero_optimization", {}) or {})
+    if "stage" in zero:
+        out.append(f"--parallel.zero_stage={int(zero.pop('stage'))}")
+    for kind in ("offload_optimizer", "offload_param"):
+        spec = dict(zero.pop(kind, None) or {})
+        if spec:
+            out.append(f"--parallel.{kind}={spec.pop('device', 'none')}")
+            if "nvme_path" in spec:
+                out.append(f"--parallel.nvme_path={json.dumps(str(spec.pop('nvme_path')))}")
+            spec.pop("pin_memory", None)  # always pinned where it matters
+            rejected += [f"zero_optimization.{kind}.{k}" for k in spec]
+    tuning = {k: zero.pop(k) for k in list(zero) if k in ZERO_TUNING}
+    if tuning:
+        table = ", ".join(f"{k} = {json.dumps(v)}" for k, v in tuning.items())  # a TOML inline table
+        out.append(f"--parallel.zero_tuning={{{table}}}")
+    rejected += [f"zero_optimization.{k}" for k in zero]
+
+    for key, precision in (("bf16", "bf16"), ("fp16", "fp16")):
+        spec = ds.pop(key, None) or {}
+        if spec.get("enabled"):
+            if precision == "fp16":
+                rejected.append("fp16.enabled (use bf16: DeepSpeed's fp16 loss scaler would replace vlaforge's "
+                                "per-component one)")
+                continue
+            out += [f"--components.{c}.precision=bf16" for c in ("vision", "projector", "llm", "action_head")]
+
+    micro, accum, total = (ds.pop("train_micro_batch_size_per_gpu", None), ds.pop("gradient_accumulation_steps", None),
+                           ds.pop("train_batch_size", None))
+    if total is not None:
+        if micro is None and accum is not None:
+            micro, rest = divmod(int(total), int(accum) * world_size)
+            if rest or micro == 0:
+                raise VlaforgeError(f"{where}: train_batch_size {total} is not gradient_accumulation_steps "
+                                    f"{accum} x world size {world_size} x a micro-batch; fix the batch fields")
+        elif micro is not None and int(micro) * int(accum or 1) * world_size != int(total):
+            raise VlaforgeError(f"{where}: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "
+                                f"gradient_accumulation_steps {accum or 1} x world size {world_size}; fix the batch "
+                                "fields")
+    if micro is not None:
+        out.append(f"--train.batch_size={int(micro)}")
+    if accum is not None:
+        out.append(f"--train.grad_accum={int(accum)}")
+    if "gradient_clipping" in ds:
+        out.append(f"--train.grad_clip={float(ds.pop('gradient_clipping'))}")
+
+    optimizer = ds.pop("optimizer", None)
+    if optimizer:
+        kind = str(optimizer.get("type", "")).lower()
+        params = dict(optimizer.get("params", {}))
+        if kind not in ("adam", "adamw"):
+            rejected.append(f"optimizer.type {optimizer.get('type')!r} (vlaforge trains with AdamW)")
+        if "betas" in params:
+            out.append(f"--train.betas={json.dumps(list(params.pop('betas')))}")
+        if "eps" in params:
+            out.append(f"--train.eps={float(params.pop('eps'))}")
+        rejected += [f"optimizer.params.{k} (per component: components.<name>.lr / weight_decay)" for k in params]
+    if ds.pop("scheduler", None):
+        rejected.append("scheduler (use train.lr_schedule and train.warmup_steps)")
+    for key in IGNORED:
+        ds.pop(key, None)
+    rejected += list(ds)
+    if rejected:
+        raise VlaforgeError(f"{where}: fields vlaforge does not honour: {', '.join(rejected)}; remove them (the "
+                            "honoured ones: zero_optimization stage/offload/tuning, bf16, batch sizes, "
+                            "gradient_clipping, optimizer betas/eps)")
+    return out
