@@ -35,7 +35,6 @@ STRATEGIES = {
     "full": {"vision": "full", "llm": "full"},
 }
 GB = 1e9
-ADAM_STATE_BYTES = 8  # two fp32 moments per trainable parameter
 
 
 def strategy_config(cfg: VLAConfig, name: str, offload: bool) -> VLAConfig:
@@ -90,20 +89,10 @@ def real_batch(cfg: VLAConfig, model: torch.nn.Module, size: int) -> Batch:
     return Batch.collate([ds[i % len(ds)] for i in range(size)])
 
 
-def model_state_bytes(model: torch.nn.Module, components) -> int:
-    """Weights + gradients + AdamW moments (fp32) of the parameters that train."""
-    total = 0
-    for name in COMPONENTS:
-        trains = getattr(components, name).trainable
-        for p in getattr(model, name).parameters():
-            total += p.numel() * p.element_size() * (2 if trains else 1) + (p.numel() * ADAM_STATE_BYTES
-                                                                           if trains else 0)
-    return total
-
-
 def profile_one(cfg: VLAConfig, device: torch.device, batch_size: int, fake: bool, repeats: int) -> dict:
     """Activation bytes, state bytes, peak and step time of one configured model."""
     from vlaforge.models.build import fake_build, tokens_per_sample
+    from vlaforge.planner.memory import model_state
     from vlaforge.training.trainer import build_model
 
     with fake_build() if fake else contextlib.nullcontext():
@@ -112,7 +101,7 @@ def profile_one(cfg: VLAConfig, device: torch.device, batch_size: int, fake: boo
         if fake:
             model.llm.tie_weights()
         batch = synthetic_batch(cfg, model, batch_size) if fake else real_batch(cfg, model, batch_size).to(device)
-        state = model_state_bytes(model, cfg.components)
+        state = model_state(model, dict(cfg.components.items()), cfg.train.precision_master).total.total
         times: list[float] = []
         peak = None
         for i in range(1 if fake else repeats + 1):

@@ -74,6 +74,10 @@ def checkpoint_module(module: nn.Module, selective: bool = False) -> None:
         if not torch.is_grad_enabled():  # inference: nothing to save, nothing to recompute
             return inner(*args, **kwargs)
         extra = {"context_fn": context_fn} if context_fn else {}
+        # checkpoint keeps keyword tensors (Llama's attention input, mask, rotary cos/sin) alive by reference,
+        # outside autograd's saved tensors (positional ones go through them): report them to the accounting
+        for value in torch.utils._pytree.tree_leaves(kwargs):
+            memory.record(value)
         return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = forward

@@ -1,0 +1,120 @@
+"""Analytic model-state memory per component: parameters, gradients and AdamW state, whole and per GPU.
+
+Counted from the model's real parameter shapes (a fake-tensor build for the large flavors costs seconds), under
+vlaforge's precision design: every component keeps master weights in fp32, or in `train.precision_master` when
+it computes in bf16 / fp16 / fp8 (fp8 linears keep bf16/fp32 masters; their per-tensor scales are bytes, not
+counted). Gradients are in the master dtype. AdamW keeps two moments in the master dtype and a fp32 step scalar
+per parameter tensor. A frozen component has parameters only (one that unfreezes later is planned as trainable:
+its state is allocated when it starts to train). Tied weights belong to the first component that owns them.
+
+Per GPU: FSDP2 / ZeRO-3 divide everything by the shard degree; tensor parallel divides the LLM blocks' attention
+and MLP weights by tp (norms, embeddings, heads and the other components stay replicated); a pipeline stage holds
+only its own parameters.
+
+The mixed-precision rule of thumb "16 bytes per parameter" is right for fp32 masters + AdamW (4 weight + 4 grad +
+8 moments) whatever the compute dtype: bf16 autocast does not store a second weight copy; the transient bf16
+casts of the weights are activation memory. With `precision_master = "bf16"` it is 8 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from vlaforge import COMPONENTS
+from vlaforge.models.llm import llm_blocks
+from vlaforge.techniques.freezing import trainable_at
+from vlaforge.techniques.precision import MASTER_DTYPES
+
+ADAM_STEP_BYTES = 4  # the fp32 `step` tensor AdamW keeps per parameter tensor
+EVER = 1 << 62
+
+
+@dataclass
+class StateBytes:
+    """Bytes of model state; `tp_sharded`: the part of params that tensor parallel splits (LLM block linears)."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    tp_sharded_params: int = 0
+    numel: int = 0
+    tensors: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def add(self, other: "StateBytes") -> "StateBytes":
+        return StateBytes(*(getattr(self, f) + getattr(other, f) for f in
+                            ("params", "grads", "optimizer", "tp_sharded_params", "numel", "tensors")))
+
+
+@dataclass
+class ModelState:
+    by_component: dict[str, StateBytes] = field(default_factory=dict)
+
+    @property
+    def total(self) -> StateBytes:
+        out = StateBytes()
+        for s in self.by_component.values():
+            out = out.add(s)
+        return out
+
+
+def _tp_split(model: nn.Module) -> set[int]:
+    """ids of the parameters tensor parallel splits: the LLM blocks' q/k/v/o and gate/up/down weights."""
+    from vlaforge.distributed.parallelize import LLM_TP_PLAN
+
+    ids = set()
+    for block in llm_blocks(model.llm):
+        for name in LLM_TP_PLAN:
+            module = block.get_submodule(name)
+            ids.update(id(p) for p in module.parameters(recurse=False))
+    return ids
+
+
+def model_state(model: nn.Module, policies: Mapping[str, Any], master: str = "fp32") -> ModelState:
+    """Whole-model state bytes per component (no sharding)."""
+    seen: set[int] = set()
+    tp_ids = _tp_split(model)
+    out = ModelState()
+    for name in COMPONENTS:
+        policy = policies[name]
+        dtype = torch.float32 if policy.precision == "fp32" else MASTER_DTYPES[master]
+        size = torch.empty((), dtype=dtype).element_size()
+        trains = trainable_at(policy, EVER)
+        s = StateBytes()
+        for p in getattr(model, name).parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            n = p.numel()
+            s.numel += n
+            s.tensors += 1
+            s.params += n * size
+            if id(p) in tp_ids:
+                s.tp_sharded_params += n * size
+            if trains:
+                s.grads += n * size
+                s.optimizer += 2 * n * size + ADAM_STEP_BYTES
+        out.by_component[name] = s
+    return out
+
+
+def per_gpu(state: StateBytes, shard: int = 1, tp: int = 1) -> StateBytes:
+    """One GPU's share of `state` under FSDP2 / ZeRO-3 sharding over `shard` ranks and tensor parallel `tp`
+    (FSDP2's padding of dim 0 to a multiple of the shard count is below a row per tensor and not counted)."""
+
+    def split(total: int, tp_part: int) -> int:
+        return (total - tp_part + tp_part // tp) // shard
+
+    frac = state.tp_sharded_params / state.params if state.params else 0.0
+    return StateBytes(params=split(state.params, state.tp_sharded_params),
+                      grads=split(state.grads, int(state.grads * frac)),
+                      optimizer=split(state.optimizer, int(state.optimizer * frac)),
+                      tp_sharded_params=state.tp_sharded_params // (tp * shard),
+                      numel=state.numel, tensors=state.tensors)
