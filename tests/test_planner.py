@@ -106,7 +106,7 @@ def test_per_gpu_shares_match_fsdp2_and_tp_shards_on_eight_fake_ranks():
         dist.destroy_process_group()
 
 
-def _measured_blocks(flavor: str, seq: int | None, precision: str, strategy: str):
+def _measured_blocks(flavor: str, seq: int | None, precision: str, strategy: str, frames: int = 1):
     from vlaforge.diagnostics import memory
     from vlaforge.diagnostics.profile import synthetic_batch, with_seq_len
     from vlaforge.models.build import fake_build, tokens_per_sample
@@ -115,13 +115,15 @@ def _measured_blocks(flavor: str, seq: int | None, precision: str, strategy: str
     comps = {c: {"precision": precision} for c in COMPONENTS}
     for c in ("vision", "llm"):
         comps[c]["checkpointing"] = strategy
-    model_cfg = {"flavor": flavor} if flavor == "tiny" else {"flavor": flavor, "image_size": None}
+    model_cfg = {"flavor": flavor, "frames": frames} | ({} if flavor == "tiny" else {"image_size": None})
     cfg = with_seq_len(tiny_config(model=model_cfg, components=comps), seq)
     with fake_build():
         model, _ = build_model(cfg, torch.device("cpu"))
         batch = synthetic_batch(cfg, model, 2)
         with memory.count_saved(model) as acc:
             model.compute_loss(batch)
+    acc.instruction_tokens, acc.state_dim = batch.instruction_ids.shape[1], batch.state.shape[-1]
+    acc.policies = dict(cfg.components.items())
     text = 0 if batch.text_ids is None else batch.text_ids.shape[1]
     return model, acc, tokens_per_sample(model, batch.instruction_ids.shape[1], text)
 
@@ -143,3 +145,28 @@ def test_block_activation_bytes_equal_the_fake_tensor_accounting(flavor, seq, pr
         want = block_bytes(shape, batch, length, precision, strategy)
         assert all(got[str(i)] == want for i in range(1, len(got) - 1)), (comp, got, want)
         assert got["0"] == want + once_bytes(shape, batch, length, strategy), comp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavor", ["tiny", "small", "vla-7b", "vla-30b", "vla-70b"])
+@pytest.mark.parametrize("frames", [1, 4])
+def test_whole_model_activation_bytes_within_5_percent_of_fake_measurement(flavor, frames):
+    """The issue's criterion: every flavor x strategy (none, full, selective) x frames (1, 4) at 8k tokens (tiny:
+    its own length) - the analytic total within 5 % of the fake-tensor count (it is within 0.3 %: the blocks and
+    every component are exact, the loss terms' small tensors are approximated)."""
+    from vlaforge.planner.activations import Sequence, model_activation_bytes
+
+    for strategy in ("none", "full", "selective"):
+        model, acc, tokens = _measured_blocks(flavor, None if flavor == "tiny" else 8192, "bf16", strategy,
+                                              frames=frames)
+        lay = model.layout
+        text = tokens - lay.frames * lay.patches_per_frame - model.action_head.chunk - acc.instruction_tokens
+        seq = Sequence(batch=2, frames=lay.frames, patches=lay.patches_per_frame, image_size=lay.image_size,
+                       instruction=acc.instruction_tokens, chunk=model.action_head.chunk, text=text,
+                       action_dim=model.action_head.action_dim, state_dim=acc.state_dim)
+        policies = {c: acc.policies[c] for c in COMPONENTS}
+        want = model_activation_bytes(model, seq, policies, model.objective.active("contrastive"))
+        got = acc.per_component()
+        for comp in ("vision", "projector", "llm", "action_head"):
+            assert got[comp] == want[comp], (strategy, comp)
+        assert sum(want.values()) == pytest.approx(sum(got.values()), rel=0.05), strategy

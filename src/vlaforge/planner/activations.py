@@ -104,3 +104,67 @@ def once_bytes(shape: BlockShape, batch: int, seq: int, strategy: str) -> int:
     if strategy in ("none", "selective_ffn"):
         return rope
     return rope + kwargs
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """What one micro-batch puts through the model: `batch` samples of `frames` images (time steps x cameras) of
+    `patches` patches each, `instruction` instruction tokens, `chunk` action queries and `text` text targets."""
+
+    batch: int
+    frames: int
+    patches: int
+    image_size: int
+    instruction: int
+    chunk: int
+    text: int
+    action_dim: int
+    state_dim: int
+
+    @property
+    def llm_tokens(self) -> int:
+        return self.frames * self.patches + self.instruction + self.chunk + self.text
+
+
+def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = True) -> dict[str, int]:
+    """Bytes kept for backward per component ('other': the loss terms) for one micro-batch, from the model's
+    shapes: the blocks (`block_bytes`, `once_bytes`) plus each component's non-block parts.
+
+    The regression action head is modeled; projector and action head with `checkpointing = "full"` keep their
+    input only."""
+    vis, llm = model.vision.config, model.llm.config
+    b, s = seq.batch, seq.llm_tokens
+    images = b * seq.frames
+    tv = images * seq.patches  # vision tokens
+    c = {name: _compute_bytes(policies[name].precision) for name in ("vision", "projector", "llm", "action_head")}
+    strat = {name: policies[name].checkpointing for name in ("vision", "projector", "llm", "action_head")}
+    out: dict[str, int] = {}
+
+    vshape = vision_shape(vis)
+    out["vision"] = (vis.num_hidden_layers * block_bytes(vshape, images, seq.patches, policies["vision"].precision,
+                                                         strat["vision"])
+                     + c["vision"] * images * 3 * seq.image_size ** 2  # pixels, cast for the patch conv
+                     + 8 * seq.patches  # position ids
+                     + (4 * vshape.hidden + 8) * tv)  # post-LayerNorm
+    hp = model.projector.mlp[0].out_features
+    out["projector"] = (4 * vshape.hidden * tv if strat["projector"] == "full"
+                        else c["projector"] * tv * (vshape.hidden + 2 * hp))
+    lshape = llm_shape(llm)
+    D = lshape.hidden
+    out["llm"] = (llm.num_hidden_layers * block_bytes(lshape, b, s, policies["llm"].precision, strat["llm"])
+                  + once_bytes(lshape, b, s, strat["llm"])
+                  + (4 * D + 4 + 4 * D) * b * s  # final RMSNorm
+                  + c["llm"] * b * (seq.text + 1) * D)  # LM head input: the text targets' positions (+1)
+    head = model.action_head
+    ha, t = head.in_proj.out_features, seq.chunk
+    out["action_head"] = (4 * D * b * t if strat["action_head"] == "full"
+                          else c["action_head"] * (b * t * (D + 4 * ha) + b * seq.state_dim))
+    vocab = llm.vocab_size
+    other = 8 * b * (seq.instruction + seq.text) + 4 * b * seq.instruction  # ids, instruction mask
+    other += 2 * 4 * b * t * seq.action_dim + b * t * seq.action_dim  # action target / prediction, mask
+    if seq.text:
+        other += 4 * b * seq.text * vocab + 4 * b * seq.text  # cross-entropy's fp32 log-softmax, text mask
+    if contrastive:
+        other += 6 * 4 * b * D  # pooled, normalized embeddings and their products (fp32)
+    out["other"] = other
+    return out
