@@ -138,10 +138,14 @@ def profile(ctx: typer.Context,
 
 @config_app.command("show", context_settings=OVERRIDES)
 def config_show(ctx: typer.Context, config: Optional[Path] = typer.Argument(None, help="TOML recipe")):
-    """Print the resolved configuration (recipe + overrides + defaults) as TOML."""
+    """Print the resolved configuration (recipe + overrides + defaults) as TOML, then, as comments, the tokens of
+    one sample and of each context-parallel rank."""
     from vlaforge.config import dump_toml
+    from vlaforge.models.build import token_summary
 
-    typer.echo(dump_toml(_load(config, ctx)), nl=False)
+    cfg = _load(config, ctx)
+    typer.echo(dump_toml(cfg), nl=False)
+    typer.echo(token_summary(cfg), nl=False)
 
 
 @model_app.command("summary")

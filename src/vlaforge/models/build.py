@@ -69,3 +69,19 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     counts = {name: sum(p.numel() for p in child.parameters()) for name, child in model.named_children()}
     counts["total"] = sum(p.numel() for p in model.parameters())
     return counts
+
+
+def token_summary(cfg) -> str:
+    """TOML comment lines: the LLM sequence of one sample, part by part, and each context-parallel rank's share
+    (built under fake tensors: seconds even for 70B flavors)."""
+    with fake_build():
+        model = build_vla(cfg.model, cfg.loss)
+    lay, d = model.layout, cfg.data
+    total = tokens_per_sample(model, d.max_instruction_tokens, d.max_text_tokens)
+    lines = [f"# tokens per sample: {lay.frames} frames x {lay.patches_per_frame} patches + "
+             f"{d.max_instruction_tokens} instruction + {model.action_head.chunk} action queries + "
+             f"{d.max_text_tokens} text = {total}"]
+    cp = cfg.parallel.cp
+    lines.append(f"# tokens per rank: {total}" if cp == 1 else
+                 f"# tokens per rank with parallel.cp = {cp}: {-(-total // cp)}")
+    return "\n".join(lines) + "\n"
