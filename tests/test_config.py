@@ -95,7 +95,8 @@ def test_cli_config_show_prints_resolved_toml():
     assert shown["components"]["action_head"]["lr"] == 1e-3  # from the recipe
     assert shown["loss"]["huber_delta"] == 1.0
     # tiny_metaworld: 2 cameras x (96 / 16)^2 patches + 12 instruction + 8 action queries + 8 text
-    assert "# tokens per sample: 2 frames x 36 patches + 12 instruction + 8 action queries + 8 text = 100" in proc.stdout
+    line = "# tokens per sample: 2 frames x 36 patches + 12 instruction + 8 action queries + 8 text = 100"
+    assert line in proc.stdout
 
 
 @pytest.mark.parametrize("recipe", sorted((TINY_RECIPE.parent).glob("*.toml")), ids=lambda p: p.name)

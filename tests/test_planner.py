@@ -98,7 +98,8 @@ def test_per_gpu_shares_match_fsdp2_and_tp_shards_on_eight_fake_ranks():
         assert (dims.dp_shard, dims.tp) == (4, 2)
         parallelize(model, dims, dims.build_mesh("cpu"), policies)
         for comp in COMPONENTS:
-            local = _real_bytes((p.to_local() if isinstance(p, DTensor) else p) for p in getattr(model, comp).parameters())
+            params = getattr(model, comp).parameters()
+            local = _real_bytes((p.to_local() if isinstance(p, DTensor) else p) for p in params)
             want = per_gpu(state.by_component[comp], shard=4, tp=2).params
             assert abs(local - want) <= 4 * state.by_component[comp].tensors, comp  # < one padded row each
         assert per_gpu(state.by_component["llm"], shard=4, tp=2).params < state.by_component["llm"].params / 4

@@ -1,1 +1,2 @@
-"""`vlaforge plan`: memory and throughput planning for a model on a cluster (in progress: hardware catalog and model-state memory)."""
+"""`vlaforge plan` (in progress): memory and throughput planning for a VLA on a cluster - the GPU catalog,
+model-state and activation bytes, and FLOPs per step exist; the search, report and command come next."""

@@ -8,8 +8,8 @@ the gradients nobody needs (the pixels' and the robot state's input gradients, a
 gradients, and input gradients below the first component that trains). Checkpointing recomputes in backward:
 `full` the whole block's forward, `selective` the FFN matmuls its policy does not keep, `selective_attn` /
 `selective_ffn` that sub-layer's matmuls - each without the region's last matmul, whose output backward does not
-need (torch stops recomputing once the tensors backward needs are back). MFU counts forward + backward, not recomputation
-(PaLM's convention): recomputation costs time but is not useful work.
+need (torch stops recomputing once the tensors backward needs are back). MFU counts forward + backward, not
+recomputation (PaLM's convention): recomputation costs time but is not useful work.
 """
 
 from __future__ import annotations
