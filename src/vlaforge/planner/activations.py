@@ -168,3 +168,12 @@ def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = T
         other += 6 * 4 * b * D  # pooled, normalized embeddings and their products (fp32)
     out["other"] = other
     return out
+
+
+def sequence_of(model, batch) -> Sequence:
+    """The `Sequence` a model sees for `batch` (from the batch's shapes and the model's layout)."""
+    lay = model.layout
+    return Sequence(batch=batch.size, frames=lay.frames, patches=lay.patches_per_frame, image_size=lay.image_size,
+                    instruction=batch.instruction_ids.shape[1], chunk=model.action_head.chunk,
+                    text=0 if batch.text_ids is None else batch.text_ids.shape[1],
+                    action_dim=batch.actions.shape[-1], state_dim=batch.state.shape[-1])

@@ -1,0 +1,46 @@
+"""Fake-tensor measurement of a configured model next to the planner's arithmetic (`vlaforge plan --measure`).
+
+The model is built under `FakeTensorMode` (seconds even for vla-70b), one forward runs on a synthetic batch with
+the configured precision and checkpointing, and `diagnostics.memory.count_saved` counts what it keeps for backward
+per component; model-state bytes come from the real parameter shapes. The analytic side is computed from the same
+model and sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vlaforge import COMPONENTS
+from vlaforge.planner.activations import model_activation_bytes, sequence_of
+from vlaforge.planner.memory import model_state
+
+
+def side_by_side(cfg, batch_size: int) -> dict:
+    """Per component (and 'other' for the loss terms): activation bytes analytic vs measured and their ratio; the
+    measured autocast weight copies; model-state bytes (exact by construction: both count the real shapes)."""
+    from vlaforge.diagnostics import memory
+    from vlaforge.diagnostics.profile import synthetic_batch
+    from vlaforge.models.build import fake_build
+    from vlaforge.techniques.freezing import apply_freezing
+    from vlaforge.training.trainer import build_model
+
+    policies = dict(cfg.components.items())
+    with fake_build():
+        model, _ = build_model(cfg, torch.device("cpu"))
+        apply_freezing(model, policies, 0)
+        batch = synthetic_batch(cfg, model, batch_size)
+        with memory.count_saved(model) as acc:
+            model.compute_loss(batch)
+    seq = sequence_of(model, batch)
+    analytic = model_activation_bytes(model, seq, policies, model.objective.active("contrastive"))
+    measured = acc.per_component(memory.DEVICE)
+    state = model_state(model, policies, cfg.train.precision_master)
+    rows = {}
+    for comp in (*COMPONENTS, "other"):
+        a, m = analytic.get(comp, 0), measured.get(comp, 0)
+        rows[comp] = {"analytic": a, "measured": m, "ratio": a / m if m else None,
+                      "state": state.by_component[comp].total if comp in state.by_component else 0}
+    total_a, total_m = sum(analytic.values()), sum(measured.values())
+    return {"tokens_per_sample": seq.llm_tokens, "micro_batch": batch_size, "by_component": rows,
+            "activations": {"analytic": total_a, "measured": total_m, "ratio": total_a / total_m},
+            "weight_casts_measured": sum(acc.weight_casts.values()), "state": state.total.total}
