@@ -54,21 +54,21 @@ class Batch:
     @classmethod
     def collate(cls, samples: list["Batch"]) -> "Batch":
         """Stack unbatched samples (fields without the B dimension) into one Batch."""
-        out = {}
-        for f in fields(cls):
-            values = [getattr(s, f.name) for s in samples]
-            out[f.name] = None if values[0] is None else torch.stack(values)
-        return cls(**out)
+        return cls._join(samples, torch.stack)
 
     @classmethod
     def concat(cls, batches: list["Batch"]) -> "Batch":
         """Join batches along B (micro-batches -> the pipeline's whole batch)."""
+        return cls._join(batches, torch.cat)
+
+    @classmethod
+    def _join(cls, parts: list["Batch"], join) -> "Batch":
+        """Each field joined across `parts` with `join` (torch.stack / torch.cat); optional fields stay None."""
         out = {}
         for f in fields(cls):
-            values = [getattr(b, f.name) for b in batches]
-            out[f.name] = None if values[0] is None else torch.cat(values)
+            values = [getattr(b, f.name) for b in parts]
+            out[f.name] = None if values[0] is None else join(values)
         return cls(**out)
-
 
 def _expect(t: torch.Tensor | None, name: str, rank: int, batch: int, floating: bool = False,
             shape: tuple | torch.Size | None = None) -> None:

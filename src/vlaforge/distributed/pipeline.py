@@ -26,6 +26,7 @@ from torch import nn
 from vlaforge.data.batch import Batch
 from vlaforge.models.build import tokens_per_sample
 from vlaforge.models.vla import VLA, position_ids
+from vlaforge.training.metrics import add_mean
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -215,7 +216,9 @@ class Pipeline:
                            return_outputs=False)
         per_batch = self._step.pop("metrics")
         self._step = {}
-        sums = {k: sum(m[k] for m in per_batch.values()) / len(micro) for k in per_batch[0]} if per_batch else {}
+        sums: dict[str, torch.Tensor] = {}
+        for i in sorted(per_batch):  # empty off the last stage
+            add_mean(sums, per_batch[i], len(micro))
         return share_metrics(sums, self.group, mask.device)
 
 

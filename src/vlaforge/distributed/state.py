@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 
-
 @contextlib.contextmanager
 def _quiet_dcp():
     """DCP warns on every single-process load; reading shards in one process (resume, eval, export) is intended."""
@@ -127,14 +126,18 @@ def load_full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer:
 # layout, or one process. Optimizer state is flattened to per-parameter keys ('state.<fqn>.exp_avg',
 # 'param_groups.<fqn>.lr'), so pipeline stages, which hold different parameter groups, never collide.
 
+def _flat():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def _sharded_state(model: nn.Module, weighting: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(_owner(model, weighting), optimizer,
-                                                      options=StateDictOptions(flatten_optimizer_state_dict=True))
+        state["optimizer"] = get_optimizer_state_dict(_owner(model, weighting), optimizer, options=_flat())
     return state
 
 
@@ -154,10 +157,8 @@ def load_sharded(folder, model: nn.Module, weighting: nn.Module | None = None,
         VlaforgeError: the checkpoint is incomplete, corrupt or does not match the model.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
-
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     weighting = weighting if weighting is not None else nn.Module()
     state = _sharded_state(model, weighting, optimizer)
@@ -177,8 +178,7 @@ def load_sharded(folder, model: nn.Module, weighting: nn.Module | None = None,
                             f"e.g. {missing[0][len('model.'):]}); use the config saved in that checkpoint")
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(_owner(model, weighting), optimizer, state["optimizer"],
-                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
+        set_optimizer_state_dict(_owner(model, weighting), optimizer, state["optimizer"], options=_flat())
 
 
 def consolidate_sharded(folder) -> dict[str, torch.Tensor]:

@@ -24,7 +24,6 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from vlaforge import COMPONENTS
 from vlaforge.models.llm import llm_blocks
 from vlaforge.techniques.freezing import trainable_at
 from vlaforge.techniques.precision import MASTER_DTYPES
@@ -79,19 +78,17 @@ def _tp_split(model: nn.Module) -> set[int]:
 
 def model_state(model: nn.Module, policies: Mapping[str, Any], master: str = "fp32") -> ModelState:
     """Whole-model state bytes per component (no sharding)."""
-    seen: set[int] = set()
+    from vlaforge.training.optim import owned_parameters
+
     tp_ids = _tp_split(model)
     out = ModelState()
-    for name in COMPONENTS:
+    for name, params in owned_parameters(model).items():
         policy = policies[name]
         dtype = torch.float32 if policy.precision == "fp32" else MASTER_DTYPES[master]
         size = torch.empty((), dtype=dtype).element_size()
         trains = trainable_at(policy, EVER)
         s = StateBytes()
-        for p in getattr(model, name).parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
+        for p in params:
             n = p.numel()
             s.numel += n
             s.tensors += 1

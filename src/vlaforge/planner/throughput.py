@@ -28,6 +28,7 @@ class StepFlops:
     backward: dict[str, float] = field(default_factory=dict)
     recompute: dict[str, float] = field(default_factory=dict)
     attention: dict[str, float] = field(default_factory=dict)  # QKᵀ + AV, forward + backward (+ recompute)
+    recompute_attention: dict[str, float] = field(default_factory=dict)  # the part of `attention` recomputed
 
     @property
     def model_flops(self) -> float:
@@ -40,8 +41,6 @@ class StepFlops:
         """Everything executed, recomputation included."""
         return (sum(self.forward.values()) + sum(self.backward.values()) + sum(self.recompute.values())
                 + sum(self.attention.values()))
-
-    recompute_attention: dict[str, float] = field(default_factory=dict)
 
 
 def _recomputed(strategy: str, attn_mm: float, ffn_mm: float, attn_out: float, ffn_out: float

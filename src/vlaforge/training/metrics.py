@@ -36,3 +36,9 @@ def to_floats(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
     keys = list(metrics)
     tensors = [torch.as_tensor(metrics[k]).detach().float().reshape(()).cpu() for k in keys]
     return dict(zip(keys, torch.stack(tensors).tolist())) if keys else {}
+
+
+def add_mean(sums: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], n: int) -> None:
+    """Accumulate one of `n` micro-batches' metrics into their mean, in place."""
+    for k, v in metrics.items():
+        sums[k] = sums[k] + v / n if k in sums else v / n

@@ -21,19 +21,25 @@ def _no_decay(param: torch.Tensor) -> bool:
     return param.ndim < 2
 
 
+def owned_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Each component's parameters, in module order; tied weights belong to the first component that owns them."""
+    owned, seen = {}, set()
+    for name in COMPONENTS:
+        owned[name] = [p for p in getattr(model, name).parameters() if id(p) not in seen]
+        seen.update(id(p) for p in owned[name])
+    return owned
+
+
 def build_param_groups(model: nn.Module, components) -> list[dict]:
     """Groups named '<component>' and '<component>.no_decay' with the component's lr / weight decay.
 
     Every parameter is in a group from the start (frozen ones included) so staged unfreezing needs no rebuild.
     """
-    groups, seen = [], set()
-    for name in COMPONENTS:
+    groups = []
+    for name, params in owned_parameters(model).items():
         policy = getattr(components, name)
         decay, no_decay = [], []
-        for p in getattr(model, name).parameters():
-            if id(p) in seen:  # tied weights belong to the first component that owns them
-                continue
-            seen.add(id(p))
+        for p in params:
             (no_decay if _no_decay(p) else decay).append(p)
         for suffix, params, wd in (("", decay, policy.weight_decay), (".no_decay", no_decay, 0.0)):
             if params:

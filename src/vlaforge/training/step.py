@@ -15,6 +15,7 @@ from vlaforge.data.batch import Batch
 from vlaforge.diagnostics.numerics import NumericsMonitor, nonfinite_error
 from vlaforge.training.loss_scale import LossScaler
 from vlaforge.training.losses import valid_counts
+from vlaforge.training.metrics import add_mean
 
 
 def local_grads(optimizer: torch.optim.Optimizer, reducer=None) -> list[torch.Tensor]:
@@ -110,14 +111,14 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
     denominators = loss_denominators(model, micro_batches, reducer)
     if guards.pipeline is not None:  # the schedule runs every micro-batch and syncs gradients after the last
         sums = guards.pipeline.run(micro_batches, weighting, scaler, denominators)
-    for i, batch in enumerate(micro_batches if guards.pipeline is None else ()):
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce on the last micro-step (or every k-th)
-            every = guards.sync_every
-            model.set_requires_gradient_sync(i == n - 1 or (every > 0 and (i + 1) % every == 0))
-        loss, metrics = model.compute_loss(batch, weighting, denominators)
-        scaler.scale_loss(loss / n).backward()
-        for k, v in metrics.items():
-            sums[k] = sums[k] + v / n if k in sums else v / n
+    else:
+        for i, batch in enumerate(micro_batches):
+            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce on the last micro-step (or every k-th)
+                every = guards.sync_every
+                model.set_requires_gradient_sync(i == n - 1 or (every > 0 and (i + 1) % every == 0))
+            loss, metrics = model.compute_loss(batch, weighting, denominators)
+            scaler.scale_loss(loss / n).backward()
+            add_mean(sums, metrics, n)
     if reducer is not None:  # learned loss weights live outside the sharded model: average their gradients here
         reducer.mean_grads([p for g in optimizer.param_groups if g["component"] not in COMPONENTS
                             for p in g["params"]])
@@ -162,8 +163,7 @@ def deepspeed_step(engine, micro_batches: list[Batch], weighting, reducer) -> di
         loss, metrics = model.weigh(engine(batch, denominators=denominators), weighting)
         engine.backward(loss)
         engine.step()
-        for k, v in metrics.items():
-            sums[k] = sums[k] + v / n if k in sums else v / n
+        add_mean(sums, metrics, n)
     weighting.end_step(reducer)
     norm = engine.get_global_grad_norm()
     if norm is not None:
