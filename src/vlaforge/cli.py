@@ -136,6 +136,51 @@ def profile(ctx: typer.Context,
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))
 
 
+@app.command()
+def plan(model: str = typer.Option("vla-7b", help="a flavor (tiny | small | vla-7b | vla-30b | vla-70b) or a TOML "
+                                                   "recipe whose model, data and components sections are the base"),
+         gpu: str = typer.Option("h100-80", help="catalog GPU: a100-40 | a100-80 | h100-80 | h100-pcie | h200-141 | "
+                                                 "b200 | l40s | rtx-4090 (or one from --catalog)"),
+         gpus_per_node: int = typer.Option(8, min=1, help="GPUs per node"),
+         nodes: int = typer.Option(1, min=1, help="nodes"),
+         cpu_mem_gb: float = typer.Option(1024.0, min=0, help="host memory per node for offload, GB"),
+         nvme_gb: float = typer.Option(0.0, min=0, help="NVMe per node for offload, GB"),
+         nvme_gbps: float = typer.Option(6.0, min=0.1, help="NVMe bandwidth per node, GB/s"),
+         catalog: Optional[Path] = typer.Option(None, help="TOML with [gpu.<name>] entries overriding or adding GPUs"),
+         frames: Optional[int] = typer.Option(None, min=1, help="time steps of images per sample"),
+         cameras: Optional[int] = typer.Option(None, min=1, help="cameras per time step"),
+         image_size: Optional[int] = typer.Option(None, min=8, help="pixels per side"),
+         text_tokens: Optional[int] = typer.Option(None, min=1, help="instruction tokens per sample"),
+         seq: Optional[int] = typer.Option(None, min=1, help="LLM tokens per sample (instruction padded to reach it)"),
+         micro_batch: Optional[int] = typer.Option(None, min=1, help="pin the micro-batch (train.batch_size)"),
+         global_batch: int = typer.Option(256, min=1, help="samples per optimizer step, all GPUs together"),
+         fix: list[str] = typer.Option([], help="KEY=VALUE pins a config field (repeatable), e.g. --fix "
+                                                "parallel.tp=1 --fix components.llm.checkpointing=none"),
+         top: int = typer.Option(5, min=1, help="candidates shown / in --json"),
+         matmul_efficiency: Optional[float] = typer.Option(None, min=0.01, max=1, help="share of the dense peak "
+                                                                                       "matmuls reach (default 0.6)"),
+         as_json: bool = typer.Option(False, "--json", help="print JSON"),
+         measure: bool = typer.Option(False, help="also run the best (or the fixed) configuration's model under fake "
+                                                  "tensors and print analytic vs measured activation bytes"),
+         write_config: Optional[Path] = typer.Option(None, help="write the best candidate as a vlaforge train recipe"),
+         plot: Optional[Path] = typer.Option(None, help="save the best candidate's per-GPU memory chart (PNG)"),
+         whitepaper: Optional[Path] = typer.Option(None, help="generate the configuration white paper (7B/30B/70B x "
+                                                              "1/8 frames x 8xA100-80, 8xH100, 4x8xH100) to this "
+                                                              "Markdown file and exit")):
+    """Plan memory and throughput per GPU for a VLA on a cluster, and recommend the fastest configuration that fits:
+    layout (FSDP2 / HSDP / DDP, tp, pp, cp), precision, checkpointing, offload, micro-batch and accumulation."""
+    from vlaforge.planner import cli as planner_cli
+
+    assume = planner_cli.assumptions(matmul_efficiency)
+    if whitepaper is not None:
+        typer.echo(f"wrote {planner_cli.write_whitepaper(whitepaper, global_batch, assume, catalog)}")
+        return
+    cluster = planner_cli.cluster(gpu, gpus_per_node, nodes, cpu_mem_gb, nvme_gb, nvme_gbps, catalog)
+    base = planner_cli.base_config(model, frames, cameras, image_size, text_tokens, seq)
+    result = planner_cli.run(base, cluster, global_batch, fix, micro_batch, assume, top, measure, write_config, plot)
+    typer.echo(json.dumps(result["json"], indent=2) if as_json else result["text"])
+
+
 @config_app.command("show", context_settings=OVERRIDES)
 def config_show(ctx: typer.Context, config: Optional[Path] = typer.Argument(None, help="TOML recipe")):
     """Print the resolved configuration (recipe + overrides + defaults) as TOML, then, as comments, the tokens of

@@ -56,9 +56,11 @@ def _compute_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strategy: str) -> int:
+def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strategy: str,
+                kv_seq: int | None = None) -> int:
     """Bytes one block keeps for backward for a micro-batch of `batch` sequences of `seq` tokens (the tokens of one
-    image for the vision tower), without the once-per-model terms (`once_bytes`)."""
+    image for the vision tower), without the once-per-model terms (`once_bytes`). `kv_seq`: the keys each query
+    attends over when it differs from `seq` (a context-parallel rank's mask rows are `seq` x `kv_seq`)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
     c = _compute_bytes(precision)
@@ -69,7 +71,7 @@ def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strateg
     if shape.kind == "llama":
         norm = (4 * D + 4 + 4 * D) * t
         proj_in = (4 * D if c == 4 else 3 * c * D) * t
-        attn = proj_in + 4 * c * H * d * t + 4 * H * t + batch * seq * seq * c
+        attn = proj_in + 4 * c * H * d * t + 4 * H * t + batch * seq * (kv_seq or seq) * c
         ffn = (4 * D if c == 4 else 2 * c * D) * t + 4 * c * F * t
         kept_input = 4 * D * t  # a checkpointed sub-layer's fp32 input
         if strategy == "selective":
@@ -94,13 +96,13 @@ def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strateg
     return 2 * norm + attn + ffn
 
 
-def once_bytes(shape: BlockShape, batch: int, seq: int, strategy: str) -> int:
+def once_bytes(shape: BlockShape, batch: int, seq: int, strategy: str, kv_seq: int | None = None) -> int:
     """Tensors the LLM's blocks share, counted once per model: rotary cos/sin (kept by autograd under `none` /
     `selective_ffn`, or by a checkpoint's keyword inputs), and a checkpoint's boolean mask and position ids."""
     if shape.kind != "llama":
         return 0
     rope = 2 * 4 * shape.head_dim * batch * seq
-    kwargs = batch * seq * seq + 8 * batch * seq  # bool (B, 1, S, S) mask + int64 position ids
+    kwargs = batch * seq * (kv_seq or seq) + 8 * batch * seq  # bool (B, 1, S, S) mask + int64 position ids
     if strategy in ("none", "selective_ffn"):
         return rope
     return rope + kwargs
@@ -126,14 +128,17 @@ class Sequence:
         return self.frames * self.patches + self.instruction + self.chunk + self.text
 
 
-def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = True) -> dict[str, int]:
-    """Bytes kept for backward per component ('other': the loss terms) for one micro-batch, from the model's
-    shapes: the blocks (`block_bytes`, `once_bytes`) plus each component's non-block parts.
-
-    The regression action head is modeled; projector and action head with `checkpointing = "full"` keep their
-    input only."""
+def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, tp: int = 1, cp: int = 1
+                     ) -> dict[str, int]:
+    """Bytes kept for backward for one micro-batch, by part: 'vision', 'projector', 'llm_block' (one LLM block),
+    'llm_once' (shared by the LLM's blocks), 'llm_tail' (final norm and LM-head input), 'action_head' and 'other'
+    (the loss terms). Under tensor parallel `tp` an LLM block holds its heads' and FFN columns' share (the
+    norms' and projections' inputs stay whole: no sequence parallel); under context parallel `cp` it holds
+    S / cp tokens whose mask rows span all S keys. The vision tower, projector and heads are replicated (every
+    tp / cp rank computes them whole)."""
     vis, llm = model.vision.config, model.llm.config
     b, s = seq.batch, seq.llm_tokens
+    s_rank = -(-s // cp)
     images = b * seq.frames
     tv = images * seq.patches  # vision tokens
     c = {name: _compute_bytes(policies[name].precision) for name in ("vision", "projector", "llm", "action_head")}
@@ -149,12 +154,14 @@ def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = T
     hp = model.projector.mlp[0].out_features
     out["projector"] = (4 * vshape.hidden * tv if strat["projector"] == "full"
                         else c["projector"] * tv * (vshape.hidden + 2 * hp))
-    lshape = llm_shape(llm)
+    full = llm_shape(llm)
+    lshape = BlockShape(full.kind, full.hidden, full.ffn // tp, full.heads // tp, max(1, full.kv_heads // tp),
+                        full.head_dim)
     D = lshape.hidden
-    out["llm"] = (llm.num_hidden_layers * block_bytes(lshape, b, s, policies["llm"].precision, strat["llm"])
-                  + once_bytes(lshape, b, s, strat["llm"])
-                  + (4 * D + 4 + 4 * D) * b * s  # final RMSNorm
-                  + c["llm"] * b * (seq.text + 1) * D)  # LM head input: the text targets' positions (+1)
+    out["llm_block"] = block_bytes(lshape, b, s_rank, policies["llm"].precision, strat["llm"], kv_seq=s)
+    out["llm_once"] = once_bytes(lshape, b, s_rank, strat["llm"], kv_seq=s)
+    out["llm_tail"] = ((4 * D + 4 + 4 * D) * b * s_rank  # final RMSNorm
+                       + c["llm"] * b * (seq.text + 1) * D)  # LM head input: the text targets' positions (+1)
     head = model.action_head
     ha, t = head.in_proj.out_features, seq.chunk
     out["action_head"] = (4 * D * b * t if strat["action_head"] == "full"
@@ -167,6 +174,19 @@ def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = T
     if contrastive:
         other += 6 * 4 * b * D  # pooled, normalized embeddings and their products (fp32)
     out["other"] = other
+    return out
+
+
+def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = True) -> dict[str, int]:
+    """Bytes kept for backward per component ('other': the loss terms) for one micro-batch, from the model's
+    shapes: the blocks (`block_bytes`, `once_bytes`) plus each component's non-block parts.
+
+    The regression action head is modeled; projector and action head with `checkpointing = "full"` keep their
+    input only."""
+    parts = activation_parts(model, seq, policies, contrastive)
+    layers = model.llm.config.num_hidden_layers
+    out = {k: v for k, v in parts.items() if not k.startswith("llm_")}
+    out["llm"] = layers * parts["llm_block"] + parts["llm_once"] + parts["llm_tail"]
     return out
 
 

@@ -1,0 +1,107 @@
+"""The pieces of `vlaforge plan` between the command line and the planner: the base config from a flavor or a
+recipe plus the input flags, the cluster, and one run (search or fixed evaluation, report, measurement, recipe,
+chart)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vlaforge.errors import VlaforgeError
+from vlaforge.planner.estimate import Assumptions, Cluster, PlanModel, estimate
+from vlaforge.planner.search import config_fields, parse_fixes, search, write_config
+
+
+def assumptions(matmul_efficiency: float | None) -> Assumptions:
+    return Assumptions() if matmul_efficiency is None else Assumptions(matmul_efficiency=matmul_efficiency)
+
+
+def cluster(gpu: str, gpus_per_node: int, nodes: int, cpu_mem_gb: float, nvme_gb: float, nvme_gbps: float,
+            catalog: Path | None) -> Cluster:
+    from vlaforge.planner.hardware import get_gpu, load_catalog
+
+    return Cluster(get_gpu(gpu, load_catalog(catalog)), gpus_per_node, nodes, cpu_mem_gb, nvme_gb, nvme_gbps)
+
+
+def base_config(model: str, frames: int | None, cameras: int | None, image_size: int | None,
+                text_tokens: int | None, seq: int | None):
+    """The config every candidate starts from: a flavor's defaults or a recipe, with the input flags applied."""
+    from vlaforge.config.loading import deep_merge, load_config
+    from vlaforge.diagnostics.profile import with_seq_len
+    from vlaforge.models.flavors import FLAVORS
+
+    if model.endswith(".toml"):
+        cfg = load_config(Path(model))
+    elif model in FLAVORS:
+        cfg = load_config(None, {"model": {"flavor": model}})
+    else:
+        raise VlaforgeError(f"--model {model!r} is neither a flavor ({', '.join(FLAVORS)}) nor a .toml recipe")
+    update: dict[str, Any] = {"model": {}, "data": {}}
+    if frames is not None:
+        update["model"]["frames"] = frames
+    if cameras is not None:
+        update["model"]["cameras"] = [f"camera{i}" for i in range(cameras)]
+    if image_size is not None:
+        update["model"]["image_size"] = image_size
+    if text_tokens is not None:
+        update["data"]["max_instruction_tokens"] = text_tokens
+    cfg = load_config(None, deep_merge(cfg.model_dump(mode="json", exclude_none=True), update))
+    return with_seq_len(cfg, seq)
+
+
+def run(base, cl: Cluster, global_batch: int, fix: list[str], micro_batch: int | None, assume: Assumptions,
+        top: int, measure: bool, write_to: Path | None, plot_to: Path | None) -> dict:
+    """Search (or evaluate the one configuration `fix` pins completely), then report; returns text and JSON."""
+    from vlaforge.planner.report import plan_json, plot, render
+
+    fixed = parse_fixes(fix)
+    if micro_batch is not None:
+        fixed["train.batch_size"] = micro_batch
+    pm = PlanModel(base)
+    plan = search(pm, cl, global_batch, fixed, assume, keep=top)
+    out = plan_json(pm, plan, assume)
+    text = render(plan, top)
+    best = plan.best
+    if best is None and (write_to or plot_to or measure):
+        text += "\nnothing fits: no recipe, chart or measurement written"
+    if best is not None:
+        if write_to is not None:
+            text += f"\nwrote {write_config(best, write_to, cl)}"
+            out["wrote_config"] = str(write_to)
+        if plot_to is not None:
+            text += f"\nwrote {plot(best, plot_to, f'{base.model.flavor} on {cl.describe()}')}"
+            out["wrote_plot"] = str(plot_to)
+        if measure:
+            rows = measured(best)
+            out["measure"] = rows
+            text += "\n" + render_measure(rows)
+    return {"text": text, "json": out}
+
+
+def measured(e) -> dict:
+    """The candidate's model under fake tensors: analytic vs measured activation bytes per component, for one
+    micro-batch in one process (the planner's per-GPU shares divide these)."""
+    from vlaforge.planner.measure import side_by_side
+
+    return side_by_side(e.config, e.config.train.batch_size)
+
+
+def render_measure(rows: dict) -> str:
+    lines = [f"measured under fake tensors (one process, micro-batch {rows['micro_batch']}, "
+             f"{rows['tokens_per_sample']} tokens/sample): activation GB analytic vs measured"]
+    for comp, r in rows["by_component"].items():
+        ratio = f"{r['ratio']:.4f}" if r["ratio"] else "-"
+        lines.append(f"  {comp:<12} {r['analytic'] / 1e9:>10.3f} {r['measured'] / 1e9:>10.3f}  ratio {ratio}")
+    a = rows["activations"]
+    lines.append(f"  {'total':<12} {a['analytic'] / 1e9:>10.3f} {a['measured'] / 1e9:>10.3f}  ratio {a['ratio']:.4f}")
+    return "\n".join(lines)
+
+
+def write_whitepaper(path: Path, global_batch: int, assume: Assumptions, catalog: Path | None) -> Path:
+    from vlaforge.planner.hardware import load_catalog
+    from vlaforge.planner.report import whitepaper, whitepaper_clusters
+
+    return whitepaper(path, global_batch, assume, clusters=whitepaper_clusters(load_catalog(catalog)))
+
+
+__all__ = ["assumptions", "cluster", "base_config", "run", "estimate", "config_fields"]

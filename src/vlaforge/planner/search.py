@@ -1,0 +1,284 @@
+"""Search the configurations of one model on one cluster, keep what fits, rank by estimated throughput, and
+explain the top choices.
+
+Enumerated (each dimension only where `--fix` leaves it free):
+- layout: tp in 1/2/4/8 (within a node), pp in 1/2/4/8, cp in 1/2/4/8 with each `cp_method`, and the rest data
+  parallel as FSDP2 (full shard), HSDP (one replica per node) or DDP;
+- the LLM's precision (bf16, and fp8 where the GPU has fp8 tensor cores); the other components compute in bf16;
+- checkpointing: none / selective / full on the LLM, none / full on the vision tower;
+- activation offload of the LLM to CPU memory;
+- the micro-batch (1, 2, 4, ... 64) and the accumulation that reach the global batch.
+Every layout goes through the trainer's own checks (`VLAConfig` validation and `trainer.check_layout`) before it
+is estimated, so the search never proposes what `vlaforge train` refuses; today that rules out cp > 1, which
+training does not run yet. DeepSpeed is not searched (FSDP2 covers its sharding); `--fix parallel.backend=deepspeed`
+evaluates it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlaforge import COMPONENTS
+from vlaforge.errors import VlaforgeError
+from vlaforge.planner.estimate import GB, Assumptions, Cluster, Estimate, PlanModel, estimate
+
+SEARCHED = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.cp_method", "parallel.dp_replicate",
+            "parallel.dp_shard", "parallel.backend", "train.batch_size", "train.grad_accum",
+            *(f"components.{c}.{k}" for c in COMPONENTS for k in ("precision", "checkpointing", "offload")))
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def config_fields(cfg) -> dict[str, Any]:
+    """The fields a plan decides, flat and dotted (the rest of the config is the base's)."""
+    out = {}
+    for key in SEARCHED:
+        section, *rest = key.split(".")
+        value = getattr(cfg, section)
+        for part in rest:
+            value = getattr(value, part)
+        out[key] = value
+    out["train.precision_master"] = cfg.train.precision_master
+    return out
+
+
+def nested(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
+def parse_fixes(items: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` pairs (values parsed as in config overrides) into a flat dict; unknown keys are refused when the
+    config is validated."""
+    from vlaforge.config.loading import parse_overrides
+
+    flat: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise VlaforgeError(f"--fix {item!r}: write KEY=VALUE, e.g. --fix parallel.tp=2")
+        key, value = item.split("=", 1)
+        parsed = parse_overrides([f"--{key}={value}"])
+        node: Any = parsed
+        for part in key.split("."):
+            node = node[part]
+        flat[key] = node
+    return flat
+
+
+@dataclass
+class Plan:
+    cluster: Cluster
+    global_batch: int
+    tokens_per_sample: int
+    ranked: list[Estimate] = field(default_factory=list)  # fitting candidates, fastest first
+    best_misfit: Estimate | None = None  # the smallest one that does not fit, when none does
+    considered: int = 0
+    refused: int = 0  # layouts the trainer's checks refuse
+    explanations: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _layouts(cluster: Cluster, fixed: dict[str, Any]):
+    world = cluster.gpus
+    for tp, pp, cp in itertools.product((1, 2, 4, 8), repeat=3):
+        if tp > cluster.gpus_per_node or world % (tp * pp * cp):
+            continue
+        dp = world // (tp * pp * cp)
+        shardings = [("fsdp2", 1, dp)]
+        if cluster.nodes > 1 and dp % cluster.nodes == 0 and dp > cluster.nodes:
+            shardings.append(("fsdp2", cluster.nodes, dp // cluster.nodes))
+        if dp > 1:
+            shardings.append(("ddp", dp, 1))
+        methods = ("ring", "ulysses", "allgather") if cp > 1 else ("ring",)
+        for (backend, rep, shard), method in itertools.product(shardings, methods):
+            yield {"parallel.tp": tp, "parallel.pp": pp, "parallel.cp": cp, "parallel.cp_method": method,
+                   "parallel.backend": backend, "parallel.dp_replicate": rep, "parallel.dp_shard": shard}
+
+
+def _free(choices: dict[str, tuple], fixed: dict[str, Any]):
+    """The product of `choices` over the keys `fixed` does not pin."""
+    keys = [k for k in choices if k not in fixed]
+    for values in itertools.product(*(choices[k] for k in keys)):
+        yield dict(zip(keys, values))
+
+
+def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, Any] | None = None,
+           assume: Assumptions = Assumptions(), keep: int = 10) -> Plan:
+    """Every candidate that the trainer accepts, estimated; the fitting ones ranked by tokens/s."""
+    from vlaforge.config.loading import deep_merge, validate
+    from vlaforge.distributed.parallel_dims import World
+    from vlaforge.training.trainer import check_layout
+
+    fixed = dict(fixed or {})
+    base = pm.cfg.model_dump()
+    validate(deep_merge(base, nested(fixed)))  # a misspelt or out-of-range --fix is one line, before the search
+    plan = Plan(cluster, global_batch, pm.tokens_per_sample)
+    world = World(rank=0, local_rank=0, size=cluster.gpus)
+    fp8 = ("bf16", "fp8") if cluster.gpu.fp8_tflops else ("bf16",)
+    knobs = {"components.llm.precision": fp8, "components.llm.checkpointing": ("none", "selective", "full"),
+             "components.vision.checkpointing": ("none", "full"), "components.llm.offload": ("none", "cpu")}
+    defaults = {"components.vision.precision": "bf16", "components.projector.precision": "bf16",
+                "components.action_head.precision": "bf16"}
+    defaults = {k: v for k, v in defaults.items() if k not in fixed}
+    seen_layouts = set()
+    candidates: list[Estimate] = []
+    for layout in _layouts(cluster, fixed):
+        layout = {**layout, **{k: v for k, v in fixed.items() if k in layout}}
+        key = tuple(sorted(layout.items()))
+        if key in seen_layouts:
+            continue
+        seen_layouts.add(key)
+        dp = layout["parallel.dp_replicate"] * layout["parallel.dp_shard"]
+        if global_batch % dp:
+            plan.refused += 1
+            continue
+        per_rank = global_batch // dp
+        micros = [m for m in MICRO_BATCHES if per_rank % m == 0]
+        if "train.batch_size" in fixed:
+            micros = [fixed["train.batch_size"]]
+        for micro in micros:
+            accum = per_rank // micro
+            if "train.grad_accum" in fixed and fixed["train.grad_accum"] != accum:
+                continue
+            flat = {**defaults, **layout, "train.batch_size": micro, "train.grad_accum": accum}
+            try:
+                cfg = validate(deep_merge(base, nested({**flat, **fixed})))
+                check_layout(cfg, world)
+            except VlaforgeError:
+                plan.refused += 1
+                continue
+            for knob in _free(knobs, fixed):
+                cand = cfg if not knob else cfg.model_copy(update={"components": _components(cfg, knob)})
+                candidates.append(estimate(pm, cand, cluster, assume))
+    plan.considered = len(candidates)
+    fitting = [e for e in candidates if e.fits]
+    fitting.sort(key=lambda e: (-round(e.tokens_per_s, 3), _techniques(e), e.memory["total"]))
+    plan.ranked = _distinct(fitting)[:keep]
+    if not plan.ranked and candidates:
+        plan.best_misfit = min(candidates, key=lambda e: e.memory["total"])
+    for e in plan.ranked:  # the recommended configs pass full validation, as `vlaforge train` will run them
+        validate(e.config.model_dump(mode="json"))
+    plan.explanations = explain(plan, candidates, cluster, assume)
+    return plan
+
+
+def _techniques(e: Estimate) -> int:
+    """Memory techniques in use (on a tie in throughput the plan with fewer wins: less to go wrong)."""
+    return sum((p.offload != "none") + (p.checkpointing != "none") for _, p in e.config.components.items())
+
+
+def _components(cfg, knob: dict[str, Any]):
+    comps = cfg.components
+    updates: dict[str, dict[str, Any]] = {}
+    for key, value in knob.items():
+        _, comp, name = key.split(".")
+        updates.setdefault(comp, {})[name] = value
+    return comps.model_copy(update={c: getattr(comps, c).model_copy(update=u) for c, u in updates.items()})
+
+
+def _distinct(ranked: list[Estimate]) -> list[Estimate]:
+    """One entry per layout + precision + checkpointing (the best micro-batch of each)."""
+    out, seen = [], set()
+    for e in ranked:
+        f = config_fields(e.config)
+        key = tuple(v for k, v in f.items() if not k.startswith("train."))
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
+def _same_but(e: Estimate, candidates: list[Estimate], **changes: Any) -> Estimate | None:
+    want = {**config_fields(e.config), **changes}
+    for c in candidates:
+        if config_fields(c.config) == want:
+            return c
+    return None
+
+
+def explain(plan: Plan, candidates: list[Estimate], cluster: Cluster, assume: Assumptions) -> list[str]:
+    """Sentences on why the top choice is what it is, each from two estimates side by side."""
+    best = plan.best
+    if best is None:
+        if plan.best_misfit is None:
+            return [f"no layout of {cluster.gpus} GPUs passes the trainer's checks for global batch "
+                    f"{plan.global_batch}; change --global-batch or the GPU count"]
+        m = plan.best_misfit
+        usable = usable_gb(cluster, assume)
+        return [f"nothing fits on {cluster.describe()}: the smallest candidate needs {m.memory['total']:.1f} GB "
+                f"per GPU ({usable:.1f} GB usable); add nodes, NVMe offload or a smaller micro-batch"]
+    out = []
+    f = config_fields(best.config)
+    ck = f["components.llm.checkpointing"]
+    none = _same_but(best, candidates, **{"components.llm.checkpointing": "none"})
+    if ck != "none" and none is not None:
+        act, act_none = best.by_component["llm"]["activations"], none.by_component["llm"]["activations"]
+        extra = best.step_time_s / none.step_time_s - 1
+        verdict = "does not fit" if not none.fits else "fits but is slower per token at this micro-batch"
+        out.append(f"{ck} on llm: {act_none / max(act, 1e-9):.1f}x less activation memory than none at "
+                   f"{100 * extra:.0f}% more step time; none {verdict} ({none.memory['total']:.1f} GB)")
+    elif ck == "none":
+        out.append("no checkpointing on llm: its activations fit without recomputation")
+    if f["components.llm.offload"] == "none":
+        out.append("offload not needed: the state and activations fit on the GPUs")
+    else:
+        out.append(f"llm activations offloaded to CPU: {best.memory['cpu']:.1f} GB per GPU in host memory")
+    if f["parallel.tp"] > 1:
+        share = best.time_s.get("tp_comm", 0) / best.step_time_s
+        out.append(f"tp = {f['parallel.tp']}: the LLM blocks' weights and activations split, at "
+                   f"{100 * share:.0f}% of the step in all-reduces")
+    if f["parallel.pp"] > 1:
+        share = best.time_s.get("pipeline_bubble", 0) / best.step_time_s
+        out.append(f"pp = {f['parallel.pp']}: pipeline bubble {100 * share:.0f}% of the step with "
+                   f"{best.config.train.grad_accum} micro-batches")
+    if f["components.llm.precision"] == "fp8":
+        bf16 = _same_but(best, candidates, **{"components.llm.precision": "bf16"})
+        if bf16 is not None:
+            out.append(f"fp8 on llm: {best.tokens_per_s / bf16.tokens_per_s:.2f}x the tokens/s of bf16")
+    return out
+
+
+def needed_nodes(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, Any] | None = None,
+                 assume: Assumptions = Assumptions(), most: int = 64) -> int | None:
+    """The fewest nodes (doubling) on which something fits, or None up to `most`."""
+    from dataclasses import replace
+
+    nodes = cluster.nodes
+    while nodes <= most:
+        trial = replace(cluster, nodes=nodes)
+        if global_batch % trial.gpus == 0 or global_batch >= trial.gpus:
+            if search(pm, trial, max(global_batch, trial.gpus), fixed, assume, keep=1).ranked:
+                return nodes
+        nodes *= 2
+    return None
+
+
+def write_config(e: Estimate, path: str | Path, cluster: Cluster) -> Path:
+    """The candidate as a `vlaforge train` recipe (written to a temporary name, then renamed)."""
+    from vlaforge.config.loading import dump_toml, write_atomic
+
+    head = (f"# vlaforge plan: {cluster.describe()}, estimated {e.tokens_per_s:,.0f} tokens/s, "
+            f"{e.memory['total']:.1f} GB per GPU, MFU {100 * e.mfu:.0f}%\n"
+            f"# run: torchrun --nnodes {cluster.nodes} --nproc-per-node {cluster.gpus_per_node} "
+            f"-m vlaforge train {Path(path).name}\n")
+    write_atomic(path, head + dump_toml(e.config))
+    return Path(path)
+
+
+def usable_gb(cluster: Cluster, assume: Assumptions) -> float:
+    return (cluster.gpu.memory_gb - assume.reserved_gb) * (1 - assume.margin)
+
+
+__all__ = ["GB", "Plan", "search", "explain", "write_config", "config_fields", "parse_fixes", "needed_nodes",
+           "usable_gb"]
