@@ -10,8 +10,9 @@ Memory per GPU (the busiest pipeline stage's GPU, the one that runs out first):
   the micro-batches a stage holds at once (1F1B: pp - stage, GPipe: all of them); activation offload moves the
   offloaded blocks' bytes to the host except two blocks in flight (the copy and the prefetch);
 - **weight casts**: without FSDP2, autocast's bf16 copies of fp32 master weights live until that layer's backward
-  (2 bytes per matmul parameter of a component computing below its master precision); FSDP2 gathers parameters
-  in the compute dtype per block instead, which is its buffers;
+  (2 bytes per matmul parameter of a component computing below its master precision, except in checkpointed
+  regions, which recompute them; this holds under DeepSpeed ZeRO-3 too, whose gathered fp32 weights are freed
+  but not their casts); FSDP2 gathers parameters in the compute dtype per block instead, which is its buffers;
 - **buffers**: FSDP2: the root unit (everything outside the blocks: embeddings, heads, projector) once and the
   largest block twice (current + prefetched), each in the compute dtype plus fp32 gradients for the
   reduce-scatter; DDP: two 25 MB gradient buckets;
@@ -32,7 +33,9 @@ Step time (the overlap assumptions are the ones the runtime makes):
   critical path; ring attention's K/V passes: overlapped with the attention cores;
 - pipeline: the bubble, (pp - 1) idle micro-batch slots per step, and activations sent between stages;
 - activation offload: device-host copies at PCIe (or NVMe) speed, overlapped with the component's compute;
-- optimizer: its state read and written once at HBM speed (at PCIe speed when DeepSpeed offloads it).
+- optimizer: its state read and written once at HBM speed; with DeepSpeed's optimizer offload, gradients and
+  parameters cross PCIe and the node's CPU Adam streams the state at `cpu_adam_gbps`; with parameter offload,
+  ZeRO-3 fetches the parameters over PCIe for every forward and backward.
 A link's collectives run at `comm_efficiency` of its per-direction bandwidth; a group that spans nodes runs at the
 network's.
 """
@@ -84,6 +87,7 @@ class Assumptions:
     attention_efficiency: float = 0.45  # flash-attention kernels, forward and backward together
     comm_efficiency: float = 0.8  # share of a link's bandwidth ring collectives reach
     elementwise_passes: float = 6.0  # HBM passes over the saved activations by norms, activations, casts, adds
+    cpu_adam_gbps: float = 20.0  # optimizer state a node's CPU Adam streams through per second (DeepSpeed offload)
     margin: float = 0.10  # allocator fragmentation
     reserved_gb: float = 1.0  # CUDA context, cuBLAS and NCCL workspaces
 
@@ -134,19 +138,32 @@ class PlanModel:
 
     @cached_property
     def matmul_numel(self) -> dict[str, dict[str, int]]:
-        """Parameters of the linears and convolutions per component ('block': of one LLM block; 'rest': the
-        others): what autocast casts."""
+        """Parameters of the linears and convolutions per component, what autocast casts: 'attn' and 'ffn' of one
+        block (vision, llm), 'rest' outside the blocks."""
+        from vlaforge.diagnostics.memory import blocks_of
+
+        def numel(module) -> int:
+            return sum(p.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
+                       for p in m.parameters(recurse=False))
+
         out = {}
         for comp in COMPONENTS:
-            module = getattr(self.model, comp)
-            n = sum(p.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
-                    for p in m.parameters(recurse=False))
-            out[comp] = {"rest": n, "block": 0}
-        block = sum(p.numel() for m in self.model.llm.model.layers[0].modules() if isinstance(m, nn.Linear)
-                    for p in m.parameters(recurse=False))
-        layers = len(self.model.llm.model.layers)
-        out["llm"] = {"rest": out["llm"]["rest"] - layers * block, "block": block}
+            blocks = blocks_of(self.model, comp)
+            row = {"rest": numel(getattr(self.model, comp)), "attn": 0, "ffn": 0}
+            if blocks is not None:
+                row["attn"], row["ffn"] = numel(blocks[0].self_attn), numel(blocks[0].mlp)
+                row["rest"] -= len(blocks) * (row["attn"] + row["ffn"])
+            out[comp] = row
         return out
+
+    def cast_numel(self, comp: str, strategy: str, blocks: int, tp: int = 1) -> int:
+        """Matmul parameters whose casts autograd keeps until backward: a checkpointed region recomputes its casts
+        (`full` and `selective` keep none of a block's; `selective_attn` keeps the FFN's, `selective_ffn` the
+        attention's); tensor parallel holds 1/tp of the LLM blocks' linears."""
+        row = self.matmul_numel[comp]
+        kept = {"none": row["attn"] + row["ffn"], "every_nth": row["attn"] + row["ffn"],
+                "selective_attn": row["ffn"], "selective_ffn": row["attn"]}.get(strategy, 0)
+        return row["rest"] + blocks * kept // (tp if comp == "llm" else 1)
 
     @cached_property
     def root_numel(self) -> dict[str, int]:
@@ -179,6 +196,7 @@ class Estimate:
     time_s: dict[str, float] = field(default_factory=dict)  # the step time's parts
     reasons: list[str] = field(default_factory=list)
     stage: int = 0  # the pipeline stage whose GPU is reported
+    recompute_share: float = 0.0  # FLOPs recomputed by checkpointing over the useful FLOPs
 
     def to_json(self) -> dict:
         from vlaforge.planner.search import config_fields
@@ -276,9 +294,8 @@ def estimate(pm: PlanModel, cfg, cluster: Cluster, assume: Assumptions = Assumpt
             compute_dtype_bytes = ELEMENT[pol.precision]
             master_bytes = 4 if pol.precision == "fp32" else ELEMENT[master]
             if on and not fsdp and compute_dtype_bytes < master_bytes and backward_through[comp]:
-                mm = pm.matmul_numel[comp]
-                n = mm["rest"] + (b - a) * mm["block"] // tp if comp == "llm" else mm["rest"]
-                casts = compute_dtype_bytes * n * in_flight
+                blocks = (b - a) if comp == "llm" else _vision_layers(pm) if comp == "vision" else 0
+                casts = compute_dtype_bytes * pm.cast_numel(comp, pol.checkpointing, blocks, tp) * in_flight
             params, grads, opt = float(st.params), float(st.grads), float(st.optimizer)
             host = {"cpu": off if pol.offload == "cpu" else 0.0, "nvme": off if pol.offload == "nvme" else 0.0}
             if par.backend == "deepspeed" and par.offload_optimizer != "none":
@@ -336,7 +353,8 @@ def estimate(pm: PlanModel, cfg, cluster: Cluster, assume: Assumptions = Assumpt
     slowest = max((k for k in times if k != "compute"), key=lambda k: times[k], default=None)
     if slowest and times[slowest] > 0.05 * step:
         reasons.append(f"{slowest.replace('_', ' ')} is {100 * times[slowest] / step:.0f}% of the step")
-    return Estimate(cfg, memory, by_component, fits, step, tokens_per_s, mfu, times, reasons, stage)
+    return Estimate(cfg, memory, by_component, fits, step, tokens_per_s, mfu, times, reasons, stage,
+                    sum(flops.recompute.values()) / flops.model_flops)
 
 
 def _vision_layers(pm: PlanModel) -> int:
@@ -476,4 +494,8 @@ def _step_time(pm, cfg, cluster, assume, seq, policies, parts, bounds, state, fs
     times["optimizer"] = 2 * opt_gpu / (gpu.hbm_gbps * GB)
     if moved - act_off > 0:  # DeepSpeed's offloaded optimizer / parameters: gradients out, parameters back
         times["optimizer"] += 2 * (moved - act_off) / (cluster.gpu.pcie_gbps * GB)
+        if par.offload_optimizer != "none":  # CPU Adam on the node's cores, shared by its GPUs
+            times["optimizer"] += stages[0][0]["cpu"] * cluster.gpus_per_node / (assume.cpu_adam_gbps * GB)
+        if par.offload_param != "none":  # ZeRO-3 fetches the parameters for every forward and backward
+            times["offload_params"] = 2 * accum * stages[0][1]["llm"]["cpu"] / (cluster.gpu.pcie_gbps * GB)
     return times, f

@@ -173,8 +173,9 @@ def whitepaper(path: str | Path, global_batch: int = 256, assume: Assumptions = 
                     need = (f"needs ≥ {nodes} nodes of {cluster.gpus_per_node} × {cluster.gpu.name}" if nodes
                             else "does not fit up to 64 nodes")
                     smallest = plan.best_misfit.memory["total"] if plan.best_misfit else float("nan")
+                    alts = "; ".join(x for x in plan.explanations if x.startswith("alternative"))
                     lines.append(f"| {cluster.describe()} | — | — | — | {smallest:.0f} (no fit) | — | — | {need} "
-                                 "without NVMe offload |")
+                                 f"without offload{'; ' + alts if alts else ''} |")
                     continue
                 b = plan.best
                 chart = charts / f"{flavor}_{n}f_{cluster.nodes}x{cluster.gpus_per_node}_{cluster.gpu.name}.png"

@@ -29,6 +29,13 @@ SEARCHED = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.cp_method", "
             "parallel.dp_shard", "parallel.backend", "train.batch_size", "train.grad_accum",
             *(f"components.{c}.{k}" for c in COMPONENTS for k in ("precision", "checkpointing", "offload")))
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+ALTERNATIVES = {
+    "DeepSpeed ZeRO-3 with optimizer and parameter offload to CPU": {
+        "parallel.backend": "deepspeed", "parallel.zero_stage": 3, "parallel.offload_optimizer": "cpu",
+        "parallel.offload_param": "cpu"},
+    "bf16 master weights (train.precision_master = bf16: 8 bytes per parameter, bf16 rounding of the updates)": {
+        "train.precision_master": "bf16"},
+}
 
 
 def config_fields(cfg) -> dict[str, Any]:
@@ -83,6 +90,7 @@ class Plan:
     considered: int = 0
     refused: int = 0  # layouts the trainer's checks refuse
     explanations: list[str] = field(default_factory=list)
+    alternatives: dict[str, Estimate] = field(default_factory=dict)  # when nothing fits: what would, and how fast
 
     @property
     def best(self) -> Estimate | None:
@@ -114,8 +122,10 @@ def _free(choices: dict[str, tuple], fixed: dict[str, Any]):
 
 
 def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, Any] | None = None,
-           assume: Assumptions = Assumptions(), keep: int = 10) -> Plan:
-    """Every candidate that the trainer accepts, estimated; the fitting ones ranked by tokens/s."""
+           assume: Assumptions = Assumptions(), keep: int = 10, alternatives: bool = True) -> Plan:
+    """Every candidate that the trainer accepts, estimated; the fitting ones ranked by tokens/s. When none fits,
+    `plan.alternatives` holds the best of each of the fallbacks the search leaves out by default (`ALTERNATIVES`:
+    they change the numerics or cost host memory and PCIe time)."""
     from vlaforge.config.loading import deep_merge, validate
     from vlaforge.distributed.parallel_dims import World
     from vlaforge.training.trainer import check_layout
@@ -169,6 +179,13 @@ def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, 
         plan.best_misfit = min(candidates, key=lambda e: e.memory["total"])
     for e in plan.ranked:  # the recommended configs pass full validation, as `vlaforge train` will run them
         validate(e.config.model_dump(mode="json"))
+    if not plan.ranked and alternatives:
+        for name, extra in ALTERNATIVES.items():
+            if any(k in fixed for k in extra):
+                continue
+            alt = search(pm, cluster, global_batch, {**fixed, **extra}, assume, keep=1, alternatives=False)
+            if alt.best is not None or alt.best_misfit is not None:
+                plan.alternatives[name] = alt.best or alt.best_misfit
     plan.explanations = explain(plan, candidates, cluster, assume)
     return plan
 
@@ -216,18 +233,26 @@ def explain(plan: Plan, candidates: list[Estimate], cluster: Cluster, assume: As
                     f"{plan.global_batch}; change --global-batch or the GPU count"]
         m = plan.best_misfit
         usable = usable_gb(cluster, assume)
-        return [f"nothing fits on {cluster.describe()}: the smallest candidate needs {m.memory['total']:.1f} GB "
-                f"per GPU ({usable:.1f} GB usable); add nodes, NVMe offload or a smaller micro-batch"]
+        out = [f"nothing fits on {cluster.describe()}: the smallest candidate needs {m.memory['total']:.1f} GB "
+               f"per GPU ({usable:.1f} GB usable); add nodes, or take an alternative below"]
+        for name, e in plan.alternatives.items():
+            if e.fits:
+                out.append(f"alternative, {name}: fits at {e.memory['total']:.1f} GB per GPU + "
+                           f"{e.memory['cpu']:.1f} GB host per GPU, {e.tokens_per_s:,.0f} tokens/s "
+                           f"(MFU {100 * e.mfu:.0f}%)")
+            else:
+                out.append(f"alternative, {name}: does not fit either ({'; '.join(e.reasons)})")
+        return out
     out = []
     f = config_fields(best.config)
     ck = f["components.llm.checkpointing"]
     none = _same_but(best, candidates, **{"components.llm.checkpointing": "none"})
     if ck != "none" and none is not None:
         act, act_none = best.by_component["llm"]["activations"], none.by_component["llm"]["activations"]
-        extra = best.step_time_s / none.step_time_s - 1
-        verdict = "does not fit" if not none.fits else "fits but is slower per token at this micro-batch"
+        verdict = "does not fit" if not none.fits else "fits but runs slower"
         out.append(f"{ck} on llm: {act_none / max(act, 1e-9):.1f}x less activation memory than none at "
-                   f"{100 * extra:.0f}% more step time; none {verdict} ({none.memory['total']:.1f} GB)")
+                   f"{100 * best.recompute_share:.0f}% recompute; none {verdict} here "
+                   f"({none.memory['total']:.1f} GB per GPU)")
     elif ck == "none":
         out.append("no checkpointing on llm: its activations fit without recomputation")
     if f["components.llm.offload"] == "none":
@@ -258,7 +283,8 @@ def needed_nodes(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict
     while nodes <= most:
         trial = replace(cluster, nodes=nodes)
         if global_batch % trial.gpus == 0 or global_batch >= trial.gpus:
-            if search(pm, trial, max(global_batch, trial.gpus), fixed, assume, keep=1).ranked:
+            if search(pm, trial, max(global_batch, trial.gpus), fixed, assume, keep=1,
+                      alternatives=False).ranked:
                 return nodes
         nodes *= 2
     return None
