@@ -178,3 +178,13 @@ def test_whitepaper_has_a_row_and_a_chart_per_cluster(tmp_path):
     assert "16 bytes per trained parameter** (16.0" in text and text.count("| 1 x 2 x a100-80 |") == 2
     charts = sorted((tmp_path / "wp_charts").glob("*.png"))
     assert len(charts) == 4 and all(f"(wp_charts/{c.name})" in text for c in charts)
+
+
+def test_measure_counts_offloaded_bytes_with_the_device_ones():
+    from vlaforge.planner.measure import side_by_side
+
+    cfg = load_config(None, {"model": {"flavor": "tiny"},
+                             "components": {"llm": {"offload": "cpu", "offload_min_bytes": 0}}})
+    rows = side_by_side(cfg, 2)
+    assert rows["offloaded_measured"] > 0
+    assert rows["by_component"]["llm"]["ratio"] == pytest.approx(1.0)  # offload moves bytes, it does not drop them

@@ -94,6 +94,8 @@ def render_measure(rows: dict) -> str:
         lines.append(f"  {comp:<12} {r['analytic'] / 1e9:>10.3f} {r['measured'] / 1e9:>10.3f}  ratio {ratio}")
     a = rows["activations"]
     lines.append(f"  {'total':<12} {a['analytic'] / 1e9:>10.3f} {a['measured'] / 1e9:>10.3f}  ratio {a['ratio']:.4f}")
+    lines.append(f"  (measured: on the device and offloaded together; offloaded {rows['offloaded_measured'] / 1e9:.3f} "
+                 f"GB; autocast weight casts {rows['weight_casts_measured'] / 1e9:.3f} GB)")
     return "\n".join(lines)
 
 

@@ -16,8 +16,9 @@ from vlaforge.planner.memory import model_state
 
 
 def side_by_side(cfg, batch_size: int) -> dict:
-    """Per component (and 'other' for the loss terms): activation bytes analytic vs measured and their ratio; the
-    measured autocast weight copies; model-state bytes (exact by construction: both count the real shapes)."""
+    """Per component (and 'other' for the loss terms): activation bytes analytic vs measured (on the device and
+    offloaded together) and their ratio; the measured offloaded bytes and autocast weight copies; model-state bytes
+    (exact by construction: both count the real shapes)."""
     from vlaforge.diagnostics import memory
     from vlaforge.diagnostics.profile import synthetic_batch
     from vlaforge.models.build import fake_build
@@ -33,7 +34,12 @@ def side_by_side(cfg, batch_size: int) -> dict:
             model.compute_loss(batch)
     seq = sequence_of(model, batch)
     analytic = model_activation_bytes(model, seq, policies, model.objective.active("contrastive"))
-    measured = acc.per_component(memory.DEVICE)
+    # offload only moves what is saved: compare everything saved, wherever it went, and report what moved
+    measured: dict[str, int] = {}
+    for place in (memory.DEVICE, memory.CPU, memory.NVME):
+        for comp, n in acc.per_component(place).items():
+            measured[comp] = measured.get(comp, 0) + n
+    offloaded = acc.total(memory.CPU) + acc.total(memory.NVME)
     state = model_state(model, policies, cfg.train.precision_master)
     rows = {}
     for comp in (*COMPONENTS, "other"):
@@ -43,4 +49,5 @@ def side_by_side(cfg, batch_size: int) -> dict:
     total_a, total_m = sum(analytic.values()), sum(measured.values())
     return {"tokens_per_sample": seq.llm_tokens, "micro_batch": batch_size, "by_component": rows,
             "activations": {"analytic": total_a, "measured": total_m, "ratio": total_a / total_m},
-            "weight_casts_measured": sum(acc.weight_casts.values()), "state": state.total.total}
+            "weight_casts_measured": sum(acc.weight_casts.values()), "offloaded_measured": offloaded,
+            "state": state.total.total}
