@@ -43,7 +43,6 @@ def test_toml_round_trip():
     ("--components.projector.checkpointing=selective", "no transformer blocks to checkpoint selectively"),
     ("--components.llm.offload=disk", "'none', 'cpu' or 'nvme'"),
     ("--components.llm.offload_fraction=0", "offload_fraction: Input should be greater than 0"),
-    ("--parallel.cp=2", "not available yet (arrives with context parallel in training)"),
     ("--parallel.pp_schedule=zero_bubble", "parallel.pp_schedule"),
     ("--parallel.backend=fsdp3", "parallel.backend"),
     ("--train.sync_every=3", "sync_every = 3 > grad_accum = 1 would step the optimizer with gradients never reduced"),

@@ -16,9 +16,6 @@ Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Checkpointing = Literal["none", "full", "selective", "selective_attn", "selective_ffn", "every_nth"]
 Offload = Literal["none", "cpu", "nvme"]
 
-def not_yet(value: object, arrives_with: str, use: str) -> ValueError:
-    return ValueError(f"{value!r} is not available yet (arrives with {arrives_with}); use {use}")
-
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -200,13 +197,6 @@ class ParallelConfig(Section):
     zero_tuning: dict[str, int | float | bool] = Field(default_factory=dict, description="deepspeed: "
                                                        "zero_optimization tuning keys passed through (bucket sizes, "
                                                        "overlap_comm, stage3_* ...)")
-
-    @field_validator("cp")
-    @classmethod
-    def _degree_available(cls, v: int) -> int:
-        if v > 1:
-            raise not_yet(v, "context parallel in training", "1")
-        return v
 
     @field_validator("dp_shard")
     @classmethod

@@ -136,12 +136,16 @@ def parallelize(model: nn.Module, dims, mesh, policies: Mapping[str, Any], root:
         apply_tensor_parallel(model, mesh["tp"])
 
     names = mesh.mesh_dim_names
-    dp_mesh = mesh["dp_replicate", "dp_shard"]  # 2-D: HSDP in general, DDP when dp_shard = 1, FSDP when replicate = 1
+    shard_dim = "dp_shard"
+    if dims.cp > 1:  # context-parallel ranks hold the same weights and split the tokens: shard over them too
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        shard_dim = "dp_shard_cp"
+    dp_mesh = mesh["dp_replicate", shard_dim]  # 2-D: HSDP in general, DDP when dp_shard = 1, FSDP when replicate = 1
     for comp in COMPONENTS:
         for block in blocks_of(model, comp) or ():
             fully_shard(block, mesh=dp_mesh, mp_policy=_policy(policies[comp].precision))
     fully_shard(root if root is not None else model, mesh=dp_mesh, reshard_after_forward=False,
                 mp_policy=_policy("fp32"))
-    shard_group = mesh.get_group("dp_shard") if "dp_shard" in names and dims.dp_shard > 1 else None
+    shard_group = mesh.get_group(shard_dim) if "dp_shard" in names and dims.dp_shard * dims.cp > 1 else None
     return GradReducer(shard_group, mesh.get_group("tp") if dims.tp > 1 else None,
                        mesh.get_group("pp") if dims.pp > 1 else None)

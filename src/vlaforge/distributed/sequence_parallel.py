@@ -1,11 +1,32 @@
-"""Sequence parallelism for the VLA: choosing the method (the wiring into the model arrives with scale-out).
+"""Sequence (context) parallelism for the VLA: the method, the token layout across the cp ranks, and the wiring into
+the model.
 
 The kernels: `ring.ring_attention` (K/V around a ring, overlapped, zigzag-balanced for causal attention),
 `ulysses.ulysses_attention` (two all-to-alls around local attention) and `ulysses.allgather_attention` (gather
 K/V). All three are exact and take sequence shards of (B, H, S_local, D).
+
+The wiring (`apply_sequence_parallel`) leaves the model's code path as in one process:
+- **Layout.** Each row's real tokens move to the front in order and its padding to the end (`ShardLayout`), with
+  the position ids the unsharded model gives them. Under causal attention no real token then sees padding, so
+  the kernels need no key-padding mask and the result is the masked full-sequence attention exactly. The
+  compacted sequence is padded to a multiple of 2 x cp and cut into zigzag shards (ring) or contiguous ones
+  (Ulysses, all-gather); each rank feeds its shard to the LLM.
+- **Gather.** A forward hook on the LLM's final norm all-gathers the shards and restores the original layout, so
+  the LM head, the action head and the losses run on the full sequence, the same on every cp rank. Its backward
+  hands each rank its own shard's gradient times cp: what went through the sharded LLM (its blocks, the
+  embeddings, the vision tower's LLM path) holds cp x its share, what did not (the heads, the contrastive path)
+  is whole on every rank, so averaging over the dp_shard x cp ranks (FSDP2's mesh) gives the true gradient.
+- **Attention.** The method is registered in the `transformers` attention registry and set on the LLM; the vision
+  tower encodes every frame on every cp rank.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from vlaforge.errors import VlaforgeError
 
@@ -64,3 +85,96 @@ def register_attention(method: str, group=None) -> str:
     name = f"vlaforge_{method}"
     AttentionInterface.register(name, attention_function(method, group))
     return name
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where one batch's tokens go: `order` (B, N_pad) indexes the (padded) layout in compacted order."""
+
+    order: torch.Tensor
+    length: int  # N, the layout's length before padding
+    padded: int  # N_pad
+
+
+def compact_order(mask: torch.Tensor, multiple: int) -> ShardLayout:
+    """Per row, the real tokens first (in order), then padding; the length padded to `multiple`."""
+    b, n = mask.shape
+    padded = -(-n // multiple) * multiple
+    full = torch.zeros(b, padded, dtype=torch.bool, device=mask.device)
+    full[:, :n] = mask
+    order = torch.argsort((~full).to(torch.int8), dim=1, stable=True)
+    return ShardLayout(order, n, padded)
+
+
+class _GatherShards(torch.autograd.Function):
+    """All-gather the cp ranks' sequence shards into the full sequence; backward: this rank's shard of the
+    (identical on every rank) gradient, times cp."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sp: "SequenceParallel") -> torch.Tensor:
+        ctx.sp = sp
+        pieces = [torch.empty_like(x) for _ in range(sp.size)]
+        dist.all_gather(pieces, x.contiguous(), group=sp.group)
+        return sp.unshard(pieces)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sp = ctx.sp
+        return sp.shard(grad) * sp.size, None
+
+
+@dataclass
+class SequenceParallel:
+    """The cp group and method, attached to the VLA as `model.sequence_parallel`."""
+
+    group: Any
+    rank: int
+    size: int
+    method: str
+    why: str
+    layout: ShardLayout | None = None  # the batch in flight (set by `enter`, used by the gather hook)
+
+    @property
+    def zigzag(self) -> bool:
+        return self.method == "ring"
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        from vlaforge.distributed.ring import zigzag_shard
+
+        return zigzag_shard(x, self.rank, self.size, dim=1) if self.zigzag else x.chunk(self.size, 1)[self.rank]
+
+    def unshard(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        from vlaforge.distributed.ring import zigzag_unshard
+
+        return zigzag_unshard(pieces, dim=1) if self.zigzag else torch.cat(pieces, dim=1)
+
+    def enter(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's shard of the compacted layout: (inputs_embeds, position_ids)."""
+        lay = compact_order(mask, 2 * self.size if self.zigzag else self.size)
+        self.layout = lay
+        extra = lay.padded - lay.length
+        embeds = torch.nn.functional.pad(embeds, (0, 0, 0, extra))
+        positions = torch.nn.functional.pad(positions, (0, extra))
+        index = lay.order.unsqueeze(-1).expand(-1, -1, embeds.shape[-1])
+        return self.shard(embeds.gather(1, index)), self.shard(positions.gather(1, lay.order))
+
+    def gather(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The full sequence in the original layout from this rank's shard of final hidden states."""
+        lay = self.layout
+        full = _GatherShards.apply(hidden, self)  # compacted order, (B, N_pad, D)
+        index = lay.order.unsqueeze(-1).expand(-1, -1, full.shape[-1])
+        return torch.zeros_like(full).scatter(1, index, full)[:, :lay.length]
+
+
+def apply_sequence_parallel(model, dims, mesh, cfg, tokens: int) -> SequenceParallel:
+    """Shard the LLM's sequence over `mesh["cp"]`: register the method's attention, set it on the LLM, and gather
+    the final hidden states (see the module docstring). `tokens`: the LLM sequence of one sample, for `auto`."""
+    heads = model.llm.config.num_attention_heads // dims.tp
+    method, why = choose_cp_method(cfg.parallel.cp_method, tokens, dims.cp, heads)
+    group = mesh.get_group("cp")
+    sp = SequenceParallel(group, dist.get_rank(group), dims.cp, method, why)
+    model.llm.set_attn_implementation(register_attention(method, group))
+    model.llm.model.norm.register_forward_hook(lambda module, args, out: sp.gather(out))
+    model.sequence_parallel = sp
+    return sp

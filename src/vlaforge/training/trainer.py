@@ -27,6 +27,7 @@ from vlaforge.distributed.parallel_dims import ParallelDims, World, init_distrib
 from vlaforge.distributed.deepspeed_backend import build_engine, full_weights, load_engine, save_engine
 from vlaforge.distributed.parallelize import GradReducer, parallelize
 from vlaforge.distributed.pipeline import Pipeline, split_for_stage
+from vlaforge.distributed.sequence_parallel import apply_sequence_parallel, choose_cp_method
 from vlaforge.distributed.state import (full_model_state, full_optimizer_state, load_full_optimizer_state,
                                         load_sharded, save_sharded)
 from vlaforge.techniques.checkpointing import apply_checkpointing
@@ -70,6 +71,13 @@ def check_layout(cfg: VLAConfig, world: World) -> ParallelDims:
         if dims.backend == "ddp":
             raise VlaforgeError("parallel.pp > 1 runs with backend = 'fsdp2' (set dp_shard = 1 to replicate); "
                                 "use backend = 'fsdp2'")
+    if dims.cp > 1:
+        if dims.pp > 1 or dims.backend != "fsdp2":
+            raise VlaforgeError(f"parallel.cp = {dims.cp} runs with backend = 'fsdp2' and pp = 1 (the gathered "
+                                "sequence feeds the heads on every cp rank); set pp = 1 and backend = 'fsdp2', or "
+                                "cp = 1")
+        if cfg.parallel.cp_method == "ulysses":  # its heads per tp rank must split over cp ('auto' avoids it)
+            choose_cp_method("ulysses", 0, dims.cp, model_facts(cfg.model).llm_heads // dims.tp)
     if dims.distributed:
         if any(p.unfreeze_at_step is not None for _, p in cfg.components.items()):
             raise VlaforgeError("unfreeze_at_step is not available with more than one process yet (FSDP2 fixes "
@@ -188,6 +196,11 @@ def build_run(cfg: VLAConfig) -> Run:
             stage_module, plan = split_for_stage(model, cfg, dims.pp, mesh)
             if world.is_main and cfg.train.progress:
                 print(f"pipeline: {plan.summary()}", flush=True)
+        if dims.cp > 1:
+            tokens = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
+            sp = apply_sequence_parallel(model, dims, mesh, cfg, tokens)
+            if world.is_main and cfg.train.progress:
+                print(f"context parallel: cp = {dims.cp}, {sp.method} ({sp.why})", flush=True)
         guards.reducer = parallelize(model, dims, mesh, dict(cfg.components.items()), root=stage_module)
         if stage_module is not None:
             guards.pipeline = Pipeline(model, stage_module, dims.pp, cfg.train.grad_accum, cfg.parallel.pp_schedule,
