@@ -1,6 +1,7 @@
-"""Context parallel in training: a whole tiny-VLA step with the LLM's sequence split over cp ranks matches the
-single-process step (ring and Ulysses at cp = 2; tp = 2 x cp = 2 at 4 ranks); the compacted layout the wiring
-feeds the kernels gives masked attention exactly; bad layouts are one line."""
+"""Context and sequence parallel in training: a whole tiny-VLA step with the LLM's sequence split over cp ranks
+matches the single-process step (ring and Ulysses at cp = 2; tp = 2 x cp = 2 with Megatron-style sequence parallel
+at 4 ranks); under sequence parallel the norms see 1/tp of the tokens; the compacted layout the wiring feeds the
+kernels gives masked attention exactly; bad layouts are one line."""
 
 import pytest
 import torch
@@ -60,10 +61,11 @@ def test_cp2_step_matches_one_process(tmp_path, single, method):
 
 
 @pytest.mark.slow
-def test_tp2_times_cp2_on_four_ranks_matches_one_process(tmp_path, single):
-    """tp = 2 x cp = 2: each cp rank's LLM blocks are Megatron-split; 'auto' picks all-gather at this length."""
+def test_tp2_times_cp2_with_sequence_parallel_on_four_ranks_matches_one_process(tmp_path, single):
+    """tp = 2 x cp = 2: each cp rank's LLM blocks are Megatron-split with Megatron-style sequence parallel inside
+    the tp pair (norms and residuals on half of the rank's tokens); 'auto' picks all-gather at this length."""
     done = train_distributed(tmp_path, "--parallel.cp=2", "--parallel.tp=2", "--parallel.cp_method=auto",
-                             "--train.progress=true", nproc=4)
+                             "--parallel.sequence_parallel=true", "--train.progress=true", nproc=4)
     assert "context parallel: cp = 2, allgather" in done.stdout
     _assert_matches(tmp_path, single)
 
@@ -84,3 +86,51 @@ def test_impossible_context_parallel_layouts_are_one_line(args, message):
     with pytest.raises(VlaforgeError, match=message):
         check_layout(cfg, World(0, 0, 4))
 
+
+
+def _sp_worker(rank, world, port, out):
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from conftest import make_batch, tiny_config
+    from vlaforge.distributed.parallelize import apply_tensor_parallel
+    from vlaforge.models.build import build_vla
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    model = build_vla(cfg.model, cfg.loss)
+    batch = make_batch(cfg, model)
+    reference = model.compute_loss(batch)[0].item()
+    apply_tensor_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), sequence_parallel=True)
+    seen = {}
+    block = model.llm.model.layers[0]
+
+    def record(name):
+        def hook(module, args, output):  # returns None: the output stays
+            seen.setdefault(name, (args[0].to_local() if hasattr(args[0], "to_local") else args[0]).shape[1])
+        return hook
+
+    block.input_layernorm.register_forward_hook(record("norm"))
+    block.mlp.gate_proj.register_forward_hook(record("ffn"))
+    loss = model.compute_loss(batch)[0].item()
+    out[rank] = (seen["norm"], seen["ffn"], loss, reference)
+    dist.destroy_process_group()
+
+
+def test_sequence_parallel_norms_hold_a_tp_share_of_the_tokens():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_sp_worker, args=(2, port, out), nprocs=2)
+    for rank, (norm, ffn, loss, reference) in out.items():
+        assert ffn % 2 == 0 and norm == ffn // 2, (rank, norm, ffn)  # the FFN sees the gathered sequence
+        assert loss == pytest.approx(reference, abs=1e-5)

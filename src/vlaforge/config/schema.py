@@ -183,7 +183,10 @@ class ParallelConfig(Section):
                                          "micro-batches go through the pipeline (at least pp of them)")
     pp_schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="pipeline schedule (same bubble; 1f1b holds "
                                                                        "at most pp micro-batches' activations)")
-    cp: int = Field(1, ge=1)
+    sequence_parallel: bool = Field(False, description="with tp > 1: Megatron-style sequence parallel - the "
+                                    "norms and residual stream hold 1/tp of the tokens (all-gather / "
+                                    "reduce-scatter at the TP boundaries instead of all-reduce)")
+    cp: int = Field(1, ge=1, description="context-parallel degree: the LLM's sequence split over cp ranks")
     cp_method: Literal["ring", "ulysses", "allgather", "auto"] = "ring"
     backend: Literal["fsdp2", "ddp", "deepspeed"] = Field("fsdp2", description="deepspeed: the optional extra "
                                                                              "(pip install vlaforge[deepspeed])")
@@ -214,6 +217,13 @@ class ParallelConfig(Section):
         if unknown:
             raise ValueError(f"unknown zero_optimization keys {unknown}; known: {', '.join(ZERO_TUNING)}")
         return v
+
+    @model_validator(mode="after")
+    def _sequence_parallel_needs_tp(self) -> "ParallelConfig":
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel splits the tokens inside the tensor-parallel group; set tp > 1 (or "
+                             "use cp for context parallel)")
+        return self
 
     @model_validator(mode="after")
     def _deepspeed_fields(self) -> "ParallelConfig":

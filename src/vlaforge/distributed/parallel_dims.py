@@ -68,6 +68,7 @@ class ParallelDims:
     cp: int
     world_size: int
     backend: str = "fsdp2"
+    sequence_parallel: bool = False  # Megatron-style SP inside the tp groups
 
     @classmethod
     def build(cls, cfg, world_size: int, facts: ModelFacts | None = None) -> "ParallelDims":
@@ -79,7 +80,8 @@ class ParallelDims:
                 raise LayoutError(f"world size {world_size} is not divisible by dp_replicate x tp x pp x cp = "
                                   f"{others}; change the degrees or the number of processes")
             dp_shard = world_size // others
-        dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, world_size, cfg.backend)
+        dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, world_size, cfg.backend,
+                   cfg.sequence_parallel)
         dims.validate(facts)
         return dims
 

@@ -115,14 +115,38 @@ LLM_TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "se
                "mlp.down_proj": "rowwise"}
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
-    """Tensor-parallel the LLM's blocks (DTensor `parallelize_module`); the rest stays replicated over TP."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None:
+    """Tensor-parallel the LLM's blocks (DTensor `parallelize_module`); the rest stays replicated over TP.
+
+    `sequence_parallel` (Megatron-style SP): between the TP regions - the two RMSNorms and the residual adds - the
+    blocks hold 1/tp of the tokens. Each sub-layer all-gathers its normed input (instead of taking it whole) and
+    reduce-scatters its output (instead of all-reducing it), so the same bytes move and the norms' and residual
+    stream's activations shrink by tp. The stack enters on a slice of the embeddings and leaves through an
+    all-gather before the final norm, so everything outside the blocks is unchanged."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {name: styles[kind]() for name, kind in LLM_TP_PLAN.items()}
-    for block in blocks_of(model, "llm"):
+    if sequence_parallel:
+        gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),), "use_local_output": True}
+        plan.update({
+            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                            use_local_output=True),
+            "mlp": PrepareModuleInput(**gather),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
+    blocks = blocks_of(model, "llm")
+    for block in blocks:
         parallelize_module(block, tp_mesh, plan)
+    if sequence_parallel:
+        parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                                  desired_input_layouts=(Shard(1),),
+                                                                  use_local_output=True))
+        parallelize_module(model.llm.model.norm, tp_mesh, PrepareModuleInput(**gather))
 
 
 def parallelize(model: nn.Module, dims, mesh, policies: Mapping[str, Any], root: nn.Module | None = None
@@ -133,7 +157,7 @@ def parallelize(model: nn.Module, dims, mesh, policies: Mapping[str, Any], root:
     from torch.distributed.fsdp import fully_shard
 
     if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel)
 
     names = mesh.mesh_dim_names
     shard_dim = "dp_shard"

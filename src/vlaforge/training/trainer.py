@@ -71,6 +71,9 @@ def check_layout(cfg: VLAConfig, world: World) -> ParallelDims:
         if dims.backend == "ddp":
             raise VlaforgeError("parallel.pp > 1 runs with backend = 'fsdp2' (set dp_shard = 1 to replicate); "
                                 "use backend = 'fsdp2'")
+        if dims.sequence_parallel:
+            raise VlaforgeError("parallel.sequence_parallel with pp > 1 is not supported (stages exchange whole "
+                                "sequences); set sequence_parallel = false or pp = 1")
     if dims.cp > 1:
         if dims.pp > 1 or dims.backend != "fsdp2":
             raise VlaforgeError(f"parallel.cp = {dims.cp} runs with backend = 'fsdp2' and pp = 1 (the gathered "
