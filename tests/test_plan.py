@@ -53,7 +53,7 @@ def test_tied_embeddings_are_never_pipelined():
 
 def test_fix_pins_fields_and_evaluates_one_configuration(vla7b):
     cluster = Cluster(get_gpu("h100-80"), 8, 1)
-    fixed = {"parallel.tp": 2, "components.llm.checkpointing": "full", "components.llm.precision": "bf16",
+    fixed = {"parallel.tp": 2, "parallel.cp": 1, "components.llm.checkpointing": "full", "components.llm.precision": "bf16",
              "components.vision.checkpointing": "none", "components.llm.offload": "none", "train.batch_size": 4,
              "parallel.pp": 1, "parallel.backend": "fsdp2", "parallel.dp_replicate": 1}
     plan = search(vla7b, cluster, 64, fixed, keep=50)

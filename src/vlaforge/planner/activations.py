@@ -57,25 +57,27 @@ def _compute_bytes(precision: str) -> int:
 
 
 def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strategy: str,
-                kv_seq: int | None = None) -> int:
+                kv_seq: int | None = None, sp: int = 1) -> int:
     """Bytes one block keeps for backward for a micro-batch of `batch` sequences of `seq` tokens (the tokens of one
     image for the vision tower), without the once-per-model terms (`once_bytes`). `kv_seq`: the keys each query
-    attends over when it differs from `seq` (a context-parallel rank's mask rows are `seq` x `kv_seq`)."""
+    attends over when it differs from `seq` (a context-parallel rank's mask rows are `seq` x `kv_seq`). `sp`: the
+    Megatron sequence-parallel degree, which divides what the norms keep and the residual stream (a checkpointed
+    block's or sub-layer's input); the projections keep their all-gathered input whole."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
     c = _compute_bytes(precision)
     t = batch * seq
     D, F, H, Hk, d = shape.hidden, shape.ffn, shape.heads, shape.kv_heads, shape.head_dim
     if strategy == "full":
-        return 4 * D * t
+        return 4 * D * t // sp
     if shape.kind == "llama":
-        norm = (4 * D + 4 + 4 * D) * t
+        norm = (4 * D + 4 + 4 * D) * t // sp
         proj_in = (4 * D if c == 4 else 3 * c * D) * t
         attn = proj_in + 4 * c * H * d * t + 4 * H * t + batch * seq * (kv_seq or seq) * c
         ffn = (4 * D if c == 4 else 2 * c * D) * t + 4 * c * F * t
-        kept_input = 4 * D * t  # a checkpointed sub-layer's fp32 input
+        kept_input = 4 * D * t // sp  # a checkpointed sub-layer's fp32 input
         if strategy == "selective":
-            return 4 * D * t + c * (H * d + 2 * Hk * d + H * d + D) * t + 4 * H * t
+            return kept_input + c * (H * d + 2 * Hk * d + H * d + D) * t + 4 * H * t
         if strategy == "selective_attn":
             return 2 * norm + kept_input + ffn
         if strategy == "selective_ffn":
@@ -128,14 +130,14 @@ class Sequence:
         return self.frames * self.patches + self.instruction + self.chunk + self.text
 
 
-def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, tp: int = 1, cp: int = 1
-                     ) -> dict[str, int]:
+def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, tp: int = 1, cp: int = 1,
+                     sequence_parallel: bool = False) -> dict[str, int]:
     """Bytes kept for backward for one micro-batch, by part: 'vision', 'projector', 'llm_block' (one LLM block),
     'llm_once' (shared by the LLM's blocks), 'llm_tail' (final norm and LM-head input), 'action_head' and 'other'
     (the loss terms). Under tensor parallel `tp` an LLM block holds its heads' and FFN columns' share (the
     norms' and projections' inputs stay whole: no sequence parallel); under context parallel `cp` it holds
     S / cp tokens whose mask rows span all S keys. The vision tower, projector and heads are replicated (every
-    tp / cp rank computes them whole)."""
+    tp / cp rank computes them whole). `sequence_parallel`: Megatron SP inside the tp group (`block_bytes`'s `sp`)."""
     vis, llm = model.vision.config, model.llm.config
     b, s = seq.batch, seq.llm_tokens
     s_rank = -(-s // cp)
@@ -158,7 +160,8 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     lshape = BlockShape(full.kind, full.hidden, full.ffn // tp, full.heads // tp, max(1, full.kv_heads // tp),
                         full.head_dim)
     D = lshape.hidden
-    out["llm_block"] = block_bytes(lshape, b, s_rank, policies["llm"].precision, strat["llm"], kv_seq=s)
+    out["llm_block"] = block_bytes(lshape, b, s_rank, policies["llm"].precision, strat["llm"], kv_seq=s,
+                                   sp=tp if sequence_parallel else 1)
     out["llm_once"] = once_bytes(lshape, b, s_rank, strat["llm"], kv_seq=s)
     out["llm_tail"] = ((4 * D + 4 + 4 * D) * b * s_rank  # final RMSNorm
                        + c["llm"] * b * (seq.text + 1) * D)  # LM head input: the text targets' positions (+1)

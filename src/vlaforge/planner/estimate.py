@@ -238,7 +238,8 @@ def estimate(pm: PlanModel, cfg, cluster: Cluster, assume: Assumptions = Assumpt
     bounds = pm.stage_bounds(pp) if pp > 1 else ((0, layers),)
     master = tr.precision_master
     state = pm.state(policies, master)
-    parts = activation_parts(pm.model, seq, policies, pm.contrastive, tp=tp, cp=cp)
+    parts = activation_parts(pm.model, seq, policies, pm.contrastive, tp=tp, cp=cp,
+                             sequence_parallel=par.sequence_parallel)
     fsdp = par.backend == "fsdp2" and shard * cp > 1
     trains = {c: trainable_at(policies[c], EVER) for c in COMPONENTS}
     backward_through = {"vision": trains["vision"], "projector": trains["vision"] or trains["projector"]}

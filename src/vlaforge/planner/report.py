@@ -50,6 +50,8 @@ def plan_json(pm: PlanModel, plan: Plan, assume: Assumptions) -> dict[str, Any]:
 def _short(e: Estimate) -> str:
     f = config_fields(e.config)
     par = [f"{k}{f['parallel.' + k]}" for k in ("tp", "pp", "cp") if f["parallel." + k] > 1]
+    if f["parallel.sequence_parallel"]:
+        par.append("sp")
     if f["parallel.cp"] > 1:
         par.append(f["parallel.cp_method"])
     dp = f"{f['parallel.backend']} {f['parallel.dp_replicate']}x{f['parallel.dp_shard']}"

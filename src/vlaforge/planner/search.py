@@ -2,15 +2,16 @@
 explain the top choices.
 
 Enumerated (each dimension only where `--fix` leaves it free):
-- layout: tp in 1/2/4/8 (within a node), pp in 1/2/4/8, cp in 1/2/4/8 with each `cp_method`, and the rest data
-  parallel as FSDP2 (full shard), HSDP (one replica per node) or DDP;
+- layout: tp in 1/2/4/8 (within a node; with Megatron-style sequence parallel, which pipeline stages do not
+  take), pp in 1/2/4/8, cp in 1/2/4/8 with each `cp_method`, and the rest data parallel as FSDP2 (full shard),
+  HSDP (one replica per node) or DDP;
 - the LLM's precision (bf16, and fp8 where the GPU has fp8 tensor cores); the other components compute in bf16;
 - checkpointing: none / selective / full on the LLM, none / full on the vision tower;
 - activation offload of the LLM to CPU memory;
 - the micro-batch (1, 2, 4, ... 64) and the accumulation that reach the global batch.
 Every layout goes through the trainer's own checks (`VLAConfig` validation and `trainer.check_layout`) before it
-is estimated, so the search never proposes what `vlaforge train` refuses; today that rules out cp > 1, which
-training does not run yet. DeepSpeed is not searched (FSDP2 covers its sharding); `--fix parallel.backend=deepspeed`
+is estimated, so the search never proposes what `vlaforge train` refuses (cp with pp or DDP, Ulysses whose heads
+do not split, pipelines of tied embeddings, ...). DeepSpeed is not searched (FSDP2 covers its sharding); `--fix parallel.backend=deepspeed`
 evaluates it.
 """
 
@@ -25,7 +26,8 @@ from vlaforge import COMPONENTS
 from vlaforge.errors import VlaforgeError
 from vlaforge.planner.estimate import GB, Assumptions, Cluster, Estimate, PlanModel, estimate
 
-SEARCHED = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.cp_method", "parallel.dp_replicate",
+SEARCHED = ("parallel.tp", "parallel.sequence_parallel", "parallel.pp", "parallel.cp", "parallel.cp_method",
+            "parallel.dp_replicate",
             "parallel.dp_shard", "parallel.backend", "train.batch_size", "train.grad_accum",
             *(f"components.{c}.{k}" for c in COMPONENTS for k in ("precision", "checkpointing", "offload")))
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -110,8 +112,9 @@ def _layouts(cluster: Cluster, fixed: dict[str, Any]):
             shardings.append(("ddp", dp, 1))
         methods = ("ring", "ulysses", "allgather") if cp > 1 else ("ring",)
         for (backend, rep, shard), method in itertools.product(shardings, methods):
-            yield {"parallel.tp": tp, "parallel.pp": pp, "parallel.cp": cp, "parallel.cp_method": method,
-                   "parallel.backend": backend, "parallel.dp_replicate": rep, "parallel.dp_shard": shard}
+            yield {"parallel.tp": tp, "parallel.sequence_parallel": tp > 1 and pp == 1, "parallel.pp": pp,
+                   "parallel.cp": cp, "parallel.cp_method": method, "parallel.backend": backend,
+                   "parallel.dp_replicate": rep, "parallel.dp_shard": shard}
 
 
 def _free(choices: dict[str, tuple], fixed: dict[str, Any]):
@@ -144,7 +147,12 @@ def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, 
     seen_layouts = set()
     candidates: list[Estimate] = []
     for layout in _layouts(cluster, fixed):
-        layout = {**layout, **{k: v for k, v in fixed.items() if k in layout}}
+        if layout["parallel.cp"] == 1 and "parallel.cp_method" in fixed:  # no method choice without cp
+            layout["parallel.cp_method"] = fixed["parallel.cp_method"]
+        if "parallel.sequence_parallel" in fixed:  # a default of the layout, not a dimension of its own
+            layout["parallel.sequence_parallel"] = fixed["parallel.sequence_parallel"]
+        if any(k in fixed and fixed[k] != v for k, v in layout.items()):
+            continue  # --fix pins this dimension to another value
         key = tuple(sorted(layout.items()))
         if key in seen_layouts:
             continue
@@ -263,6 +271,11 @@ def explain(plan: Plan, candidates: list[Estimate], cluster: Cluster, assume: As
         share = best.time_s.get("tp_comm", 0) / best.step_time_s
         out.append(f"tp = {f['parallel.tp']}: the LLM blocks' weights and activations split, at "
                    f"{100 * share:.0f}% of the step in all-reduces")
+    if f["parallel.cp"] > 1:
+        comm = best.time_s.get("cp_comm", 0) + best.time_s.get("cp_comm_exposed", 0)
+        out.append(f"cp = {f['parallel.cp']} ({f['parallel.cp_method']}): each rank holds 1/{f['parallel.cp']} of the "
+                   f"LLM's {plan.tokens_per_sample} tokens per sample; its communication shows as "
+                   f"{100 * comm / best.step_time_s:.0f}% of the step")
     if f["parallel.pp"] > 1:
         share = best.time_s.get("pipeline_bubble", 0) / best.step_time_s
         out.append(f"pp = {f['parallel.pp']}: pipeline bubble {100 * share:.0f}% of the step with "
