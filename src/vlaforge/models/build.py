@@ -84,4 +84,10 @@ def token_summary(cfg) -> str:
     cp = cfg.parallel.cp
     lines.append(f"# tokens per rank: {total}" if cp == 1 else
                  f"# tokens per rank with parallel.cp = {cp}: {-(-total // cp)}")
+    if cp > 1:
+        from vlaforge.distributed.sequence_parallel import choose_cp_method
+
+        heads = model.llm.config.num_attention_heads // cfg.parallel.tp
+        method, why = choose_cp_method(cfg.parallel.cp_method, total, cp, heads)
+        lines.append(f"# context-parallel method: {method} ({why})")
     return "\n".join(lines) + "\n"
