@@ -61,6 +61,12 @@ def run(base, cl: Cluster, global_batch: int, fix: list[str], micro_batch: int |
     plan = search(pm, cl, global_batch, fixed, assume, keep=top)
     out = plan_json(pm, plan, assume)
     text = render(plan, top)
+    ref = out["reference"]
+    if ref:
+        text += (f"\nreference, one micro-batch of {ref['micro_batch']} through the LLM blocks (tp {ref['tp']}, "
+                 f"{ref['checkpointing']}): Korthikanti et al. 2022 {ref['korthikanti_llm_blocks_gb']:.2f} GB, "
+                 f"vlaforge {ref['vlaforge_llm_blocks_gb']:.2f} GB (the formula assumes MHA, a 4h GELU FFN, "
+                 "half-precision residuals and materialized attention scores)")
     best = plan.best
     if best is None and (write_to or plot_to or measure):
         text += "\nnothing fits: no recipe, chart or measurement written"

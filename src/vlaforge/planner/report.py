@@ -31,12 +31,20 @@ def korthikanti_bytes(pm: PlanModel, batch: int, tp: int = 1, strategy: str = "n
 def plan_json(pm: PlanModel, plan: Plan, assume: Assumptions) -> dict[str, Any]:
     best = plan.best
     ref = None
-    if best is not None:
+    if best is not None:  # like for like: one micro-batch through all LLM blocks, split by tp only
+        from dataclasses import replace
+
+        from vlaforge.planner.activations import activation_parts
+
         f = config_fields(best.config)
-        ref = {"korthikanti_llm_activations_gb": round(korthikanti_bytes(
-                   pm, best.config.train.batch_size, f["parallel.tp"],
-                   "full" if f["components.llm.checkpointing"] == "full" else "none") / GB, 3),
-               "vlaforge_llm_activations_gb": round(best.by_component["llm"]["activations"], 3)}
+        micro, tp = best.config.train.batch_size, f["parallel.tp"]
+        ck = f["components.llm.checkpointing"]
+        parts = activation_parts(pm.model, replace(pm.seq, batch=micro), dict(best.config.components.items()),
+                                 pm.contrastive, tp=tp)
+        ours = pm.model.llm.config.num_hidden_layers * parts["llm_block"] + parts["llm_once"]
+        ref = {"korthikanti_llm_blocks_gb": round(korthikanti_bytes(pm, micro, tp, "full" if ck == "full" else "none")
+                                                  / GB, 3),
+               "vlaforge_llm_blocks_gb": round(ours / GB, 3), "micro_batch": micro, "tp": tp, "checkpointing": ck}
     return {"model": pm.cfg.model.flavor, "cluster": {"gpu": plan.cluster.gpu.name, "gpus_per_node":
                                                       plan.cluster.gpus_per_node, "nodes": plan.cluster.nodes},
             "global_batch": plan.global_batch, "tokens_per_sample": plan.tokens_per_sample,
@@ -176,8 +184,8 @@ def whitepaper(path: str | Path, global_batch: int = 256, assume: Assumptions = 
                             else "does not fit up to 64 nodes")
                     smallest = plan.best_misfit.memory["total"] if plan.best_misfit else float("nan")
                     alts = "; ".join(x for x in plan.explanations if x.startswith("alternative"))
-                    lines.append(f"| {cluster.describe()} | — | — | — | {smallest:.0f} (no fit) | — | — | {need} "
-                                 f"without offload{'; ' + alts if alts else ''} |")
+                    lines.append(f"| {cluster.describe()} | — | — | — | {smallest:.0f} (no fit) | — | — | "
+                                 f"{need} without offload{'; ' + alts if alts else ''} |")
                     continue
                 b = plan.best
                 chart = charts / f"{flavor}_{n}f_{cluster.nodes}x{cluster.gpus_per_node}_{cluster.gpu.name}.png"
@@ -206,6 +214,6 @@ def _arithmetic(pm: PlanModel, model_state) -> list[str]:
             f"({bf16_state.total / bf16_state.numel:.3f} here). The often-quoted \"2 + 2 + 12 = 16 with an fp32 "
             "master copy\" is DeepSpeed's fp16 recipe, not this design.",
             "- **Activations are not a multiple of parameters.** They scale with micro-batch × tokens and, without "
-            "flash attention, with tokens²; Korthikanti et al.'s 34·s·b·h + 5·a·s²·b per layer assumes MHA, a 4h "
-            "GELU FFN, half-precision residuals and materialized scores. `vlaforge plan --json` prints it next to "
-            "vlaforge's own count in `reference`."]
+            "flash attention, with tokens²; Korthikanti et al.'s 34·s·b·h + 5·a·s²·b per layer assumes MHA, a "
+            "4h GELU FFN, half-precision residuals and materialized scores. `vlaforge plan` prints it next to "
+            "vlaforge's own count (`reference` in `--json`)."]
