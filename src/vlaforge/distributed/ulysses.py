@@ -89,16 +89,66 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     return _heads_to_seq(out, world, group)
 
 
+class _GatheredAttention(torch.autograd.Function):
+    """This rank's queries against the gathered K/V without a mask: under causal attention the keys before the
+    rank's chunk are one fully visible block and its own chunk a causal diagonal block, merged by log-sum-exp (the
+    ring's block math); no S_local x S mask is built or saved."""
+
+    @staticmethod
+    def forward(ctx, q, kf, vf, rank, causal, scale):
+        from vlaforge.distributed.ring import _block_forward, _expand
+
+        heads, n = q.shape[1], q.shape[2]
+        blocks = _gathered_blocks(rank, n, kf.shape[2], causal)
+        qf, kb, vb = q.float(), _expand(kf, heads).float(), _expand(vf, heads).float()
+        out = lse = None
+        for ks, diag in blocks:
+            o_b, l_b = _block_forward(qf, kb[:, :, ks], vb[:, :, ks], scale, diag)
+            if out is None:
+                out, lse = o_b, l_b
+                continue
+            new = torch.logaddexp(lse, l_b)
+            out = out * torch.exp(lse - new)[..., None] + o_b * torch.exp(l_b - new)[..., None]
+            lse = new
+        ctx.save_for_backward(q, kf, vf, out, lse)
+        ctx.blocks, ctx.scale = blocks, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        from vlaforge.distributed.ring import _block_backward, _expand, _fold
+
+        q, kf, vf, out, lse = ctx.saved_tensors
+        heads, kv_heads = q.shape[1], kf.shape[1]
+        qf, doutf = q.float(), dout.float()
+        kb, vb = _expand(kf, heads).float(), _expand(vf, heads).float()
+        delta = (doutf * out).sum(-1)
+        dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kb), torch.zeros_like(vb)
+        for ks, diag in ctx.blocks:
+            g = _block_backward(qf, kb[:, :, ks], vb[:, :, ks], out, lse, doutf, delta, ctx.scale, diag)
+            dq += g[0]
+            dk[:, :, ks] += g[1]
+            dv[:, :, ks] += g[2]
+        return (dq.to(q.dtype), _fold(dk, kv_heads).to(kf.dtype), _fold(dv, kv_heads).to(vf.dtype),
+                None, None, None)
+
+
+def _gathered_blocks(rank: int, n: int, total: int, causal: bool) -> list[tuple[slice, bool]]:
+    """(key slice, causal diagonal) blocks rank `rank`'s n contiguous queries attend among `total` keys."""
+    if not causal:
+        return [(slice(0, total), False)]
+    own = (slice(rank * n, (rank + 1) * n), True)
+    return [(slice(0, rank * n), False), own] if rank else [own]
+
+
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = False,
                         scale: float | None = None) -> torch.Tensor:
     """Exact attention of local queries against the gathered K/V (gradients reduce-scatter back)."""
+    import math
+
     group = group or dist.group.WORLD
     world, rank = _world(group)
     kf = _AllGatherSeq.apply(k, group)  # (B, Hkv, S, D)
     vf = _AllGatherSeq.apply(v, group)
-    mask = None
-    if causal:  # my queries sit at positions rank * S_local ... ; they see keys up to their own position
-        n, total = q.shape[2], kf.shape[2]
-        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(rank * n)
-    return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, scale=scale,
-                                          enable_gqa=kf.shape[1] != q.shape[1])
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _GatheredAttention.apply(q, kf, vf, rank, causal, scale)
