@@ -189,3 +189,17 @@ def test_measure_counts_offloaded_bytes_with_the_device_ones():
     rows = side_by_side(cfg, 2)
     assert rows["offloaded_measured"] > 0
     assert rows["by_component"]["llm"]["ratio"] == pytest.approx(1.0)  # offload moves bytes, it does not drop them
+
+
+def test_context_parallel_splits_the_llm_activations(vla7b):
+    cluster = Cluster(get_gpu("h100-80"), 8, 1)
+    base = {"components.llm.precision": "bf16", "train.batch_size": 2, "parallel.dp_shard": 4}
+    one = estimate(vla7b, _cfg(vla7b, **{**base, "parallel.dp_shard": 8}), cluster)
+    ring = estimate(vla7b, _cfg(vla7b, **base, **{"parallel.cp": 2, "parallel.cp_method": "ring"}), cluster)
+    gathered = estimate(vla7b, _cfg(vla7b, **base, **{"parallel.cp": 2, "parallel.cp_method": "allgather"}), cluster)
+    ratio = ring.by_component["llm"]["activations"] / one.by_component["llm"]["activations"]
+    assert 0.4 < ratio <= 0.5  # half the tokens, and no padding mask (the layout is compacted)
+    assert gathered.by_component["llm"]["activations"] > ring.by_component["llm"]["activations"]  # whole K/V
+    assert ring.by_component["vision"]["activations"] == pytest.approx(one.by_component["vision"]["activations"])
+    assert ring.by_component["llm"]["params"] == pytest.approx(one.by_component["llm"]["params"])  # dp_shard x cp
+    assert ring.time_s.get("cp_comm_exposed", 0) >= 0 and "cp_comm" in gathered.time_s

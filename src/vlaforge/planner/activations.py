@@ -57,10 +57,11 @@ def _compute_bytes(precision: str) -> int:
 
 
 def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strategy: str,
-                kv_seq: int | None = None, sp: int = 1) -> int:
+                kv_seq: int | None = None, sp: int = 1, gathered_kv: int = 0) -> int:
     """Bytes one block keeps for backward for a micro-batch of `batch` sequences of `seq` tokens (the tokens of one
-    image for the vision tower), without the once-per-model terms (`once_bytes`). `kv_seq`: the keys each query
-    attends over when it differs from `seq` (a context-parallel rank's mask rows are `seq` x `kv_seq`). `sp`: the
+    image for the vision tower), without the once-per-model terms (`once_bytes`). `kv_seq`: the keys each query's
+    padding-mask row spans, 0 when no mask is built (context parallel: the layout is compacted instead).
+    `gathered_kv`: tokens of K/V an all-gather context-parallel rank keeps beyond its own. `sp`: the
     Megatron sequence-parallel degree, which divides what the norms keep and the residual stream (a checkpointed
     block's or sub-layer's input); the projections keep their all-gathered input whole."""
     if strategy not in STRATEGIES:
@@ -73,7 +74,8 @@ def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strateg
     if shape.kind == "llama":
         norm = (4 * D + 4 + 4 * D) * t // sp
         proj_in = (4 * D if c == 4 else 3 * c * D) * t
-        attn = proj_in + 4 * c * H * d * t + 4 * H * t + batch * seq * (kv_seq or seq) * c
+        mask = batch * seq * (seq if kv_seq is None else kv_seq) * c
+        attn = proj_in + 4 * c * H * d * t + 4 * H * t + mask + 2 * c * Hk * d * batch * gathered_kv
         ffn = (4 * D if c == 4 else 2 * c * D) * t + 4 * c * F * t
         kept_input = 4 * D * t // sp  # a checkpointed sub-layer's fp32 input
         if strategy == "selective":
@@ -99,12 +101,13 @@ def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strateg
 
 
 def once_bytes(shape: BlockShape, batch: int, seq: int, strategy: str, kv_seq: int | None = None) -> int:
+    """See `block_bytes` for `kv_seq`."""
     """Tensors the LLM's blocks share, counted once per model: rotary cos/sin (kept by autograd under `none` /
     `selective_ffn`, or by a checkpoint's keyword inputs), and a checkpoint's boolean mask and position ids."""
     if shape.kind != "llama":
         return 0
     rope = 2 * 4 * shape.head_dim * batch * seq
-    kwargs = batch * seq * (kv_seq or seq) + 8 * batch * seq  # bool (B, 1, S, S) mask + int64 position ids
+    kwargs = batch * seq * (seq if kv_seq is None else kv_seq) + 8 * batch * seq  # bool mask + int64 position ids
     if strategy in ("none", "selective_ffn"):
         return rope
     return rope + kwargs
@@ -131,13 +134,14 @@ class Sequence:
 
 
 def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, tp: int = 1, cp: int = 1,
-                     sequence_parallel: bool = False) -> dict[str, int]:
+                     sequence_parallel: bool = False, allgather: bool = False) -> dict[str, int]:
     """Bytes kept for backward for one micro-batch, by part: 'vision', 'projector', 'llm_block' (one LLM block),
     'llm_once' (shared by the LLM's blocks), 'llm_tail' (final norm and LM-head input), 'action_head' and 'other'
     (the loss terms). Under tensor parallel `tp` an LLM block holds its heads' and FFN columns' share (the
     norms' and projections' inputs stay whole: no sequence parallel); under context parallel `cp` it holds
     S / cp tokens whose mask rows span all S keys. The vision tower, projector and heads are replicated (every
-    tp / cp rank computes them whole). `sequence_parallel`: Megatron SP inside the tp group (`block_bytes`'s `sp`)."""
+    tp / cp rank computes them whole). `sequence_parallel`: Megatron SP inside the tp group (`block_bytes`'s `sp`).
+    `allgather`: the all-gather cp method, whose ranks keep the whole K/V of every block."""
     vis, llm = model.vision.config, model.llm.config
     b, s = seq.batch, seq.llm_tokens
     s_rank = -(-s // cp)
@@ -160,9 +164,10 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     lshape = BlockShape(full.kind, full.hidden, full.ffn // tp, full.heads // tp, max(1, full.kv_heads // tp),
                         full.head_dim)
     D = lshape.hidden
-    out["llm_block"] = block_bytes(lshape, b, s_rank, policies["llm"].precision, strat["llm"], kv_seq=s,
-                                   sp=tp if sequence_parallel else 1)
-    out["llm_once"] = once_bytes(lshape, b, s_rank, strat["llm"], kv_seq=s)
+    no_mask = 0 if cp > 1 else None  # context parallel compacts the layout instead of masking padding
+    out["llm_block"] = block_bytes(lshape, b, s_rank, policies["llm"].precision, strat["llm"], kv_seq=no_mask,
+                                   sp=tp if sequence_parallel else 1, gathered_kv=s - s_rank if allgather else 0)
+    out["llm_once"] = once_bytes(lshape, b, s_rank, strat["llm"], kv_seq=no_mask)
     out["llm_tail"] = ((4 * D + 4 + 4 * D) * b * s_rank  # final RMSNorm
                        + c["llm"] * b * (seq.text + 1) * D)  # LM head input: the text targets' positions (+1)
     head = model.action_head

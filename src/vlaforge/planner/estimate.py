@@ -238,8 +238,9 @@ def estimate(pm: PlanModel, cfg, cluster: Cluster, assume: Assumptions = Assumpt
     bounds = pm.stage_bounds(pp) if pp > 1 else ((0, layers),)
     master = tr.precision_master
     state = pm.state(policies, master)
+    method = _cp_method(pm, par, tokens)
     parts = activation_parts(pm.model, seq, policies, pm.contrastive, tp=tp, cp=cp,
-                             sequence_parallel=par.sequence_parallel)
+                             sequence_parallel=par.sequence_parallel, allgather=cp > 1 and method == "allgather")
     fsdp = par.backend == "fsdp2" and shard * cp > 1
     trains = {c: trainable_at(policies[c], EVER) for c in COMPONENTS}
     backward_through = {"vision": trains["vision"], "projector": trains["vision"] or trains["projector"]}
@@ -358,6 +359,15 @@ def estimate(pm: PlanModel, cfg, cluster: Cluster, assume: Assumptions = Assumpt
                     sum(flops.recompute.values()) / flops.model_flops)
 
 
+def _cp_method(pm: PlanModel, par, tokens: int) -> str:
+    """The context-parallel method the trainer will run (`auto` resolved as `apply_sequence_parallel` does)."""
+    if par.cp == 1 or par.cp_method != "auto":
+        return par.cp_method
+    from vlaforge.distributed.sequence_parallel import choose_cp_method
+
+    return choose_cp_method("auto", tokens, par.cp, pm.model.llm.config.num_attention_heads // par.tp)[0]
+
+
 def _vision_layers(pm: PlanModel) -> int:
     return pm.model.vision.config.num_hidden_layers
 
@@ -472,8 +482,8 @@ def _step_time(pm, cfg, cluster, assume, seq, policies, parts, bounds, state, fs
         hd = llm.hidden_size // llm.num_attention_heads
         kv = 2 * micro * -(-seq.llm_tokens // cp) * (llm.num_key_value_heads // tp or 1) * hd * llm_c
         bw = _link(cluster, cp * tp, assume)
-        method = par.cp_method
-        if method in ("ring", "auto"):
+        method = _cp_method(pm, par, seq.llm_tokens)
+        if method == "ring":
             ring = accum * stage_layers * 3 * (cp - 1) * kv / bw  # forward K/V, backward K/V and dK/dV
             attn = f.attention["llm"] / layers * stage_layers / (tp * cp) / (gpu.tflops(
                 policies["llm"].precision) * 1e12 * assume.attention_efficiency) * accum
