@@ -1,19 +1,16 @@
 """ParallelDims: layouts resolved and validated before any process group work; the mesh on a gloo group."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vlaforge.config.schema import ModelConfig
+from vlaforge.config.schema import ModelConfig, ParallelConfig
 from vlaforge.distributed.parallel_dims import LayoutError, ParallelDims, World, init_distributed, model_facts
 
 
 def layout(dp_replicate=1, dp_shard=-1, tp=1, pp=1, cp=1, backend="fsdp2"):
-    # A namespace, not ParallelConfig: the config still refuses degrees > 1 until scale-out lands in the trainer.
-    return SimpleNamespace(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, backend=backend)
+    return ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, backend=backend)
 
 
 def test_rest_of_the_world_goes_to_dp_shard_and_mesh_order():
