@@ -199,6 +199,8 @@ class _RingAttention(torch.autograd.Function):
                 dk_b[:, :, ks] += g[1]
                 dv_b[:, :, ks] += g[2]
             dkv = [dkv[0] + _fold(dk_b, kv_heads), dkv[1] + _fold(dv_b, kv_heads)]
+            if ring.world == 1:  # one rank: its own block is the whole sequence, nothing travels
+                break
             grads = ring.start(dkv)  # the accumulators follow their block (the last hop takes them home)
             if pending is not None:
                 ring.wait(pending[0])

@@ -1,0 +1,118 @@
+"""The planner's prediction next to a real training step in one process: peak device memory and step time for
+six configurations (checkpointing none / selective / full x two micro-batches), bf16 compute over fp32 masters
+with AdamW. Prints JSON with each configuration's predicted and measured figures and their ratios.
+
+On a GPU (`--device cuda`, the issue's check: the `small` flavor, peak within 10 %, step time within 25 %), the
+measured peak is `torch.cuda.max_memory_allocated` over a step after warm-up, and the planner is given the GPU
+named by `--gpu` (one GPU, no parallelism). The suggested efficiency is the matmul efficiency that would make the
+predicted compute time equal the measured step time (median over the configurations): the figure to calibrate
+`planner.estimate.Assumptions` with. On CPU it runs as a dry run of the script (memory is not measured; the step
+times compare against a GPU model and mean nothing).
+
+    python bench/planner_validation.py [--device cuda] [--flavor small] [--gpu h200-141] [--seq 1024] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from vlaforge.config import load_config
+
+CONFIGS = [(ck, batch) for ck in ("none", "selective", "full") for batch in (2, 4)]
+
+
+def config(flavor: str, checkpointing: str, batch: int, seq: int | None):
+    from vlaforge.diagnostics.profile import with_seq_len
+
+    comps = {c: {"precision": "bf16"} for c in ("vision", "projector", "llm", "action_head")}
+    comps["llm"]["checkpointing"] = checkpointing
+    comps["vision"]["checkpointing"] = checkpointing if checkpointing != "selective" else "none"
+    cfg = load_config(None, {"model": {"flavor": flavor}, "components": comps,
+                             "train": {"batch_size": batch, "progress": False, "tensorboard": False}})
+    return with_seq_len(cfg, seq)
+
+
+def measure(cfg, device: torch.device, steps: int) -> dict:
+    """Peak device bytes and median step seconds of real training steps (after one warm-up step)."""
+    from vlaforge.diagnostics.profile import synthetic_batch
+    from vlaforge.training.optim import build_optimizer, build_scheduler
+    from vlaforge.training.step import train_step
+    from vlaforge.training.trainer import build_loss_weighting, build_model
+
+    torch.manual_seed(0)
+    model, _ = build_model(cfg, device)
+    weighting = build_loss_weighting(cfg, model, device)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg.train)
+    batch = synthetic_batch(cfg, model, cfg.train.batch_size).to(device)
+    cuda = device.type == "cuda"
+    times = []
+    for i in range(steps + 1):
+        if cuda:
+            torch.cuda.synchronize()
+            if i == 1:
+                torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        train_step(model, [batch], optimizer, scheduler, weighting, cfg.train.grad_clip)
+        if cuda:
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    del model, optimizer
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"peak_bytes": peak, "step_s": statistics.median(times)}
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--flavor", default=None, help="default: small on a GPU, tiny on CPU")
+    ap.add_argument("--gpu", default="h200-141", help="the catalog GPU the planner predicts for")
+    ap.add_argument("--seq", type=int, default=None, help="LLM tokens per sample (default: the flavor's)")
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    flavor = args.flavor or ("small" if device.type == "cuda" else "tiny")
+
+    from vlaforge.planner.estimate import GB, Assumptions, Cluster, PlanModel, estimate
+    from vlaforge.planner.hardware import get_gpu
+
+    cluster = Cluster(get_gpu(args.gpu), gpus_per_node=1, nodes=1)
+    rows = []
+    for ck, batch in CONFIGS:
+        cfg = config(flavor, ck, batch, args.seq)
+        predicted = estimate(PlanModel(cfg), cfg, cluster)
+        got = measure(cfg, device, args.steps)
+        row = {"checkpointing": ck, "micro_batch": batch, "predicted_gb": _sig(predicted.memory["total"]),
+               "predicted_step_s": _sig(predicted.step_time_s), "measured_step_s": _sig(got["step_s"]),
+               "predicted_compute_s": _sig(predicted.time_s["compute"])}
+        if got["peak_bytes"] is not None:
+            row["measured_gb"] = _sig(got["peak_bytes"] / GB)
+            row["memory_ratio"] = _sig(predicted.memory["total"] * GB / got["peak_bytes"])
+            row["time_ratio"] = _sig(predicted.step_time_s / got["step_s"])
+        rows.append(row)
+    base = Assumptions().matmul_efficiency
+    eff = statistics.median(base * r["predicted_compute_s"] / r["measured_step_s"] for r in rows)
+    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "flavor": flavor,
+           "planner_gpu": cluster.gpu.name, "rows": rows, "suggested_matmul_efficiency": _sig(eff),
+           "targets": "memory_ratio within 0.9-1.1, time_ratio within 0.75-1.25 (GPU only)"}
+    if device.type == "cuda":
+        out["within_targets"] = all(0.9 <= r["memory_ratio"] <= 1.1 and 0.75 <= r["time_ratio"] <= 1.25
+                                    for r in rows)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
