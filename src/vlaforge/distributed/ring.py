@@ -75,16 +75,16 @@ def _scores(q, k, scale, causal_diag: bool):
     return s
 
 
-def _fused(q: torch.Tensor, causal_diag: bool, *blocks: torch.Tensor) -> bool:
+def _fused(q: torch.Tensor, k: torch.Tensor, causal_diag: bool) -> bool:
     """Whether torch's fused CPU flash kernel runs this block: on CPU, and for a diagonal block only when it is
     square (its causal mask is then plain `is_causal`)."""
-    return q.device.type == "cpu" and (not causal_diag or q.shape[2] == blocks[0].shape[2])
+    return q.device.type == "cpu" and (not causal_diag or q.shape[2] == k.shape[2])
 
 
 def _block_forward(q, k, v, scale, causal_diag):
     """(out, lse) of q against one K/V block; fp32. On CPU the fused flash kernel (which returns the log-sum-exp);
     elsewhere explicit math (a CUDA flash/efficient kernel with log-sum-exp is the GPU path still to add)."""
-    if _fused(q, causal_diag, k):
+    if _fused(q, k, causal_diag):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal_diag, scale=scale)
     s = _scores(q, k, scale, causal_diag)
@@ -95,7 +95,7 @@ def _block_forward(q, k, v, scale, causal_diag):
 def _block_backward(q, k, v, out, lse, dout, delta, scale, causal_diag):
     """(dq, dk, dv) of one block, from the merged output's lse and delta = rowsum(dout * out): the flash backward
     given the merged output and lse yields this block's share exactly."""
-    if _fused(q, causal_diag, k):
+    if _fused(q, k, causal_diag):
         c = [t.contiguous() for t in (dout, q, k, v, out, lse)]
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*c, 0.0, causal_diag, scale=scale)
     p = torch.exp(_scores(q, k, scale, causal_diag) - lse[..., None])  # (B, H, Sq, Sk)

@@ -53,6 +53,11 @@ def choose_cp_method(method: str, seq_len: int, degree: int, heads: int) -> tupl
     return "ring", f"cp = {degree} does not divide the {heads} heads, which Ulysses needs"
 
 
+def cp_method_for(parallel, tokens: int, heads: int) -> tuple[str, str]:
+    """`choose_cp_method` for a `[parallel]` section: the LLM's `heads` are split over its tp ranks first."""
+    return choose_cp_method(parallel.cp_method, tokens, parallel.cp, heads // parallel.tp)
+
+
 def attention_function(method: str, group=None):
     """An attention function with the `transformers` AttentionInterface signature that runs `method` over the
     sequence shards of `group`. Causality comes from the module (Llama: causal; SigLIP: not). The local attention
@@ -170,8 +175,7 @@ class SequenceParallel:
 def apply_sequence_parallel(model, dims, mesh, cfg, tokens: int) -> SequenceParallel:
     """Shard the LLM's sequence over `mesh["cp"]`: register the method's attention, set it on the LLM, and gather
     the final hidden states (see the module docstring). `tokens`: the LLM sequence of one sample, for `auto`."""
-    heads = model.llm.config.num_attention_heads // dims.tp
-    method, why = choose_cp_method(cfg.parallel.cp_method, tokens, dims.cp, heads)
+    method, why = cp_method_for(cfg.parallel, tokens, model.llm.config.num_attention_heads)
     group = mesh.get_group("cp")
     sp = SequenceParallel(group, dist.get_rank(group), dims.cp, method, why)
     model.llm.set_attn_implementation(register_attention(method, group))

@@ -85,9 +85,8 @@ def token_summary(cfg) -> str:
     lines.append(f"# tokens per rank: {total}" if cp == 1 else
                  f"# tokens per rank with parallel.cp = {cp}: {-(-total // cp)}")
     if cp > 1:
-        from vlaforge.distributed.sequence_parallel import choose_cp_method
+        from vlaforge.distributed.sequence_parallel import cp_method_for
 
-        heads = model.llm.config.num_attention_heads // cfg.parallel.tp
-        method, why = choose_cp_method(cfg.parallel.cp_method, total, cp, heads)
+        method, why = cp_method_for(cfg.parallel, total, model.llm.config.num_attention_heads)
         lines.append(f"# context-parallel method: {method} ({why})")
     return "\n".join(lines) + "\n"

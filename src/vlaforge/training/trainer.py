@@ -27,7 +27,7 @@ from vlaforge.distributed.parallel_dims import ParallelDims, World, init_distrib
 from vlaforge.distributed.deepspeed_backend import build_engine, full_weights, load_engine, save_engine
 from vlaforge.distributed.parallelize import GradReducer, parallelize
 from vlaforge.distributed.pipeline import Pipeline, split_for_stage
-from vlaforge.distributed.sequence_parallel import apply_sequence_parallel, choose_cp_method
+from vlaforge.distributed.sequence_parallel import apply_sequence_parallel, cp_method_for
 from vlaforge.distributed.state import (full_model_state, full_optimizer_state, load_full_optimizer_state,
                                         load_sharded, save_sharded)
 from vlaforge.techniques.checkpointing import apply_checkpointing
@@ -57,7 +57,8 @@ def seed_everything(seed: int) -> None:
 
 def check_layout(cfg: VLAConfig, world: World) -> ParallelDims:
     """The parallel layout for this world size, validated before anything is built (one line on a bad one)."""
-    dims = ParallelDims.build(cfg.parallel, world.size, model_facts(cfg.model))
+    facts = model_facts(cfg.model)
+    dims = ParallelDims.build(cfg.parallel, world.size, facts)
     if dims.backend == "deepspeed":
         check_deepspeed(cfg, dims)
     if dims.pp > 1:
@@ -80,7 +81,7 @@ def check_layout(cfg: VLAConfig, world: World) -> ParallelDims:
                                 "sequence feeds the heads on every cp rank); set pp = 1 and backend = 'fsdp2', or "
                                 "cp = 1")
         if cfg.parallel.cp_method == "ulysses":  # its heads per tp rank must split over cp ('auto' avoids it)
-            choose_cp_method("ulysses", 0, dims.cp, model_facts(cfg.model).llm_heads // dims.tp)
+            cp_method_for(cfg.parallel, 0, facts.llm_heads)
     if dims.distributed:
         if any(p.unfreeze_at_step is not None for _, p in cfg.components.items()):
             raise VlaforgeError("unfreeze_at_step is not available with more than one process yet (FSDP2 fixes "
@@ -189,6 +190,7 @@ def build_run(cfg: VLAConfig) -> Run:
     run_dir = Path(cfg.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model, precision = build_model(cfg, device)
+    tps = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
     guards = build_guards(cfg, precision)
     if dims.backend == "deepspeed":
         guards.reducer = GradReducer()  # world sums: loss denominators, DWA, metrics
@@ -200,8 +202,7 @@ def build_run(cfg: VLAConfig) -> Run:
             if world.is_main and cfg.train.progress:
                 print(f"pipeline: {plan.summary()}", flush=True)
         if dims.cp > 1:
-            tokens = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
-            sp = apply_sequence_parallel(model, dims, mesh, cfg, tokens)
+            sp = apply_sequence_parallel(model, dims, mesh, cfg, tps)
             if world.is_main and cfg.train.progress:
                 print(f"context parallel: cp = {dims.cp}, {sp.method} ({sp.why})", flush=True)
         guards.reducer = parallelize(model, dims, mesh, dict(cfg.components.items()), root=stage_module)
@@ -223,7 +224,6 @@ def build_run(cfg: VLAConfig) -> Run:
     if world.is_main:
         write_atomic(run_dir / "config.toml", dump_toml(cfg))
         write_atomic(run_dir / "precision.json", json.dumps(precision.to_json(), indent=2))
-    tps = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
     data = build_data(cfg, model)
     tasks = eval_tasks(cfg) if cfg.eval.every else []  # checked before training, not at the first evaluation
     return Run(cfg, run_dir, device, world, dims, model, precision, guards, weighting, optimizer, scheduler, start,
