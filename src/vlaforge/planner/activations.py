@@ -52,7 +52,8 @@ def vision_shape(config) -> BlockShape:
     return BlockShape("siglip", config.hidden_size, config.intermediate_size, heads, heads, config.hidden_size // heads)
 
 
-def _compute_bytes(precision: str) -> int:
+def compute_bytes(precision: str) -> int:
+    """Bytes per activation element of a component computing in `precision` (fp8 linears keep bf16 activations)."""
     return 4 if precision == "fp32" else 2
 
 
@@ -66,7 +67,7 @@ def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strateg
     block's or sub-layer's input); the projections keep their all-gathered input whole."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
-    c = _compute_bytes(precision)
+    c = compute_bytes(precision)
     t = batch * seq
     D, F, H, Hk, d = shape.hidden, shape.ffn, shape.heads, shape.kv_heads, shape.head_dim
     if strategy == "full":
@@ -147,7 +148,7 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     s_rank = -(-s // cp)
     images = b * seq.frames
     tv = images * seq.patches  # vision tokens
-    c = {name: _compute_bytes(policies[name].precision) for name in ("vision", "projector", "llm", "action_head")}
+    c = {name: compute_bytes(policies[name].precision) for name in ("vision", "projector", "llm", "action_head")}
     strat = {name: policies[name].checkpointing for name in ("vision", "projector", "llm", "action_head")}
     out: dict[str, int] = {}
 

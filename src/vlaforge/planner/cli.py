@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from vlaforge.errors import VlaforgeError
-from vlaforge.planner.estimate import Assumptions, Cluster, PlanModel, estimate
-from vlaforge.planner.search import config_fields, parse_fixes, search, write_config
+from vlaforge.planner.estimate import Assumptions, Cluster, PlanModel
+from vlaforge.planner.search import parse_fixes, search, write_config
 
 
 def assumptions(matmul_efficiency: float | None) -> Assumptions:
@@ -111,5 +111,3 @@ def write_whitepaper(path: Path, global_batch: int, assume: Assumptions, catalog
 
     return whitepaper(path, global_batch, assume, clusters=whitepaper_clusters(load_catalog(catalog)))
 
-
-__all__ = ["assumptions", "cluster", "base_config", "run", "estimate", "config_fields"]

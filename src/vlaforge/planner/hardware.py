@@ -15,6 +15,8 @@ from pathlib import Path
 
 from vlaforge.errors import VlaforgeError
 
+GB = 1e9  # the catalog's unit (and the planner's reports'): SI gigabytes
+
 
 @dataclass(frozen=True)
 class GPU:

@@ -150,7 +150,6 @@ def whitepaper(path: str | Path, global_batch: int = 256, assume: Assumptions = 
     """`docs/whitepaper.md`: the planner's recommended configuration for each model x input x cluster, with the
     per-GPU memory chart of each recommendation (PNG files in a folder beside it)."""
     from vlaforge.config.loading import load_config, write_atomic
-    from vlaforge.planner.memory import model_state
     from vlaforge.planner.search import needed_nodes, search
 
     path = Path(path)
@@ -171,7 +170,7 @@ def whitepaper(path: str | Path, global_batch: int = 256, assume: Assumptions = 
             cfg = load_config(None, {"model": {"flavor": flavor, "frames": n}})
             pm = PlanModel(cfg)
             if first:
-                lines += _arithmetic(pm, model_state) + [""]
+                lines += _arithmetic(pm) + [""]
                 first = False
             lines += [f"## {flavor}, {n} frame{'s' if n > 1 else ''} ({pm.tokens_per_sample} tokens per sample)", "",
                       "| cluster | layout | precision / checkpointing | micro × accum | GB per GPU | tokens/s | "
@@ -199,8 +198,10 @@ def whitepaper(path: str | Path, global_batch: int = 256, assume: Assumptions = 
     return path
 
 
-def _arithmetic(pm: PlanModel, model_state) -> list[str]:
+def _arithmetic(pm: PlanModel) -> list[str]:
     """The bytes-per-parameter facts, computed on the first model rather than asserted."""
+    from vlaforge.planner.memory import model_state
+
     policies = dict(pm.cfg.components.items())
     state = model_state(pm.model, policies, "fp32").total
     per = state.total / state.numel

@@ -99,7 +99,7 @@ class Plan:
         return self.ranked[0] if self.ranked else None
 
 
-def _layouts(cluster: Cluster, fixed: dict[str, Any]):
+def _layouts(cluster: Cluster):
     world = cluster.gpus
     for tp, pp, cp in itertools.product((1, 2, 4, 8), repeat=3):
         if tp > cluster.gpus_per_node or world % (tp * pp * cp):
@@ -144,19 +144,14 @@ def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, 
     defaults = {"components.vision.precision": "bf16", "components.projector.precision": "bf16",
                 "components.action_head.precision": "bf16"}
     defaults = {k: v for k, v in defaults.items() if k not in fixed}
-    seen_layouts = set()
     candidates: list[Estimate] = []
-    for layout in _layouts(cluster, fixed):
+    for layout in _layouts(cluster):
         if layout["parallel.cp"] == 1 and "parallel.cp_method" in fixed:  # no method choice without cp
             layout["parallel.cp_method"] = fixed["parallel.cp_method"]
         if "parallel.sequence_parallel" in fixed:  # a default of the layout, not a dimension of its own
             layout["parallel.sequence_parallel"] = fixed["parallel.sequence_parallel"]
         if any(k in fixed and fixed[k] != v for k, v in layout.items()):
             continue  # --fix pins this dimension to another value
-        key = tuple(sorted(layout.items()))
-        if key in seen_layouts:
-            continue
-        seen_layouts.add(key)
         dp = layout["parallel.dp_replicate"] * layout["parallel.dp_shard"]
         if global_batch % dp:
             plan.refused += 1
@@ -295,10 +290,9 @@ def needed_nodes(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict
     nodes = cluster.nodes
     while nodes <= most:
         trial = replace(cluster, nodes=nodes)
-        if global_batch % trial.gpus == 0 or global_batch >= trial.gpus:
-            if search(pm, trial, max(global_batch, trial.gpus), fixed, assume, keep=1,
-                      alternatives=False).ranked:
-                return nodes
+        if global_batch >= trial.gpus and search(pm, trial, global_batch, fixed, assume, keep=1,
+                                                 alternatives=False).ranked:
+            return nodes
         nodes *= 2
     return None
 

@@ -10,14 +10,40 @@ gradients, and input gradients below the first component that trains). Checkpoin
 `selective_ffn` that sub-layer's matmuls - each without the region's last matmul, whose output backward does not
 need (torch stops recomputing once the tensors backward needs are back). MFU counts forward + backward, not
 recomputation (PaLM's convention): recomputation costs time but is not useful work.
+
+`step_time` turns the FLOPs into one step's seconds on a cluster (the overlap assumptions are the ones the
+runtime makes):
+- compute: matmul FLOPs (`throughput.step_flops`, forward + backward + recomputation) at the GPU's dense peak for
+  the component's precision times `matmul_efficiency` (`fp8_efficiency` of the fp8 peak for fp8 linears);
+  attention cores at `attention_efficiency`; plus memory-bound kernels: every activation the forward makes
+  (what `none` keeps) moved `elementwise_passes` times through HBM, and a third of that again for what
+  recomputation rebuilds;
+  the LLM's work divided by tp x cp and over the stages, the vision tower and heads replicated;
+- FSDP all-gathers (forward and backward of every micro-batch) and the reduce-scatter (once per step), DDP's and
+  HSDP's all-reduce: overlapped with compute (only the excess counts);
+- TP's four all-reduces per block per micro-batch (six with `full` recomputation) and Ulysses' all-to-alls: on the
+  critical path; ring attention's K/V passes: overlapped with the attention cores;
+- pipeline: the bubble, (pp - 1) idle micro-batch slots per step, and activations sent between stages;
+- activation offload: device-host copies at PCIe (or NVMe) speed, overlapped with the component's compute;
+- optimizer: its state read and written once at HBM speed; with DeepSpeed's optimizer offload, gradients and
+  parameters cross PCIe and the node's CPU Adam streams the state at `cpu_adam_gbps`; with parameter offload,
+  ZeRO-3 fetches the parameters over PCIe for every forward and backward.
+A link's collectives run at `comm_efficiency` of its per-direction bandwidth; a group that spans nodes runs at the
+network's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from vlaforge.planner.activations import Sequence, llm_shape, vision_shape
+from vlaforge import COMPONENTS
+from vlaforge.planner.activations import Sequence, activation_parts, compute_bytes, llm_shape, vision_shape
+from vlaforge.planner.hardware import GB
 from vlaforge.techniques.freezing import trainable_at
+
+if TYPE_CHECKING:
+    from vlaforge.planner.estimate import Assumptions, Case, Cluster, PlanModel
 
 EVER = 1 << 62
 
@@ -125,3 +151,165 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
 def mfu(flops: StepFlops, steps_per_s: float, gpus: int, peak_tflops: float) -> float:
     """Model FLOPs utilization: useful FLOPs per second over the GPUs' dense peak."""
     return flops.model_flops * steps_per_s / (gpus * peak_tflops * 1e12)
+
+
+# ---- step time on a cluster ------------------------------------------------------------------------------------
+
+def step_time(pm: "PlanModel", case: "Case", cluster: "Cluster", assume: "Assumptions", stages: list
+              ) -> tuple[dict[str, float], StepFlops]:
+    """(seconds per part of one optimizer step, the micro-batch's FLOPs). `stages`: each pipeline stage's
+    (totals, per-component) bytes from `estimate`."""
+    f = step_flops(pm.model, case.seq, case.policies, pm.contrastive)
+    t_micro = max(_stage_compute(pm, case, cluster, assume, f))
+    times = {"compute": case.accum * t_micro}
+    if case.pp > 1:
+        times["pipeline_bubble"] = (case.pp - 1) * t_micro
+        span = case.tp * case.cp * case.shard * case.rep * 2  # neighbouring stages are a dp x tp x cp block apart
+        times["pipeline_p2p"] = 2 * case.accum * _block_activation_bytes(pm, case) / _link(cluster, span, assume)
+    times["dp_comm_exposed"] = max(0.0, _data_parallel_comm(case, cluster, assume) - times["compute"])
+    times.update(_model_parallel_comm(pm, case, cluster, assume, f))
+    times.update(_host_traffic(case, cluster, assume, stages, times["compute"]))
+    return times, f
+
+
+def _link(cluster: "Cluster", span: int, assume: "Assumptions") -> float:
+    """Bytes/s a collective over `span` consecutive ranks reaches: NVLink / PCIe within a node, else the network."""
+    gbps = cluster.gpu.intra_node_gbps if span <= cluster.gpus_per_node else cluster.gpu.inter_node_gbps
+    return gbps * GB * assume.comm_efficiency
+
+
+def _ring(nbytes: float, n: int, bw: float, passes: float = 1.0) -> float:
+    """Time of a ring all-gather / reduce-scatter of `nbytes` (the whole tensor) over n ranks (all-reduce: 2)."""
+    return 0.0 if n <= 1 else passes * nbytes * (n - 1) / n / bw
+
+
+def _block_activation_bytes(pm: "PlanModel", case: "Case") -> float:
+    """A cp rank's hidden states of one micro-batch in the LLM's compute dtype (what TP reduces, PP sends)."""
+    return (case.micro * -(-case.seq.llm_tokens // case.cp) * pm.model.llm.config.hidden_size
+            * compute_bytes(case.policies["llm"].precision))
+
+
+def _stage_compute(pm: "PlanModel", case: "Case", cluster: "Cluster", assume: "Assumptions", f: StepFlops
+                   ) -> list[float]:
+    """Seconds of one micro-batch's compute on each pipeline stage: matmuls, attention cores and memory-bound
+    kernels."""
+    gpu, policies, parts, tp, cp = cluster.gpu, case.policies, case.parts, case.tp, case.cp
+
+    def rate(comp: str) -> float:
+        return gpu.tflops(policies[comp].precision) * 1e12
+
+    def mm_time(flops: float, comp: str) -> float:
+        fp8 = policies[comp].precision == "fp8" and gpu.fp8_tflops
+        return flops / (rate(comp) * (assume.fp8_efficiency if fp8 else assume.matmul_efficiency))
+
+    def matmul(comp: str) -> float:
+        return f.forward[comp] + f.backward[comp] + f.recompute[comp]
+
+    # memory-bound kernels work on every activation the forward makes (what `none` keeps), again for what
+    # recomputation rebuilds (a third of the passes: forward only)
+    plain = {c: p.model_copy(update={"checkpointing": "none"}) for c, p in policies.items()}
+    work = activation_parts(pm.model, case.seq, plain, pm.contrastive, tp=tp, cp=cp)
+    out = []
+    for stage, (a, b) in enumerate(case.bounds):
+        first, last = stage == 0, stage == case.pp - 1
+        t = 0.0
+        made = kept = 0.0
+        if first:
+            for comp in ("vision", "projector"):
+                t += mm_time(matmul(comp), comp)
+                made, kept = made + work[comp], kept + parts[comp]
+            t += f.attention["vision"] / (rate("vision") * assume.attention_efficiency)
+        share = (b - a) / case.layers
+        t += mm_time(matmul("llm") * share / (tp * cp), "llm")
+        t += f.attention["llm"] * share / (tp * cp) / (rate("llm") * assume.attention_efficiency)
+        made, kept = made + (b - a) * work["llm_block"], kept + (b - a) * parts["llm_block"]
+        if last:
+            t += mm_time(matmul("action_head") + f.forward["other"] + f.backward["other"], "action_head")
+            made += work["llm_tail"] + work["action_head"] + work["other"]
+            kept += parts["llm_tail"] + parts["action_head"] + parts["other"]
+        passes = assume.elementwise_passes
+        t += (made * passes + max(0.0, made - kept) * passes / 3) / (gpu.hbm_gbps * GB)
+        out.append(t)
+    return out
+
+
+def _data_parallel_comm(case: "Case", cluster: "Cluster", assume: "Assumptions") -> float:
+    """Seconds of gathered parameters and reduced gradients per step (overlapped with compute by the caller)."""
+    par, pp, tp, rep, shard = case.par, case.pp, case.tp, case.rep, case.shard
+    total_state = case.state.total
+    comm = 0.0
+    group = shard * case.cp
+    span_shard = group * tp
+    if par.backend == "fsdp2" and group > 1:
+        per_stage_params = total_state.params / pp / tp  # fp32 bytes, gathered in the compute dtype below
+        gathered = (per_stage_params / 4 * compute_bytes(case.policies["llm"].precision) if total_state.params
+                    else 0.0)
+        bw = _link(cluster, span_shard, assume)
+        comm += case.accum * _ring(gathered, group, bw, passes=2)  # forward and backward all-gathers
+        comm += _ring(total_state.grads / pp / tp, group, bw)  # reduce-scatter (fp32)
+    if rep > 1 or par.backend == "ddp":
+        n = rep if par.backend == "fsdp2" else shard * rep
+        grads = total_state.grads / pp / tp / (group if par.backend == "fsdp2" else 1)
+        comm += _ring(grads, n, _link(cluster, cluster.gpus + 1 if rep > 1 else span_shard, assume), passes=2)
+    if par.backend == "deepspeed":
+        dp = shard * rep
+        bw = _link(cluster, dp, assume)
+        comm += _ring(total_state.grads, dp, bw) + _ring(total_state.params, dp, bw)
+        if par.zero_stage == 3:
+            comm += case.accum * _ring(total_state.params / 2, dp, bw, passes=2)
+    return comm
+
+
+def _model_parallel_comm(pm: "PlanModel", case: "Case", cluster: "Cluster", assume: "Assumptions", f: StepFlops
+                         ) -> dict[str, float]:
+    """Seconds per step of TP's all-reduces (critical path) and context parallel's traffic (the ring's overlapped
+    with the attention cores, only the excess counts)."""
+    tp, cp, accum, policies = case.tp, case.cp, case.accum, case.policies
+    times = {}
+    act_bytes = _block_activation_bytes(pm, case)
+    stage_layers = max(b - a for a, b in case.bounds)
+    if tp > 1:
+        per_block = 6 if policies["llm"].checkpointing == "full" else 4
+        times["tp_comm"] = accum * stage_layers * per_block * _ring(act_bytes, tp, _link(cluster, tp, assume), 2)
+    if cp > 1:
+        llm = pm.model.llm.config
+        hd = llm.hidden_size // llm.num_attention_heads
+        kv = (2 * case.micro * -(-case.seq.llm_tokens // cp) * (llm.num_key_value_heads // tp or 1) * hd
+              * compute_bytes(policies["llm"].precision))
+        bw = _link(cluster, cp * tp, assume)
+        if case.method == "ring":
+            ring = accum * stage_layers * 3 * (cp - 1) * kv / bw  # forward K/V, backward K/V and dK/dV
+            attn = f.attention["llm"] / case.layers * stage_layers / (tp * cp) / (cluster.gpu.tflops(
+                policies["llm"].precision) * 1e12 * assume.attention_efficiency) * accum
+            times["cp_comm_exposed"] = max(0.0, ring - attn)
+        elif case.method == "ulysses":
+            times["cp_comm"] = accum * stage_layers * 8 * act_bytes / tp * (cp - 1) / cp / bw
+        else:
+            times["cp_comm"] = accum * stage_layers * 2 * _ring(kv * cp, cp, bw)
+    return times
+
+
+def _host_traffic(case: "Case", cluster: "Cluster", assume: "Assumptions", stages: list, compute: float
+                  ) -> dict[str, float]:
+    """Seconds per step of activation offload (overlapped with compute), the optimizer, and DeepSpeed's offloaded
+    optimizer state and parameters."""
+    par, accum = case.par, case.accum
+    totals, comp_mem = stages[0]
+    pcie = cluster.gpu.pcie_gbps * GB
+    times = {}
+    moved = totals["cpu"] + totals["nvme"]
+    act_off = sum(m["offloaded"] for m in comp_mem.values())
+    if act_off:
+        link = pcie
+        if any(case.policies[c].offload == "nvme" for c in COMPONENTS):
+            link = min(link, cluster.nvme_gbps * GB / cluster.gpus_per_node)
+        times["offload_exposed"] = max(0.0, accum * 2 * act_off / link - compute)
+    opt_gpu = totals["optimizer"] + totals["params"] + totals["grads"]
+    times["optimizer"] = 2 * opt_gpu / (cluster.gpu.hbm_gbps * GB)
+    if moved - act_off > 0:  # DeepSpeed's offloaded optimizer / parameters: gradients out, parameters back
+        times["optimizer"] += 2 * (moved - act_off) / pcie
+        if par.offload_optimizer != "none":  # CPU Adam on the node's cores, shared by its GPUs
+            times["optimizer"] += totals["cpu"] * cluster.gpus_per_node / (assume.cpu_adam_gbps * GB)
+        if par.offload_param != "none":  # ZeRO-3 fetches the parameters for every forward and backward
+            times["offload_params"] = 2 * accum * comp_mem["llm"]["cpu"] / pcie
+    return times
