@@ -1,7 +1,9 @@
-"""Run `vlaforge train` in one process or under a real `torchrun` (gloo ranks) and compare what the runs wrote."""
+"""Run `vlaforge train` in one process or under a real `torchrun` (gloo ranks) and compare what the runs wrote; run
+a test's worker function on gloo ranks spawned in-process."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -49,3 +51,16 @@ def metrics(run_dir):
 
 
 OFF = "--loss.weights={contrastive=0.0,language=0.4,action=0.3}"  # contrastive negatives are per rank
+
+
+def spawn_ranks(worker, world: int) -> dict:
+    """Run `worker(rank, world, port, out)` on `world` spawned processes (a free port for their rendezvous); returns
+    what the ranks put in the shared dict `out`."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(worker, args=(world, port, out), nprocs=world)
+    return dict(out)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launch import assert_same_weights, metrics, train_distributed, train_single
+from launch import assert_same_weights, metrics, spawn_ranks, train_distributed, train_single
 from conftest import TINY_RECIPE
 from vlaforge.distributed.sequence_parallel import compact_order
 
@@ -122,15 +122,6 @@ def _sp_worker(rank, world, port, out):
 
 
 def test_sequence_parallel_norms_hold_a_tp_share_of_the_tokens():
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(_sp_worker, args=(2, port, out), nprocs=2)
-    for rank, (norm, ffn, loss, reference) in out.items():
+    for rank, (norm, ffn, loss, reference) in spawn_ranks(_sp_worker, 2).items():
         assert ffn % 2 == 0 and norm == ffn // 2, (rank, norm, ffn)  # the FFN sees the gathered sequence
         assert loss == pytest.approx(reference, abs=1e-5)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from launch import spawn_ranks
 from vlaforge.config.schema import ModelConfig, ParallelConfig
 from vlaforge.distributed.parallel_dims import LayoutError, ParallelDims, World, init_distributed, model_facts
 
@@ -54,14 +54,7 @@ def _mesh_worker(rank: int, world: int, port: int, out):
 
 
 def test_init_and_mesh_on_two_gloo_ranks():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(_mesh_worker, args=(2, port, out), nprocs=2)
-    assert dict(out) == {r: (("dp_replicate", "dp_shard"), 3.0, "gloo") for r in (0, 1)}
+    assert spawn_ranks(_mesh_worker, 2) == {r: (("dp_replicate", "dp_shard"), 3.0, "gloo") for r in (0, 1)}
 
 
 def test_trainer_refuses_what_distributed_runs_lack_yet(tmp_path, monkeypatch):

@@ -2,14 +2,13 @@
 `F.scaled_dot_product_attention` on the full sequence: outputs and gradients of Q, K, V."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from launch import spawn_ranks
 from vlaforge.distributed import ring
 from vlaforge.distributed.ring import causal_work, ring_attention, zigzag_shard, zigzag_unshard
 from vlaforge.distributed.ulysses import allgather_attention, ulysses_attention
@@ -84,18 +83,9 @@ def _worker(rank, world, port, out):
     dist.destroy_process_group()
 
 
-def _run(world):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(_worker, args=(world, port, out), nprocs=world)
-    return dict(out)
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def results(request):
-    return request.param, _run(request.param)
+    return request.param, spawn_ranks(_worker, request.param)
 
 
 def test_outputs_and_gradients_match_sdpa(results):
@@ -184,10 +174,5 @@ def _llm_worker(rank, world, port, out):
 def test_llama_through_the_attention_registry_matches_the_full_sequence():
     """The `transformers` registry hook: a Llama run on sequence shards (2 gloo ranks, shared weights) gives the
     full-sequence hidden states, and its weight gradients summed over ranks give the full-sequence gradients."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(_llm_worker, args=(2, port, out), nprocs=2)
-    for key, (hidden_err, grad_err) in out.items():
+    for key, (hidden_err, grad_err) in spawn_ranks(_llm_worker, 2).items():
         assert hidden_err < 1e-5 and grad_err < 1e-5, (key, hidden_err, grad_err)
