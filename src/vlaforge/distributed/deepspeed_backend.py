@@ -112,10 +112,40 @@ def load_engine(engine, folder: Path, saved_world: int | None, world: int) -> No
     if saved_world is not None and saved_world != world:
         raise VlaforgeError(f"checkpoint {folder} was written by DeepSpeed at {saved_world} ranks and ZeRO "
                             f"partitions do not reshard; resume with --nproc-per-node x --nnodes = {saved_world}")
+    engine.checkpoint_engine = _data_only_engine(engine.checkpoint_engine)
     path, _ = engine.load_checkpoint(str(folder / ENGINE_DIR), tag=TAG, load_lr_scheduler_states=False)
     if path is None:
         raise VlaforgeError(f"checkpoint {folder}: DeepSpeed could not read {ENGINE_DIR}/{TAG}; resume from another "
                             "checkpoint")
+
+
+# What DeepSpeed's own state files hold besides tensors and builtins (ZeRO-1/2/3, torch's AdamW; listed with
+# `torch.serialization.get_unsafe_globals_in_checkpoint`): an enum, the loss scaler's plain attributes and a
+# (start, numel) record. Nothing else is admitted when they are read.
+DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                     "deepspeed.utils.tensor_fragment.fragment_address")
+
+
+def _data_only_engine(engine):
+    """DeepSpeed's checkpoint engine with `load` reading through `torch.load(weights_only=True)`: DeepSpeed calls
+    `torch.load(weights_only=False)`, which runs whatever code a crafted file carries."""
+    import importlib
+
+    allowed = [getattr(importlib.import_module(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1])
+               for name in DEEPSPEED_GLOBALS]
+
+    def load(path: str, map_location=None):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - UnpicklingError for foreign objects, others for damaged files
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+            raise VlaforgeError(f"DeepSpeed state file {path} holds more than tensors and plain data, or is damaged "
+                                f"({why}); vlaforge reads no code from checkpoints - resume from a checkpoint you "
+                                "wrote") from None
+
+    engine.load = load
+    return engine
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

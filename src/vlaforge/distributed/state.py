@@ -9,11 +9,14 @@ those of the whole model, so the merged dict is the single-process one).
 from __future__ import annotations
 
 import contextlib
+import io
+import pickle
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 
@@ -120,6 +123,60 @@ def load_full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer:
     set_optimizer_state_dict(owner, optimizer, state, options=_options(strict=False))
 
 
+# ---- reading DCP files without running code from them -------------------------------------------------------------
+# DCP's own reader unpickles `.metadata` with plain `pickle.load`, and its default planner reads non-tensor items
+# (the optimizer's flattened param_groups values) with `torch.load(weights_only=False)`: a crafted checkpoint would
+# run code on load. These two admit data only.
+
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_METADATA_CALLABLES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                       ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only DCP's metadata classes (plain dataclasses and enums), torch dtypes, sizes and layouts."""
+
+    def find_class(self, module: str, name: str):
+        if module in _METADATA_MODULES and not name.startswith("__"):
+            found = getattr(__import__(module, fromlist=[name]), name, None)
+            if isinstance(found, type):
+                return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _METADATA_CALLABLES:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"the metadata refers to {module}.{name}, which a checkpoint never holds")
+
+
+class SafeReader(FileSystemReader):
+    """`FileSystemReader` whose metadata is read by `_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if type(metadata).__name__ != "Metadata" or not hasattr(metadata, "state_dict_metadata"):
+            raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not checkpoint metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """`DefaultLoadPlanner` that reads non-tensor items with `torch.load(weights_only=True)`."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
 # ---- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------------------------
 # Every rank writes its own shards of the model and of the optimizer (no gather anywhere); DCP records the global
 # layout, so `dcp.load` reshards to whatever the loading run holds: another world size, another FSDP / TP / PP
@@ -157,18 +214,18 @@ def load_sharded(folder, model: nn.Module, weighting: nn.Module | None = None,
         VlaforgeError: the checkpoint is incomplete, corrupt or does not match the model.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     weighting = weighting if weighting is not None else nn.Module()
     state = _sharded_state(model, weighting, optimizer)
     try:
-        saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        saved = SafeReader(str(folder)).read_metadata().state_dict_metadata
         missing = sorted(f"model.{k}" for k in state["model"] if f"model.{k}" not in saved)
         # Partial load, for the optimizer only: a parameter that never had a gradient (the contrastive temperature
         # with that term off) has no optimizer state in the checkpoint, exactly as in the run that saved it.
         with _quiet_dcp():
-            dcp.load(state, checkpoint_id=str(folder), planner=DefaultLoadPlanner(allow_partial_load=True))
+            dcp.load(state, storage_reader=SafeReader(str(folder)),
+                     planner=SafeLoadPlanner(allow_partial_load=True))
     except (Exception, CheckpointException) as exc:  # files missing or cut (CheckpointException: a BaseException)
         raise _unreadable(folder, exc, "resume from another checkpoint") from None
     if missing:
@@ -189,15 +246,14 @@ def consolidate_sharded(folder) -> dict[str, torch.Tensor]:
         VlaforgeError: the checkpoint's metadata or shards cannot be read.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        metadata = FileSystemReader(str(folder)).read_metadata()
+        metadata = SafeReader(str(folder)).read_metadata()
         state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
                  if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
         with _quiet_dcp():
-            dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+            dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), no_dist=True)
     except (Exception, CheckpointException) as exc:
         raise _unreadable(folder, exc, "use another checkpoint") from None
     return {k[len("model."):]: v for k, v in state.items()}
