@@ -6,12 +6,14 @@ Errors a user can act on end with one line on stderr and exit code 2, no traceba
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from vlaforge.config.schema import MAX_ENV_SEED
 from vlaforge.errors import VlaforgeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -30,7 +32,7 @@ _DEFAULT = "; default: the same key of the eval section in the checkpoint's conf
 def _load(config: Optional[Path], ctx: typer.Context, resume: Optional[str] = None, first: list[str] = ()):
     """The config from a recipe (or a resumed checkpoint's), then `first` overrides, then the command line's."""
     from vlaforge.config import load_config
-    from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint
+    from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint, run_folder_of
 
     overrides = [*first, *ctx.args]
     if config is not None and str(config).startswith("--"):  # an override, not a recipe path
@@ -38,8 +40,13 @@ def _load(config: Optional[Path], ctx: typer.Context, resume: Optional[str] = No
         config = None
     if resume is not None:
         overrides.append(f"--train.resume={json.dumps(resume)}")
-        if config is None:  # resume a run with the config saved in its checkpoint
-            config = resolve_checkpoint(resume, ".") / CONFIG_FILE
+        if resume != "latest":
+            ckpt = resolve_checkpoint(resume, ".")
+            if config is None:  # resume a run with the config saved in its checkpoint
+                config = ckpt / CONFIG_FILE
+            if not any(a.startswith("--train.output_dir=") for a in overrides):  # NOTE: not the saved output_dir,
+                # which may be another run (the one this folder was copied from)
+                overrides.append(f"--train.output_dir={json.dumps(str(run_folder_of(ckpt)))}")
     return load_config(config, overrides)
 
 
@@ -80,7 +87,8 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
           execute: Optional[int] = typer.Option(None, min=1, help="actions executed per predicted chunk" + _DEFAULT),
           max_steps: Optional[int] = typer.Option(None, min=1, help="steps before failure" + _DEFAULT),
           workers: Optional[int] = typer.Option(None, min=1, help="rollout processes" + _DEFAULT),
-          seed: Optional[int] = typer.Option(None, help="base seed of held-out positions" + _DEFAULT),
+          seed: Optional[int] = typer.Option(None, min=0, max=MAX_ENV_SEED, help="base seed of held-out positions"
+                                                                                  + _DEFAULT),
           out: Optional[Path] = typer.Option(None, help="report folder (default CHECKPOINT/eval)"),
           video: Optional[bool] = typer.Option(None, help="write one MP4 per task" + _DEFAULT),
           progress: bool = typer.Option(True, help="show a progress bar")):
@@ -211,7 +219,7 @@ def data_generate(
         episodes: int = typer.Option(20, min=1, help="successful episodes per task without its own :N"),
         image_size: int = typer.Option(96, min=16, help="pixels per side (even)"),
         cameras: str = typer.Option("corner,topview", help="comma-separated Meta-World cameras"),
-        seed: int = typer.Option(0, help="base seed of the initial positions"),
+        seed: int = typer.Option(0, min=0, max=MAX_ENV_SEED, help="base seed of the initial positions"),
         workers: int = typer.Option(2, min=1, help="recording processes"),
         max_steps: int = typer.Option(200, min=1, help="steps before an expert attempt counts as failed"),
         overwrite: bool = typer.Option(False, help="replace a non-empty --out"),
@@ -228,12 +236,31 @@ def data_generate(
     typer.echo(json.dumps(summary))
 
 
+def one_line(exc: BaseException) -> str:
+    """A user error's message as one line. An error raised in a DataLoader worker arrives wrapped with the worker's
+    traceback ('Caught VlaforgeError in DataLoader worker process 0. Original Traceback ...'): its last line is the
+    message."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and "Traceback" in str(exc):
+        return re.sub(r"^[\w.]+: ", "", lines[-1].strip())
+    return " ".join(line.strip() for line in lines) or type(exc).__name__
+
+
 def main() -> None:
+    """Run the CLI: user errors (ours and bad command-line usage) end with one line on stderr and exit code 2."""
     try:
-        app()
+        code = app(standalone_mode=False)
     except VlaforgeError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {one_line(exc)}", err=True)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except typer.TyperException as exc:  # click's usage errors: a bad option value, a missing argument
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `vlaforge` or `vlaforge data` alone: show the help
+            typer.echo(exc.ctx.get_help())
+        else:
+            where = exc.ctx.command_path if getattr(exc, "ctx", None) else "vlaforge"
+            typer.echo(f"error: {exc.format_message()} (see {where} --help)", err=True)
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -10,6 +10,7 @@ no optimizer in trainer_state.pt; `vlaforge export` writes its model.safetensors
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from pathlib import Path
@@ -78,19 +79,43 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dic
     (tmp / CONFIG_FILE).write_text(config_toml)
     if extra is not None:
         extra(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    write_atomic(root / "latest", final.name + "\n")
+    _move_into_place(tmp, final)
     for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
         shutil.rmtree(old)
     return final
 
 
-def save_full_weights(weights: dict[str, torch.Tensor], path: Path) -> None:
+def _pause(stage: str) -> None:
+    """Between the steps of replacing a checkpoint; tests make it wait, to kill the process there."""
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    """Rename the complete checkpoint `tmp` to `final` and point `latest` at it. `latest` names a complete
+    checkpoint at every instant, also when `final` already exists (the same step saved again): the old one is first
+    linked aside (hard links: no bytes copied) and `latest` moved there, before it is removed."""
+    latest, aside = final.parent / "latest", final.parent / f".{final.name}.old"
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        shutil.copytree(final, aside, copy_function=os.link)
+        write_atomic(latest, aside.name + "\n")
+        _pause("aside")
+        shutil.rmtree(final)
+        _pause("removed")
+    tmp.rename(final)
+    _pause("renamed")
+    write_atomic(latest, final.name + "\n")
+    for stale in final.parent.glob(".step_*.old"):  # this one, and any a killed save left
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+EXPORT_MARK = {"format": "pt", "vlaforge": "export"}  # safetensors metadata of files `vlaforge export` wrote
+
+
+def save_full_weights(weights: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(path))  # clone: unties shared tensors
+    save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(path),  # clone: unties shared tensors
+              metadata=metadata)
 
 
 def resolve_checkpoint(resume: str, output_dir: str | Path, what: str = "train.resume") -> Path:
@@ -104,12 +129,30 @@ def resolve_checkpoint(resume: str, output_dir: str | Path, what: str = "train.r
         return path
     latest = path / "checkpoints" / "latest"
     if latest.is_file():
-        ckpt = path / "checkpoints" / latest.read_text().strip()
+        name = _read_latest(latest)
+        ckpt = path / "checkpoints" / name
         if has_weights(ckpt):
             return ckpt
     fix = ", or drop --train.resume" if what == "train.resume" else ""
     raise VlaforgeError(f"{what}: no checkpoint at {path} (expected {MODEL_FILE}, {DCP_DIR}/ or checkpoints/latest); "
                         f"give a run folder or a checkpoints/step_* folder{fix}")
+
+
+def _read_latest(latest: Path) -> str:
+    """The checkpoint name in a `latest` file: one folder name, nothing else."""
+    try:
+        name = latest.read_bytes().decode("utf-8").strip()
+    except (UnicodeDecodeError, OSError):
+        name = ""
+    if not name or "/" in name or "\\" in name or name in (".", "..") or len(name) > 255:
+        raise VlaforgeError(f"{latest} does not name a checkpoint folder; write the name of a step_* folder "
+                            "into it, or give the checkpoints/step_* folder itself")
+    return name
+
+
+def run_folder_of(ckpt: Path) -> Path:
+    """The run a checkpoint belongs to: RUN for RUN/checkpoints/step_*, else the checkpoint's own parent."""
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
 
 
 def load_checkpoint(ckpt: Path, model: torch.nn.Module, sharded: bool = False) -> dict[str, Any]:
@@ -143,10 +186,41 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
     if not (ckpt / STATE_FILE).is_file():
         raise VlaforgeError(f"checkpoint {ckpt} has no {STATE_FILE}; resume from another checkpoint")
     try:
-        return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch.load raises many types for damaged files
+        state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises many types for damaged files (and refuses foreign objects)
         raise VlaforgeError(f"checkpoint file {ckpt / STATE_FILE} is truncated or corrupt ({_first_line(exc)}); "
                             "resume from another checkpoint") from None
+    problem = _state_problem(state)
+    if problem:
+        raise VlaforgeError(f"checkpoint file {ckpt / STATE_FILE} is not a vlaforge trainer state ({problem}); "
+                            "resume from another checkpoint")
+    return state
+
+
+# trainer_state.pt's keys and the types their values must have (optimizer: full checkpoints only)
+STATE_TYPES = {"step": int, "scheduler": dict, "weighting": dict, "rng": dict}
+
+
+def _state_problem(state: Any) -> str:
+    """What is wrong with a loaded trainer state, or ''."""
+    if not isinstance(state, dict):
+        return f"a {type(state).__name__}, not a dict"
+    for key, kind in STATE_TYPES.items():
+        if key not in state:
+            return f"no {key!r}"
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+            return f"{key!r} is a {type(state[key]).__name__}, not {kind.__name__}"
+    if state["step"] < 0 or not isinstance(state.get("samples", 0), int):
+        return "a negative step or a non-integer sample count"
+    rng = state["rng"]
+    if not isinstance(rng.get("torch"), torch.Tensor) or not isinstance(rng.get("python"), tuple):
+        return "'rng' lacks the torch and python generator states"
+    if not {"last_epoch", "_step_count"} <= state["scheduler"].keys():
+        return "'scheduler' lacks its position"
+    if "optimizer" in state and not (isinstance(state["optimizer"], dict)
+                                     and {"state", "param_groups"} <= state["optimizer"].keys()):
+        return "'optimizer' is not an optimizer state"
+    return ""
 
 
 def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
@@ -201,22 +275,63 @@ def export_weights(ckpt: Path, out: Path | None = None) -> Path:
     which `vlaforge eval` and the policy server read); written to a temporary name and renamed.
 
     Raises:
-        VlaforgeError: the checkpoint is not sharded and `out` is not given (nothing to do), or it cannot be read.
+        VlaforgeError: the checkpoint is not sharded and `out` is not given (nothing to do), it cannot be read, or
+            `out` would replace something export did not write (see `_check_export_target`).
     """
-    out = out or ckpt / MODEL_FILE
+    default = ckpt / MODEL_FILE
+    out = out or default
     if not is_sharded(ckpt):
-        if out == ckpt / MODEL_FILE:
+        if out.resolve() == default.resolve():
             raise VlaforgeError(f"checkpoint {ckpt} already holds {MODEL_FILE} (it is not sharded); give --out to "
                                 "copy it elsewhere")
+        _check_export_target(out)
         from safetensors.torch import load_file
 
-        state = load_file(str(ckpt / MODEL_FILE))
+        try:
+            state = load_file(str(default))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise VlaforgeError(f"checkpoint file {default} is truncated or corrupt ({_first_line(exc)}); use "
+                                "another checkpoint") from None
     else:
+        if out.resolve() != default.resolve():
+            _check_export_target(out)
         from vlaforge.distributed.state import consolidate_sharded
 
         state = consolidate_sharded(ckpt / DCP_DIR)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    save_full_weights(state, tmp)
-    tmp.replace(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_full_weights(state, tmp, metadata=EXPORT_MARK)
+        tmp.replace(out)
+    except OSError as exc:
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
+        raise VlaforgeError(f"--out {out}: cannot write there ({exc.strerror or exc}); choose a writable path") from None
     return out
+
+
+def _check_export_target(out: Path) -> None:
+    """Refuse an --out that is a folder, lies inside a checkpoint, or is an existing file export did not write.
+
+    Raises:
+        VlaforgeError: naming the problem.
+    """
+    if out.is_dir():
+        raise VlaforgeError(f"--out {out} is a folder; give a file path such as {out / MODEL_FILE}")
+    for parent in out.resolve().parents:
+        if (parent / STATE_FILE).is_file() or (parent / DCP_DIR).is_dir():
+            raise VlaforgeError(f"--out {out} lies inside checkpoint {parent}, whose files export never replaces; "
+                                "write it outside the checkpoint")
+    if out.exists() and not _made_by_export(out):
+        raise VlaforgeError(f"--out {out} exists and was not written by vlaforge export; remove it or choose "
+                            "another path")
+
+
+def _made_by_export(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("vlaforge") == EXPORT_MARK["vlaforge"]
+    except Exception:  # noqa: BLE001 - not a safetensors file at all
+        return False

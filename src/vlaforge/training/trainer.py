@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import shutil
 import time
@@ -182,15 +184,70 @@ class Run:
     eval_tasks: list[str]
 
 
+def check_output_dir(run_dir: Path, resume_from: Path | None) -> None:
+    """A new run needs an empty (or missing) folder it can write; a resumed run writes into the run it resumes
+    from (or an empty folder). Nothing of an earlier run is ever overwritten.
+
+    Raises:
+        VlaforgeError: the folder is a file, holds another run, or cannot be written.
+    """
+    where = f"train.output_dir {run_dir}"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise VlaforgeError(f"{where} is a file, not a folder; choose another --train.output_dir")
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        if resume_from is None:
+            raise VlaforgeError(f"{where} is not empty (an earlier run's files would be overwritten); choose another "
+                                f"--train.output_dir, or continue that run with --resume {run_dir}")
+        if run_dir.resolve() not in resume_from.resolve().parents:
+            raise VlaforgeError(f"{where} is not empty and is not the run of the resumed checkpoint {resume_from}; "
+                                "resume into that run or into an empty --train.output_dir")
+    existing = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise VlaforgeError(f"{where}: {existing} is {'not writable' if existing.is_dir() else 'a file'}; choose a "
+                            "writable --train.output_dir")
+
+
+def check_memory(cfg: VLAConfig, model: nn.Module, device: torch.device, tps: int) -> None:
+    """Refuse sizes whose step cannot fit this device, before anything of that size is allocated. The estimate is
+    a lower bound (images as loaded and batched, and the one hidden state per transformer block that even full
+    checkpointing keeps), so it refuses only what surely does not fit.
+
+    Raises:
+        VlaforgeError: naming the sizes to lower.
+    """
+    lay, b = model.layout, cfg.train.batch_size
+    images = 2 * lay.frames * 3 * lay.image_size ** 2 * 4  # float32, per sample and again in the collated batch
+    vision = lay.frames * lay.patches_per_frame * model.vision.config.hidden_size * \
+        model.vision.config.num_hidden_layers * 2
+    llm = tps * model.llm.config.hidden_size * model.llm.config.num_hidden_layers * 2
+    need = b * (images + vision + llm)
+    have = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise VlaforgeError(f"one step needs at least {need / 2**30:.1f} GiB (train.batch_size = {b} samples of "
+                            f"{lay.frames} images at {lay.image_size} px and {tps} LLM tokens) but the {device.type} "
+                            f"has {have / 2**30:.1f} GiB; lower train.batch_size (raise train.grad_accum to keep the "
+                            "global batch), model.image_size or the token counts")
+
+
 def build_run(cfg: VLAConfig) -> Run:
     world = world_from_env()
     dims = check_layout(cfg, world)
-    device = init_distributed(world, resolve_device(cfg.train.device), single=dims.backend == "deepspeed")
-    seed_everything(cfg.train.seed)  # the same on every rank: identical initial weights before sharding
     run_dir = Path(cfg.train.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    resume_from = ckpt.resolve_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
+    check_output_dir(run_dir, resume_from)
+    device = init_distributed(world, resolve_device(cfg.train.device), single=dims.backend == "deepspeed")
+    if dims.distributed:
+        torch.distributed.barrier()  # NOTE: every rank has checked the folder before rank 0 writes into it
+    seed_everything(cfg.train.seed)  # the same on every rank: identical initial weights before sharding
     model, precision = build_model(cfg, device)
     tps = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
+    check_memory(cfg, model, device, tps)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise VlaforgeError(f"train.output_dir {run_dir} cannot be created ({exc.strerror or exc}); choose a "
+                            "writable --train.output_dir") from None
     guards = build_guards(cfg, precision)
     if dims.backend == "deepspeed":
         guards.reducer = GradReducer()  # world sums: loss denominators, DWA, metrics
@@ -217,10 +274,12 @@ def build_run(cfg: VLAConfig) -> Run:
         optimizer = build_optimizer(model, cfg, list(weighting.parameters()))
         scheduler = build_scheduler(optimizer, cfg.train)
     start = samples = 0
-    if cfg.train.resume:
-        start, samples = restore(ckpt.resolve_checkpoint(cfg.train.resume, run_dir), model, weighting, optimizer,
-                                 scheduler, guards.scaler, dims.distributed,
-                                 global_batch(cfg, dims), guards.engine)
+    if resume_from is not None:
+        start, samples = restore(resume_from, model, weighting, optimizer, scheduler, guards.scaler,
+                                 dims.distributed, global_batch(cfg, dims), guards.engine)
+        if start >= cfg.train.steps:
+            raise VlaforgeError(f"checkpoint {resume_from} is at step {start} and train.steps = {cfg.train.steps}: "
+                                f"nothing to train; set --train.steps above {start}")
     if world.is_main:
         write_atomic(run_dir / "config.toml", dump_toml(cfg))
         write_atomic(run_dir / "precision.json", json.dumps(precision.to_json(), indent=2))
@@ -326,8 +385,27 @@ def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     return {f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups if not g["name"].endswith(".no_decay")}
 
 
+@contextlib.contextmanager
+def memory_errors():
+    """An allocation that fails (a size `check_memory`'s lower bound let through) ends in one line, not a trace."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+        text = str(exc)
+        if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in text:
+            raise
+        raise VlaforgeError(f"out of memory ({text.strip().splitlines()[0][:120] if text.strip() else 'MemoryError'});"
+                            " lower train.batch_size (raise train.grad_accum to keep the global batch), "
+                            "model.image_size or the token counts, or turn on activation checkpointing") from None
+
+
 def train(cfg: VLAConfig) -> dict[str, float]:
     """Train as configured; returns the last logged metrics."""
+    with memory_errors():
+        return _train(cfg)
+
+
+def _train(cfg: VLAConfig) -> dict[str, float]:
     run = build_run(cfg)
     t = cfg.train
     dp, main = run.dims.dp, run.world.is_main
