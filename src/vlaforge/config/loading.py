@@ -90,7 +90,8 @@ def format_validation_error(exc: ValidationError) -> str:
         return f"config: unknown key {path}{hint}; allowed keys here: {', '.join(siblings)}"
     msg = err["msg"].removeprefix("Value error, ")
     more = f" (and {len(exc.errors()) - 1} more problem(s))" if len(exc.errors()) > 1 else ""
-    return f"config: {path}: {msg} (got {err.get('input')!r}){more}"
+    got = "" if isinstance(err.get("input"), dict) else f" (got {err.get('input')!r})"  # a section: the message says
+    return f"config: {path + ': ' if path else ''}{msg}{got}{more}"
 
 
 def _field_names(model: type[BaseModel], loc: list[str]) -> list[str]:

@@ -1,7 +1,8 @@
 """Config classes (pydantic v2). Unknown keys, wrong types and bad values fail before any model is built.
 
-Values that later work will implement (tp / pp / cp above 1, DeepSpeed) are validated already and rejected with
-a clear "not available yet" message, never silently ignored. The serializable description lives here; runtime objects are built elsewhere.
+Every value is checked here, before any model is built: types, ranges (no inf / nan anywhere), sizes against the
+flavor's positions, and combinations. The serializable description lives here; runtime objects are built
+elsewhere.
 """
 
 from __future__ import annotations
@@ -17,8 +18,16 @@ Checkpointing = Literal["none", "full", "selective", "selective_attn", "selectiv
 Offload = Literal["none", "cpu", "nvme"]
 
 
+# Upper bounds on sizes that no run means literally; larger values are typos that would otherwise fail as
+# allocation errors deep inside the model. The memory a given size needs is checked again when the run is built.
+MAX_IMAGE_SIZE, MAX_TOKENS, MAX_BATCH = 4096, 65536, 1 << 20
+MAX_SEED = (1 << 32) - 1  # numpy's and Meta-World's seeds are 32-bit
+MAX_ENV_SEED = 40_000  # eval / generation: base seed x 100,000 + offsets stays a 32-bit environment seed
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NOTE: allow_inf_nan=False: inf / nan (and 1e400, which TOML reads as inf) are refused in every float field
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class PretrainedSource(Section):
@@ -43,15 +52,16 @@ class ActionHeadConfig(Section):
 
 class ModelConfig(Section):
     flavor: str = "tiny"
-    frames: int = Field(1, ge=1, description="time steps of images per sample")
+    frames: int = Field(1, ge=1, le=MAX_TOKENS, description="time steps of images per sample")
     cameras: list[str] = Field(default_factory=lambda: ["corner"], min_length=1)
-    image_size: int | None = Field(None, ge=8, description="pixels per side; None takes the flavor's")
+    image_size: int | None = Field(None, ge=8, le=MAX_IMAGE_SIZE, description="pixels per side; None takes the "
+                                                                               "flavor's")
     patch_size: int | None = Field(None, ge=2, description="vision patch size of a tower built from the flavor "
                                                            "(smaller: finer localization, more tokens); None "
                                                            "takes the flavor's")
-    action_chunk: int = Field(8, ge=1, description="T: actions predicted per step")
-    action_dim: int = Field(4, ge=1)
-    state_dim: int = Field(4, ge=1)
+    action_chunk: int = Field(8, ge=1, le=MAX_TOKENS, description="T: actions predicted per step")
+    action_dim: int = Field(4, ge=1, le=MAX_TOKENS)
+    state_dim: int = Field(4, ge=1, le=MAX_TOKENS)
     vision: PretrainedSource = Field(default_factory=PretrainedSource)
     llm: PretrainedSource = Field(default_factory=PretrainedSource)
     action_head: ActionHeadConfig = Field(default_factory=ActionHeadConfig)
@@ -67,16 +77,19 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _patch_fits(self) -> "ModelConfig":
-        if self.patch_size is not None:
-            if self.vision.pretrained:
-                raise ValueError("model.patch_size cannot change a pretrained vision tower; drop it or "
-                                 "model.vision.pretrained")
+        if self.patch_size is not None and self.vision.pretrained:
+            raise ValueError("model.patch_size cannot change a pretrained vision tower; drop it or "
+                             "model.vision.pretrained")
+        if not self.vision.pretrained:  # a pretrained tower's patch size is checked when it is loaded
             from vlaforge.models.flavors import FLAVORS
 
-            size = self.image_size or FLAVORS.get(self.flavor).vision["image_size"]
-            if size % self.patch_size:
-                raise ValueError(f"model.patch_size = {self.patch_size} does not divide the image size {size}; "
-                                 "pick a divisor")
+            vision = FLAVORS.get(self.flavor).vision
+            size, patch = self.image_size or vision["image_size"], self.patch_size or vision["patch_size"]
+            if size % patch and self.patch_size:
+                raise ValueError(f"model.patch_size = {patch} does not divide the image size {size}; pick a divisor")
+            if size % patch:
+                raise ValueError(f"the image size {size} is not a multiple of the patch size {patch}; set "
+                                 f"model.image_size to a multiple such as {max(patch, size - size % patch)}")
         return self
 
     @property
@@ -243,8 +256,9 @@ class DataConfig(Section):
     path: str | None = Field(None, description="LeRobotDataset v3.0 or v2.1 folder (source = 'lerobot')")
     num_samples: int = Field(1024, ge=1, description="synthetic: samples per epoch")
     num_tasks: int = Field(4, ge=1, description="synthetic: distinct tasks (instruction + goal)")
-    max_instruction_tokens: int = Field(16, ge=1)
-    max_text_tokens: int = Field(8, ge=0, description="length of language-loss targets; 0 disables them")
+    max_instruction_tokens: int = Field(16, ge=1, le=MAX_TOKENS)
+    max_text_tokens: int = Field(8, ge=0, le=MAX_TOKENS, description="length of language-loss targets; 0 disables "
+                                                                    "them")
     text_column: str = Field("annotation.phase", description="lerobot: per-frame text used as language target")
     frame_stride: int = Field(1, ge=1, description="lerobot: steps between the frames of the history "
                                                    "(model.frames)")
@@ -271,7 +285,7 @@ class EvalConfig(Section):
                                               "(receding horizon; at most model.action_chunk)")
     max_steps: int = Field(200, ge=1, description="steps before an episode counts as failed")
     workers: int = Field(2, ge=1, description="rollout processes")
-    seed: int = Field(0, description="base seed of the held-out initial positions")
+    seed: int = Field(0, ge=0, le=MAX_ENV_SEED, description="base seed of the held-out initial positions")
     video: bool = Field(True, description="write one MP4 rollout per task")
     every: int = Field(0, ge=0, description="during training: evaluate every N steps (0: never)")
     train_episodes: int = Field(10, ge=1, description="during training: episodes per task")
@@ -324,12 +338,19 @@ class TrainConfig(Section):
                              f"math; use 1..{self.grad_accum} (0: reduce once, on the last micro-batch)")
         return self
 
-    steps: int = Field(100, ge=1, description="optimizer steps")
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError("each AdamW beta must be in [0, 1), e.g. [0.9, 0.95]")
+        return v
+
+    steps: int = Field(100, ge=1, le=1 << 40, description="optimizer steps")
     compile: bool = Field(False, description="torch.compile each transformer block of the vision tower and the LLM "
                                              "(after checkpointing / offload wrapping, before FSDP2), torchtitan's "
                                              "per-block unit: repeated blocks compile once")
-    batch_size: int = Field(8, ge=1, description="micro-batch per rank per forward")
-    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    batch_size: int = Field(8, ge=1, le=MAX_BATCH, description="micro-batch per rank per forward")
+    grad_accum: int = Field(1, ge=1, le=MAX_BATCH, description="micro-batches per optimizer step")
     sync_every: int = Field(0, ge=0, description="data parallel: reduce gradients every N micro-batches (0: once, "
                                                  "on the last; smaller N sends more but FSDP2 then keeps sharded "
                                                  "instead of full gradients between micro-batches)")
@@ -339,11 +360,11 @@ class TrainConfig(Section):
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of each group's lr")
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1)")
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
     lr_ratio_warning: float = Field(50.0, gt=1, description="warn when max/min component lr exceeds this")
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     output_dir: str = "runs/default"
     resume: str | None = Field(None, description="'latest' (in output_dir), a run folder or a checkpoint folder")
@@ -379,4 +400,23 @@ class VLAConfig(Section):
                              f"{self.model.action_chunk}; execute at most the predicted actions")
         if self.eval.every and self.data.source != "lerobot":
             raise ValueError("eval.every needs data.source = 'lerobot' (evaluation runs the policy in Meta-World)")
+        self._tokens_fit()
         return self
+
+    def _tokens_fit(self) -> None:
+        """The LLM sequence of one sample within the flavor's positions (a pretrained LLM is checked on load)."""
+        from vlaforge.models.flavors import FLAVORS
+
+        m, d = self.model, self.data
+        if m.vision.pretrained or m.llm.pretrained:
+            return
+        flavor = FLAVORS.get(m.flavor)
+        size = m.image_size or flavor.vision["image_size"]
+        patches = (size // (m.patch_size or flavor.vision["patch_size"])) ** 2
+        tokens = m.frames_per_sample * patches + d.max_instruction_tokens + m.action_chunk + d.max_text_tokens
+        limit = flavor.llm["max_position_embeddings"]
+        if tokens > limit:
+            raise ValueError(f"one sample is {tokens} LLM tokens ({m.frames_per_sample} images x {patches} patches "
+                             f"+ {d.max_instruction_tokens} instruction + {m.action_chunk} action + "
+                             f"{d.max_text_tokens} text) but the {m.flavor} flavor has {limit} positions; lower "
+                             "model.image_size, model.frames, model.action_chunk or data.max_*_tokens")
