@@ -28,12 +28,16 @@ def _episode(ep: int, n: int) -> dict:
                 np.float32), "text": {"annotation.phase": [f"phase {t // 4}" for t in range(n)]}}
 
 
-def write_dataset(root, **kw):
+def write_dataset(root, edit=None, text: bool = True, **kw):
+    """Write the three episodes; `edit(episodes)` may change their arrays first; `text=False` leaves out the
+    phase column."""
     eps = [_episode(i, n) for i, n in enumerate(LENGTHS)]
+    if edit is not None:
+        edit(eps)
     with DatasetWriter(root, fps=10, cameras=CAMS, image_size=SIZE, state_names=list("abcd"),
-                       action_names=list("wxyz"), text_features=["annotation.phase"], **kw) as w:
+                       action_names=list("wxyz"), text_features=["annotation.phase"] if text else [], **kw) as w:
         for task, e in zip(TASKS, eps):
-            w.add_episode(task, e["images"], e["state"], e["action"], e["text"])
+            w.add_episode(task, e["images"], e["state"], e["action"], e["text"] if text else {})
         w.finish({"vlaforge": {"tasks": ["door-open-v3", "button-press-topdown-v3"]}})
     return eps
 

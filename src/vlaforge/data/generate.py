@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from vlaforge.data.lerobot_writer import DatasetWriter
+from vlaforge.data.lerobot_writer import DatasetWriter, partial_folder
 from vlaforge.data.metaworld import (ACTION_NAMES, FPS, STATE_NAMES, TASKS, cached_env, episode_seed, expert_action,
                                      make_expert)
 from vlaforge.errors import VlaforgeError
@@ -68,8 +69,24 @@ def recorded_tasks(info: dict[str, Any]) -> list[str]:
 
 
 def check_output(out: Path, overwrite: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    """`out` must be new or empty (or --overwrite) and writable; a `.partial` folder a killed run left is removed.
+
+    Raises:
+        VlaforgeError: naming the problem.
+    """
+    if out.exists() and not out.is_dir():
+        raise VlaforgeError(f"--out {out} is a file; give a folder path")
+    if out.exists() and any(out.iterdir()) and not overwrite:
         raise VlaforgeError(f"output folder {out} is not empty; choose another --out or pass --overwrite")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = partial_folder(out)
+        shutil.rmtree(probe, ignore_errors=True)  # a killed run's leftovers
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        raise VlaforgeError(f"--out {out}: cannot write in {out.parent} ({exc.strerror or exc}); choose a writable "
+                            "folder") from None
 
 
 def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, *, cameras: list[str], image_size: int,

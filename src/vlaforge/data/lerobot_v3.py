@@ -53,7 +53,10 @@ class LeRobotDataset:
         if self.version not in ("v3.0", "v2.1", "v2.0"):
             raise VlaforgeError(f"{self.root / 'meta/info.json'}: codebase_version {self.version!r} is not supported;"
                                 " vlaforge reads v3.0 and v2.1 LeRobot datasets")
-        self.fps = float(self.info["fps"])
+        self.fps = _number(self.info, "fps", self.root)
+        if not self.fps > 0:
+            raise VlaforgeError(f"{self.root / 'meta/info.json'}: fps is {self.info['fps']!r}; it must be the "
+                                "recording rate (> 0) - fix info.json or regenerate the dataset")
         feats = self.info["features"]
         self.cameras = [k for k, v in feats.items() if v.get("dtype") == "video"]
         self.stats = _read_json(self.root / "meta" / "stats.json")
@@ -71,6 +74,7 @@ class LeRobotDataset:
             raise VlaforgeError(f"dataset {self.root} has no data/ parquet files; regenerate it")
         self.columns = self._read_columns(data_files)
         self._check_episodes()
+        self._check_values()
 
     # --- metadata ---
 
@@ -79,6 +83,9 @@ class LeRobotDataset:
         if not files:
             raise VlaforgeError(f"dataset {self.root} has no meta/episodes/*/*.parquet; regenerate it")
         rows = [r for f in files for r in _read_parquet(f).to_pylist()]
+        if not rows:
+            raise VlaforgeError(f"dataset {self.root}: meta/episodes/ holds no episode rows; the dataset is empty or "
+                                "incomplete - regenerate it")
         rows.sort(key=lambda r: r["episode_index"])
         out = []
         for r in rows:
@@ -139,11 +146,26 @@ class LeRobotDataset:
 
     def _check_episodes(self) -> None:
         n = len(self.columns["index"])
+        declared = self.info.get("total_episodes")
+        if declared is not None and declared != len(self.episodes):
+            raise VlaforgeError(f"dataset {self.root}: meta/info.json says total_episodes = {declared} but the "
+                                f"episode metadata lists {len(self.episodes)}; the dataset is incomplete - "
+                                "regenerate it")
         for e in self.episodes:
             rows = slice(e.start, e.start + e.length)
             if e.start + e.length > n or not np.all(self.columns["episode_index"][rows] == e.index):
                 raise VlaforgeError(f"dataset {self.root}: episode {e.index} ({e.length} frames from row {e.start}) "
                                     "does not match the data files; the dataset is incomplete - regenerate it")
+
+    def _check_values(self) -> None:
+        """State and action rows must be finite numbers: one NaN would poison the statistics and the loss."""
+        for name in ("observation.state", "action"):
+            bad = ~np.isfinite(self.columns[name]).all(axis=1)
+            if bad.any():
+                row = int(np.argmax(bad))
+                raise VlaforgeError(f"dataset {self.root}: column {name!r} holds NaN or inf in {int(bad.sum())} rows "
+                                    f"(first: episode {int(self.columns['episode_index'][row])}, frame "
+                                    f"{int(self.columns['frame_index'][row])}); fix or drop those episodes")
 
     @property
     def num_frames(self) -> int:
@@ -154,7 +176,21 @@ class LeRobotDataset:
     def decode(self, key: str, episode: Episode) -> np.ndarray:
         """All frames of `episode` from camera `key`: (T, H, W, 3) uint8."""
         path, start = episode.videos[key]
-        return decode_frames(path, start, episode.length, self.fps)
+        frames = decode_frames(path, start, episode.length, self.fps)
+        declared = tuple(self.info["features"][key].get("shape", ()))[:2]
+        if declared and frames.shape[1:3] != declared:
+            raise VlaforgeError(f"video file {path} is {frames.shape[1]}x{frames.shape[2]} px but meta/info.json "
+                                f"declares {key} as {declared[0]}x{declared[1]}; fix info.json or regenerate the "
+                                "dataset")
+        return frames
+
+
+def _number(info: dict[str, Any], key: str, root: Path) -> float:
+    try:
+        return float(info[key])
+    except (KeyError, TypeError, ValueError):
+        raise VlaforgeError(f"{root / 'meta/info.json'}: {key} is missing or not a number; fix info.json or "
+                            "regenerate the dataset") from None
 
 
 def read_info(root: Path) -> dict[str, Any]:
@@ -180,18 +216,28 @@ def _require(path: Path) -> Path:
 
 
 def _read_text(path: Path) -> str:
-    return _require(path).read_text()
+    try:
+        return _require(path).read_text()
+    except UnicodeDecodeError:
+        raise VlaforgeError(f"dataset file {path} is not text (UTF-8); regenerate the dataset") from None
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in _read_text(path).splitlines() if line.strip()]
+    try:
+        return [json.loads(line) for line in _read_text(path).splitlines() if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise VlaforgeError(f"dataset file {path} is not valid JSON lines ({exc}); regenerate the dataset") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(_read_text(path))
+        data = json.loads(_read_text(path))
     except json.JSONDecodeError as exc:
         raise VlaforgeError(f"dataset file {path} is not valid JSON ({exc}); regenerate the dataset") from None
+    if not isinstance(data, dict):
+        raise VlaforgeError(f"dataset file {path} holds a JSON {type(data).__name__}, not an object; regenerate the "
+                            "dataset")
+    return data
 
 
 def _read_tasks_v3(path: Path) -> list[str]:

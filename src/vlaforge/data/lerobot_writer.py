@@ -87,6 +87,11 @@ class _Features:
         return f"observation.images.{camera}"
 
 
+def partial_folder(root: Path) -> Path:
+    """Where a dataset for `root` is written before it is renamed into place (left behind by a killed run)."""
+    return root.parent / f".{root.name}.partial"
+
+
 class DatasetWriter:
     """Write a LeRobotDataset v3.0 into a temporary folder; `finish()` renames it into place.
 
@@ -98,7 +103,7 @@ class DatasetWriter:
                  codec: str = "libx264", crf: int = 18, chunks_size: int = 1000, data_file_mb: float = 100.0,
                  video_file_mb: float = 500.0):
         self.root = Path(root)
-        self.tmp = self.root.parent / f".{self.root.name}.partial"
+        self.tmp = partial_folder(self.root)
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         self.fps, self.codec, self.crf, self.robot_type = fps, codec, crf, robot_type
@@ -238,9 +243,14 @@ class DatasetWriter:
                 "data_path": DATA_PATH, "video_path": VIDEO_PATH, "features": self._features()}
         info |= extra_info or {}
         (meta / "info.json").write_text(json.dumps(info, indent=2))
+        # NOTE: callers check for a non-empty root (and --overwrite) beforehand. The old dataset is renamed aside,
+        # not deleted, until the new one is in place: a kill in between leaves one of the two whole.
+        old = self.root.parent / f".{self.root.name}.replaced"
         if self.root.exists():
-            shutil.rmtree(self.root)  # NOTE: callers check for a non-empty root (and --overwrite) beforehand
+            shutil.rmtree(old, ignore_errors=True)
+            self.root.rename(old)
         self.tmp.rename(self.root)
+        shutil.rmtree(old, ignore_errors=True)
         return self.root
 
     def abort(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -92,6 +94,11 @@ def _lerobot_data(cfg, model) -> Data:
     texts = list(reader.tasks)
     if d.text_column in reader.columns:
         texts += sorted(set(reader.columns[d.text_column].astype(str).tolist()))
+    elif d.max_text_tokens > 0 and cfg.loss.weights.get("language", 0) > 0:
+        have = sorted(k for k, v in reader.columns.items() if v.dtype == object)
+        raise VlaforgeError(f"dataset {d.path} has no text column {d.text_column!r} (data.text_column) for the "
+                            f"language loss; set data.text_column to one of {have or 'its text columns'}, or "
+                            "turn the term off with --loss.weights.language=0")
     vocab = model.llm.config.vocab_size
     tokenizer = build_tokenizer(texts, vocab, m.llm.pretrained)
     if tokenizer.vocab_size > vocab:
@@ -111,6 +118,11 @@ def _lerobot_data(cfg, model) -> Data:
 def build_loader(dataset: Dataset, batch_size: int, seed: int, start_sample: int, num_workers: int,
                  rank: int = 0, dp: int = 1) -> DataLoader:
     """Batches of `batch_size` for data-parallel rank `rank` of `dp`; `start_sample` counts global samples."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if num_workers > cores:  # NOTE: more workers than cores only add memory; far more exhaust it and hang
+        warnings.warn(f"data.num_workers = {num_workers} exceeds the {cores} cores of this machine; using {cores}",
+                      UserWarning, stacklevel=2)
+        num_workers = cores
     sampler: Sampler[int] = ResumableSampler(len(dataset), seed, start_sample)
     if dp > 1:
         sampler = RankSlice(sampler, batch_size, rank, dp)

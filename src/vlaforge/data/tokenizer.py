@@ -67,7 +67,11 @@ def load_tokenizer(folder: Path | None, llm_pretrained: str | None) -> TextToken
     if folder is not None and (folder / TOKENIZER_FILE).is_file():
         from tokenizers import Tokenizer
 
-        return _wrap(Tokenizer.from_file(str(folder / TOKENIZER_FILE)))
+        try:
+            return _wrap(Tokenizer.from_file(str(folder / TOKENIZER_FILE)))
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad files
+            raise VlaforgeError(f"{folder / TOKENIZER_FILE} is not a tokenizer file ({str(exc)[:120]}); use the "
+                                f"{TOKENIZER_FILE} that training wrote") from None
     if llm_pretrained:
         return pretrained_tokenizer(llm_pretrained)
     raise VlaforgeError(f"no {TOKENIZER_FILE} in {folder}; the checkpoint was not trained on text data")

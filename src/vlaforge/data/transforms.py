@@ -59,7 +59,12 @@ class ObservationSpec:
         if not path.is_file():
             raise VlaforgeError(f"{folder} has no {SPEC_FILE}; it was not trained on robot data "
                                 "(data.source = 'lerobot'), so it cannot be evaluated in the simulator")
-        return cls(**json.loads(path.read_text()))
+        try:
+            spec = cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as exc:  # not JSON, not an object, missing or unknown fields
+            raise VlaforgeError(f"{path} is not a vlaforge observation spec ({str(exc)[:120]}); use the "
+                                f"{SPEC_FILE} that training wrote") from None
+        return spec
 
 
 def normalization_from_stats(stats: dict) -> dict[str, list[float]]:
