@@ -36,13 +36,15 @@ demo: venv
 	@start=$$(date +%s); \
 	if [ -f $(DEMO_DATA)/meta/info.json ]; then echo "using the dataset in $(DEMO_DATA)"; \
 	else $(VENV)/bin/vlaforge data generate --out $(DEMO_DATA) --tasks $(DEMO_TASKS) --overwrite || exit $$?; fi; \
-	$(VENV)/bin/vlaforge train recipes/tiny_metaworld.toml --data.path=$(DEMO_DATA) \
-		--train.output_dir=$(DEMO_RUN) || exit $$?; \
+	if [ -f $(DEMO_RUN)/checkpoints/latest ]; then echo "using the trained run in $(DEMO_RUN) (remove it to retrain)"; \
+	else $(VENV)/bin/vlaforge train recipes/tiny_metaworld.toml --data.path=$(DEMO_DATA) \
+		--train.output_dir=$(DEMO_RUN) || exit $$?; fi; \
 	$(VENV)/bin/vlaforge eval $(DEMO_RUN) --out $(DEMO_RUN)/eval || exit $$?; \
 	echo "demo finished in $$(( ($$(date +%s) - start) / 60 )) min $$(( ($$(date +%s) - start) % 60 )) s"
 
 quickstart: venv
-	$(VENV)/bin/vlaforge train recipes/tiny_synthetic.toml --train.steps=50 --train.output_dir=runs/quickstart
+	$(VENV)/bin/vlaforge train recipes/tiny_synthetic.toml --train.steps=50 \
+		--train.output_dir=runs/quickstart-$$(date +%Y%m%d-%H%M%S)
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache

@@ -408,6 +408,27 @@ def test_a_damaged_video_in_a_loader_worker_is_one_line(tmp_path, dataset):
     assert "Original Traceback" not in proc.stderr and "DataLoader worker" not in proc.stderr
 
 
+def test_sizes_that_cannot_fit_are_refused_before_they_are_allocated(tmp_path):
+    from vlaforge.models.build import build_vla, tokens_per_sample
+    from vlaforge.training.trainer import check_memory, memory_errors
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(tmp_path)
+    model = build_vla(cfg.model, cfg.loss)
+    tps = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
+    check_memory(cfg, model, torch.device("cpu"), tps)  # the recipe's batch fits
+    cfg.train.batch_size = 1 << 20
+    with pytest.raises(VlaforgeError, match="lower train.batch_size"):
+        check_memory(cfg, model, torch.device("cpu"), tps)
+    with pytest.raises(VlaforgeError, match="out of memory .*train.batch_size"):
+        with memory_errors():
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes")
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # other errors are not disguised
+        with memory_errors():
+            raise RuntimeError("shape mismatch")
+
+
 def test_loader_workers_are_capped_at_the_cores():
     from vlaforge.data.loader import build_loader
 
