@@ -12,7 +12,7 @@ from conftest import TINY_RECIPE, run_cli
 from launch import assert_same_weights, train_distributed, weights
 from vlaforge.config import load_config
 from vlaforge.config.loading import ConfigError
-from vlaforge.distributed.deepspeed_backend import config_overrides, engine_config, read_config_file
+from vlaforge.distributed.deepspeed_backend import check_resolved, config_overrides, engine_config, read_config_file
 from vlaforge.errors import VlaforgeError
 
 DS_FILE = {"train_batch_size": 16, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
@@ -75,6 +75,81 @@ def test_bad_deepspeed_file_is_one_line(tmp_path):
     path.write_text("{")
     done = run_cli("train", str(TINY_RECIPE), "--deepspeed", str(path))
     assert done.returncode == 2 and "not valid json" in done.stderr and "Traceback" not in done.stderr
+
+
+# The ZeRO-2 / ZeRO-3 (CPU offload) configs in the form the transformers Trainer documents: "auto" everywhere
+# the trainer has a value of its own.
+_FP16 = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2,
+         "min_loss_scale": 1}
+_COMMON = {"fp16": _FP16, "bf16": {"enabled": "auto"},
+           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                     "weight_decay": "auto"}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                        "warmup_num_steps": "auto"}},
+           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+           "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+HF_FORMS = {
+    "zero2": {**_COMMON, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "allgather_partitions": True,
+        "allgather_bucket_size": 2e8, "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
+        "contiguous_gradients": True}},
+    "zero3": {**_COMMON, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True, "contiguous_gradients": True,
+        "sub_group_size": 1e9, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True}},
+}
+
+
+@pytest.mark.parametrize("form", sorted(HF_FORMS))
+def test_transformers_auto_values_take_vlaforge_settings(form):
+    ds = HF_FORMS[form]
+    cfg = load_config(TINY_RECIPE, config_overrides(ds, world_size=2))
+    check_resolved(cfg, ds, 2)
+    base = load_config(TINY_RECIPE)
+    t, b = cfg.train, base.train
+    assert (t.batch_size, t.grad_accum, t.grad_clip, t.betas, t.eps, t.lr_schedule, t.warmup_steps) == \
+        (b.batch_size, b.grad_accum, b.grad_clip, b.betas, b.eps, b.lr_schedule, b.warmup_steps)
+    assert [p.precision for _, p in cfg.components.items()] == [p.precision for _, p in base.components.items()]
+    engine = engine_config(cfg, dp=2, hidden=128)
+    zero = engine["zero_optimization"]
+    assert engine["train_batch_size"] == b.batch_size * b.grad_accum * 2 and engine["gradient_clipping"] == b.grad_clip
+    assert zero["stage"] == int(form[-1]) and zero["offload_optimizer"] == {"device": "cpu"}
+    if form == "zero3":  # sized from the hidden width as transformers does: h^2, 0.9 h^2, 10 h
+        assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
+                zero["stage3_param_persistence_threshold"]) == (128 * 128, int(0.9 * 128 * 128), 1280)
+        assert zero["offload_param"] == {"device": "cpu"} and zero["stage3_max_live_parameters"] == 1e9
+    else:
+        assert zero["reduce_bucket_size"] == 2e8
+
+
+@pytest.mark.parametrize("change, overrides, message", [
+    ({"train_batch_size": 999}, [], "train_batch_size 999 != train.batch_size"),
+    ({"bf16": {"enabled": False}}, ["--components.llm.precision=bf16"], "bf16.enabled = false but components.llm"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": "auto"}}}, [], "optimizer.params.lr"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}}, [], "scheduler (use train"),
+])
+def test_explicit_values_that_contradict_vlaforge_are_refused(change, overrides, message):
+    ds = {**HF_FORMS["zero2"], **change}
+    with pytest.raises(VlaforgeError) as err:
+        cfg = load_config(TINY_RECIPE, config_overrides(ds, world_size=2) + overrides)
+        check_resolved(cfg, ds, 2)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", sorted(HF_FORMS))
+def test_transformers_form_deepspeed_files_train(tmp_path, form):
+    pytest.importorskip("deepspeed")
+    path = tmp_path / f"ds_config_{form}.json"
+    path.write_text(json.dumps(HF_FORMS[form]))
+    done = run_cli("train", str(TINY_RECIPE), "--deepspeed", str(path), "--train.steps=2", "--data.num_samples=16",
+                   "--train.batch_size=4", "--train.progress=false", f"--train.output_dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    saved = load_config(tmp_path / "run" / "config.toml")
+    assert (saved.parallel.backend, saved.parallel.zero_stage, saved.train.batch_size) == ("deepspeed", int(form[-1]), 4)
+    assert (tmp_path / "run" / "checkpoints" / "step_00000002" / "deepspeed").is_dir()
 
 
 @pytest.fixture(scope="module")

@@ -57,8 +57,9 @@ def train(ctx: typer.Context,
                                                           "without CONFIG, the checkpoint's saved config is used"),
           deepspeed: Optional[Path] = typer.Option(None, help="a DeepSpeed JSON/YAML config, mapped onto [parallel] "
                                                               "(backend = deepspeed, ZeRO stage, offload) and [train] "
-                                                              "(batch sizes, clipping); unhonoured fields are "
-                                                              "refused")):
+                                                              "(batch sizes, clipping); 'auto' values (the "
+                                                              "transformers Trainer's files) take vlaforge's; "
+                                                              "unhonoured or contradicting fields are refused")):
     """Train a VLA. Overrides: --section.key=value (e.g. --train.steps=10), applied after --deepspeed. Under
     torchrun: data parallel (--parallel.dp_shard / dp_replicate, --parallel.backend=fsdp2|ddp|deepspeed), tensor
     parallel (--parallel.tp) and pipeline parallel (--parallel.pp)."""
@@ -68,10 +69,13 @@ def train(ctx: typer.Context,
 
     first: list[str] = []
     if deepspeed is not None:
-        from vlaforge.distributed.deepspeed_backend import config_overrides, read_config_file
+        from vlaforge.distributed.deepspeed_backend import check_resolved, config_overrides, read_config_file
 
-        first = config_overrides(read_config_file(deepspeed), world_from_env().size, f"--deepspeed {deepspeed}")
+        ds, where = read_config_file(deepspeed), f"--deepspeed {deepspeed}"
+        first = config_overrides(ds, world_from_env().size, where)
     cfg = _load(config, ctx, resume, first)
+    if deepspeed is not None:
+        check_resolved(cfg, ds, world_from_env().size, where)
     last = run_training(cfg)
     if world_from_env().is_main:  # under torchrun, one summary line
         shown = {k: round(v, 5) for k, v in last.items() if k.startswith(("loss/", "perf/"))}

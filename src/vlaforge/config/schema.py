@@ -210,9 +210,11 @@ class ParallelConfig(Section):
     offload_param: Literal["none", "cpu", "nvme"] = Field("none", description="deepspeed ZeRO-3: parameters on the "
                                                                               "CPU or NVMe between uses")
     nvme_path: str | None = Field(None, description="deepspeed: folder on the NVMe drive for *_offload = 'nvme'")
-    zero_tuning: dict[str, int | float | bool] = Field(default_factory=dict, description="deepspeed: "
-                                                       "zero_optimization tuning keys passed through (bucket sizes, "
-                                                       "overlap_comm, stage3_* ...)")
+    zero_tuning: dict[str, int | float | bool | Literal["auto"]] = Field(
+        default_factory=dict, description="deepspeed: zero_optimization tuning keys passed through (bucket sizes, "
+                                          "overlap_comm, stage3_* ...); 'auto' sizes reduce_bucket_size, "
+                                          "stage3_prefetch_bucket_size and stage3_param_persistence_threshold from "
+                                          "the LLM's hidden size, as transformers does")
 
     @field_validator("dp_shard")
     @classmethod
@@ -224,11 +226,15 @@ class ParallelConfig(Section):
     @field_validator("zero_tuning")
     @classmethod
     def _known_tuning(cls, v: dict) -> dict:
-        from vlaforge.distributed.deepspeed_backend import ZERO_TUNING
+        from vlaforge.distributed.deepspeed_backend import AUTO_FROM_HIDDEN, ZERO_TUNING
 
         unknown = sorted(set(v) - set(ZERO_TUNING))
         if unknown:
             raise ValueError(f"unknown zero_optimization keys {unknown}; known: {', '.join(ZERO_TUNING)}")
+        auto = sorted(k for k, x in v.items() if x == "auto" and k not in AUTO_FROM_HIDDEN)
+        if auto:
+            raise ValueError(f"zero_optimization {auto[0]} = 'auto' has no vlaforge value; give a number (only "
+                             f"{', '.join(AUTO_FROM_HIDDEN)} take 'auto')")
         return v
 
     @model_validator(mode="after")

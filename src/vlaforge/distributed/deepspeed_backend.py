@@ -34,12 +34,24 @@ ZERO_TUNING = ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "al
                "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
                "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save")
 IGNORED = ("steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state")
+AUTO = "auto"  # transformers' convention: "take this value from the trainer's own settings"
+# Tuning keys whose "auto" is sized from the LLM's hidden width h, as transformers sizes them from the model's
+# hidden_size; "auto" on any other tuning key leaves DeepSpeed's default.
+AUTO_FROM_HIDDEN = {"reduce_bucket_size": lambda h: h * h,
+                    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+                    "stage3_param_persistence_threshold": lambda h: 10 * h}
 
 
-def engine_config(cfg, dp: int) -> dict[str, Any]:
-    """The DeepSpeed config for this run."""
+def engine_config(cfg, dp: int, hidden: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config for this run; `hidden`: the LLM's width, for tuning sizes given as "auto"."""
     p, t = cfg.parallel, cfg.train
-    zero: dict[str, Any] = {"stage": p.zero_stage, **p.zero_tuning}
+    tuning = dict(p.zero_tuning)
+    for key, size in AUTO_FROM_HIDDEN.items():
+        if tuning.get(key) == AUTO:
+            if hidden is None:
+                raise ValueError(f"zero_optimization.{key} = 'auto' needs the model's hidden size")
+            tuning[key] = size(hidden)
+    zero: dict[str, Any] = {"stage": p.zero_stage, **tuning}
     for kind, device in (("offload_optimizer", p.offload_optimizer), ("offload_param", p.offload_param)):
         if device != "none":
             zero[kind] = {"device": device, **({"nvme_path": p.nvme_path} if device == "nvme" else {})}
@@ -80,7 +92,8 @@ def build_engine(model: nn.Module, cfg, dp: int, scheduler_factory, device: torc
             deepspeed.zero.register_external_parameter(model, param)
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists on it; torchrun sets it, one process has rank 0
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=engine_config(cfg, dp), dist_init_required=False)
+                                           config=engine_config(cfg, dp, model.llm.config.hidden_size),
+                                           dist_init_required=False)
     return engine, scheduler
 
 
@@ -175,19 +188,53 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def _given(value: Any) -> bool:
+    """An explicit value: present and not "auto"."""
+    return value is not None and value != AUTO
+
+
 def config_overrides(ds: dict[str, Any], world_size: int, where: str = "--deepspeed") -> list[str]:
-    """`--section.key=value` overrides equivalent to a DeepSpeed config, for `load_config`.
+    """`--section.key=value` overrides equivalent to a DeepSpeed config, for `load_config`. A value of "auto" (as
+    in the configs the transformers Trainer documents) takes vlaforge's own setting; `check_resolved` then refuses
+    the explicit values that contradict the resolved config.
 
     Raises:
         VlaforgeError: a field vlaforge does not honour (named, with where its setting lives), or inconsistent
             batch sizes.
     """
     out = ["--parallel.backend=deepspeed"]
-    rejected: list[str] = []
     ds = dict(ds)
-    zero = dict(ds.pop("zero_optimization", {}) or {})
-    if "stage" in zero:
-        out.append(f"--parallel.zero_stage={int(zero.pop('stage'))}")
+    rejected = _zero_overrides(dict(ds.pop("zero_optimization", {}) or {}), out)
+    rejected += _precision_overrides(ds, out)
+    _batch_overrides(ds, world_size, where, out)
+    if _given(ds.get("gradient_clipping")):
+        out.append(f"--train.grad_clip={float(ds['gradient_clipping'])}")
+    ds.pop("gradient_clipping", None)
+    rejected += _optimizer_overrides(ds.pop("optimizer", None), out)
+    scheduler = ds.pop("scheduler", None)
+    if scheduler and not _all_auto(scheduler.get("params")):
+        rejected.append("scheduler (use train.lr_schedule and train.warmup_steps; a scheduler whose params are all "
+                        "'auto' is accepted and vlaforge's schedule runs)")
+    for key in IGNORED:
+        ds.pop(key, None)
+    rejected += list(ds)
+    if rejected:
+        raise VlaforgeError(f"{where}: fields vlaforge does not honour: {', '.join(rejected)}; remove them (the "
+                            "honoured ones: zero_optimization stage/offload/tuning, bf16, batch sizes, "
+                            "gradient_clipping, optimizer betas/eps; 'auto' anywhere takes vlaforge's value)")
+    return out
+
+
+def _all_auto(params: Any) -> bool:
+    return isinstance(params, dict) and bool(params) and all(v == AUTO for v in params.values())
+
+
+def _zero_overrides(zero: dict[str, Any], out: list[str]) -> list[str]:
+    """zero_optimization -> [parallel] overrides; returns the rejected keys."""
+    rejected: list[str] = []
+    if _given(zero.get("stage")):
+        out.append(f"--parallel.zero_stage={int(zero['stage'])}")
+    zero.pop("stage", None)
     for kind in ("offload_optimizer", "offload_param"):
         spec = dict(zero.pop(kind, None) or {})
         if spec:
@@ -197,22 +244,29 @@ def config_overrides(ds: dict[str, Any], world_size: int, where: str = "--deepsp
             spec.pop("pin_memory", None)  # always pinned where it matters
             rejected += [f"zero_optimization.{kind}.{k}" for k in spec]
     tuning = {k: zero.pop(k) for k in list(zero) if k in ZERO_TUNING}
+    tuning = {k: v for k, v in tuning.items() if v != AUTO or k in AUTO_FROM_HIDDEN}  # other autos: DS defaults
     if tuning:
         table = ", ".join(f"{k} = {json.dumps(v)}" for k, v in tuning.items())  # a TOML inline table
         out.append(f"--parallel.zero_tuning={{{table}}}")
-    rejected += [f"zero_optimization.{k}" for k in zero]
+    return rejected + [f"zero_optimization.{k}" for k in zero]
 
-    for key, precision in (("bf16", "bf16"), ("fp16", "fp16")):
-        spec = ds.pop(key, None) or {}
-        if spec.get("enabled"):
-            if precision == "fp16":
-                rejected.append("fp16.enabled (use bf16: DeepSpeed's fp16 loss scaler would replace vlaforge's "
-                                "per-component one)")
-                continue
-            out += [f"--components.{c}.precision=bf16" for c in ("vision", "projector", "llm", "action_head")]
 
+def _precision_overrides(ds: dict[str, Any], out: list[str]) -> list[str]:
+    """bf16 / fp16 sections: enabled = true maps (bf16) or is refused (fp16); "auto" or false keeps vlaforge's
+    per-component precision (a contradicting false is refused by `check_resolved`). Returns the rejected keys."""
+    rejected = []
+    if (ds.pop("fp16", None) or {}).get("enabled") is True:
+        rejected.append("fp16.enabled (use bf16: DeepSpeed's fp16 loss scaler would replace vlaforge's "
+                        "per-component one)")
+    if (ds.pop("bf16", None) or {}).get("enabled") is True:
+        out += [f"--components.{c}.precision=bf16" for c in ("vision", "projector", "llm", "action_head")]
+    return rejected
+
+
+def _batch_overrides(ds: dict[str, Any], world_size: int, where: str, out: list[str]) -> None:
     micro, accum, total = (ds.pop("train_micro_batch_size_per_gpu", None), ds.pop("gradient_accumulation_steps", None),
                            ds.pop("train_batch_size", None))
+    micro, accum, total = (v if _given(v) else None for v in (micro, accum, total))
     if total is not None:
         if micro is None and accum is not None:
             micro, rest = divmod(int(total), int(accum) * world_size)
@@ -227,27 +281,36 @@ def config_overrides(ds: dict[str, Any], world_size: int, where: str = "--deepsp
         out.append(f"--train.batch_size={int(micro)}")
     if accum is not None:
         out.append(f"--train.grad_accum={int(accum)}")
-    if "gradient_clipping" in ds:
-        out.append(f"--train.grad_clip={float(ds.pop('gradient_clipping'))}")
 
-    optimizer = ds.pop("optimizer", None)
-    if optimizer:
-        kind = str(optimizer.get("type", "")).lower()
-        params = dict(optimizer.get("params", {}))
-        if kind not in ("adam", "adamw"):
-            rejected.append(f"optimizer.type {optimizer.get('type')!r} (vlaforge trains with AdamW)")
-        if "betas" in params:
-            out.append(f"--train.betas={json.dumps(list(params.pop('betas')))}")
-        if "eps" in params:
-            out.append(f"--train.eps={float(params.pop('eps'))}")
-        rejected += [f"optimizer.params.{k} (per component: components.<name>.lr / weight_decay)" for k in params]
-    if ds.pop("scheduler", None):
-        rejected.append("scheduler (use train.lr_schedule and train.warmup_steps)")
-    for key in IGNORED:
-        ds.pop(key, None)
-    rejected += list(ds)
-    if rejected:
-        raise VlaforgeError(f"{where}: fields vlaforge does not honour: {', '.join(rejected)}; remove them (the "
-                            "honoured ones: zero_optimization stage/offload/tuning, bf16, batch sizes, "
-                            "gradient_clipping, optimizer betas/eps)")
-    return out
+
+def _optimizer_overrides(optimizer: dict[str, Any] | None, out: list[str]) -> list[str]:
+    if not optimizer:
+        return []
+    rejected = []
+    kind = optimizer.get("type", AUTO)
+    if _given(kind) and str(kind).lower() not in ("adam", "adamw"):
+        rejected.append(f"optimizer.type {kind!r} (vlaforge trains with AdamW)")
+    params = {k: v for k, v in dict(optimizer.get("params", {})).items() if _given(v)}
+    if "betas" in params:
+        out.append(f"--train.betas={json.dumps(list(params.pop('betas')))}")
+    if "eps" in params:
+        out.append(f"--train.eps={float(params.pop('eps'))}")
+    return rejected + [f"optimizer.params.{k} (per component: components.<name>.lr / weight_decay)" for k in params]
+
+
+def check_resolved(cfg, ds: dict[str, Any], world_size: int, where: str = "--deepspeed") -> None:
+    """Explicit values of a DeepSpeed file that contradict the resolved config (after "auto" took vlaforge's).
+
+    Raises:
+        VlaforgeError: naming the field and the vlaforge setting it contradicts.
+    """
+    total = ds.get("train_batch_size")
+    t = cfg.train
+    if _given(total) and int(total) != t.batch_size * t.grad_accum * world_size:
+        raise VlaforgeError(f"{where}: train_batch_size {total} != train.batch_size {t.batch_size} x train.grad_accum "
+                            f"{t.grad_accum} x world size {world_size}; set it to 'auto' or fix the batch fields")
+    if (ds.get("bf16") or {}).get("enabled") is False:
+        bf16 = [c for c, p in cfg.components.items() if p.precision == "bf16"]
+        if bf16:
+            raise VlaforgeError(f"{where}: bf16.enabled = false but components.{bf16[0]}.precision = 'bf16'; set it "
+                                "to 'auto' (the components' precision decides) or change the components")
