@@ -141,9 +141,10 @@ def profile(ctx: typer.Context,
             repeats: int = typer.Option(3, min=1, help="timed steps per strategy (after one warm-up)"),
             as_json: bool = typer.Option(False, "--json", help="print JSON")):
     """Activation memory and step time of every checkpointing strategy on the config's model."""
+    from vlaforge.data.shapes import resolve_shapes
     from vlaforge.diagnostics.profile import profile as run_profile, render
 
-    report = run_profile(_load(config, ctx), fake=fake, budget_gb=budget_gb, seq_len=seq_len,
+    report = run_profile(resolve_shapes(_load(config, ctx))[0], fake=fake, budget_gb=budget_gb, seq_len=seq_len,
                          batch_size=batch_size, offload=offload, repeats=repeats)
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))
 
@@ -195,12 +196,14 @@ def plan(model: str = typer.Option("vla-7b", help="a flavor (tiny | small | vla-
 
 @config_app.command("show", context_settings=OVERRIDES)
 def config_show(ctx: typer.Context, config: Optional[Path] = typer.Argument(None, help="TOML recipe")):
-    """Print the resolved configuration (recipe + overrides + defaults) as TOML, then, as comments, the tokens of
-    one sample and of each context-parallel rank."""
+    """Print the resolved configuration (recipe + overrides + defaults; 'auto' model shapes from the dataset when
+    it exists) as TOML, then, as comments, the tokens of one sample and of each context-parallel rank."""
     from vlaforge.config import dump_toml
     from vlaforge.models.build import token_summary
 
-    cfg = _load(config, ctx)
+    from vlaforge.data.shapes import resolve_shapes
+
+    cfg, _ = resolve_shapes(_load(config, ctx), required=False)  # "auto" shapes, when the dataset is there
     typer.echo(dump_toml(cfg), nl=False)
     typer.echo(token_summary(cfg), nl=False)
 
@@ -238,6 +241,17 @@ def data_generate(
                        image_size=image_size, seed=seed, workers=workers, max_steps=max_steps, overwrite=overwrite,
                        progress=progress)
     typer.echo(json.dumps(summary))
+
+
+@data_app.command("info")
+def data_info(path: Path = typer.Argument(..., help="a LeRobot dataset folder (v3.0 or v2.1)"),
+              as_json: bool = typer.Option(False, "--json", help="print JSON")):
+    """Features, episodes, frames, tasks and fps of a dataset, and the model shapes 'auto' would take from it; the
+    dataset is read as training reads it, so a damaged one is one line (exit 2)."""
+    from vlaforge.data.summary import dataset_summary, render_dataset_summary
+
+    summary = dataset_summary(path)
+    typer.echo(json.dumps(summary, indent=2) if as_json else render_dataset_summary(summary))
 
 
 def one_line(exc: BaseException) -> str:

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import types
+from typing import Annotated, Literal, Union, get_args, get_origin
+
 from pydantic import BaseModel
 
 from vlaforge.config.schema import ComponentConfig, VLAConfig
@@ -34,8 +37,22 @@ def _rows(model: type[BaseModel], prefix: str, out: list[str]) -> None:
             _rows_one(path, field, out)
 
 
+def _type_name(ann) -> str:
+    """`int | Literal['auto']` for a field's annotation (constraints inside `Annotated` left out)."""
+    origin, args = get_origin(ann), get_args(ann)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return f"Literal[{', '.join(repr(a) for a in args)}]"
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    return "None" if ann is type(None) else getattr(ann, "__name__", str(ann))
+
+
 def _rows_one(path: str, field, out: list[str]) -> None:
-    type_name = str(field.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    type_name = _type_name(field.annotation)
     default = field.get_default(call_default_factory=True)
     out.append(f"| `{path}` | `{_cell(type_name)}` | `{_cell(repr(default))}` | {_cell(field.description or '')} |")
 

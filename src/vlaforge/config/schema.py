@@ -7,13 +7,14 @@ elsewhere.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vlaforge import COMPONENTS
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+Auto = Literal["auto"]
 Checkpointing = Literal["none", "full", "selective", "selective_attn", "selective_ffn", "every_nth"]
 Offload = Literal["none", "cpu", "nvme"]
 
@@ -23,6 +24,10 @@ Offload = Literal["none", "cpu", "nvme"]
 MAX_IMAGE_SIZE, MAX_TOKENS, MAX_BATCH = 4096, 65536, 1 << 20
 MAX_SEED = (1 << 32) - 1  # numpy's and Meta-World's seeds are 32-bit
 MAX_ENV_SEED = 40_000  # eval / generation: base seed x 100,000 + offsets stays a 32-bit environment seed
+
+
+Dim = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+SYNTHETIC_SHAPES = {"cameras": ["corner"], "state_dim": 4, "action_dim": 4}  # what "auto" means without a dataset
 
 
 class Section(BaseModel):
@@ -53,15 +58,22 @@ class ActionHeadConfig(Section):
 class ModelConfig(Section):
     flavor: str = "tiny"
     frames: int = Field(1, ge=1, le=MAX_TOKENS, description="time steps of images per sample")
-    cameras: list[str] = Field(default_factory=lambda: ["corner"], min_length=1)
+    cameras: Annotated[list[str], Field(min_length=1)] | Auto = Field(
+        default_factory=lambda: list(SYNTHETIC_SHAPES["cameras"]),
+        description="camera names (dataset video keys, with or without 'observation.images.'); 'auto' (the default "
+                    "with data.source = 'lerobot'): every camera of the dataset in its order, at most max_cameras; "
+                    "['corner'] for synthetic data")
+    max_cameras: int | None = Field(None, ge=1, description="cameras = 'auto': take at most this many")
     image_size: int | None = Field(None, ge=8, le=MAX_IMAGE_SIZE, description="pixels per side; None takes the "
                                                                                "flavor's")
     patch_size: int | None = Field(None, ge=2, description="vision patch size of a tower built from the flavor "
                                                            "(smaller: finer localization, more tokens); None "
                                                            "takes the flavor's")
     action_chunk: int = Field(8, ge=1, le=MAX_TOKENS, description="T: actions predicted per step")
-    action_dim: int = Field(4, ge=1, le=MAX_TOKENS)
-    state_dim: int = Field(4, ge=1, le=MAX_TOKENS)
+    action_dim: Dim | Auto = Field(4, description="'auto' (the default with data.source = 'lerobot'): the "
+                                                  "dataset's action size")
+    state_dim: Dim | Auto = Field(4, description="'auto' (the default with data.source = 'lerobot'): the dataset's "
+                                                 "state size")
     vision: PretrainedSource = Field(default_factory=PretrainedSource)
     llm: PretrainedSource = Field(default_factory=PretrainedSource)
     action_head: ActionHeadConfig = Field(default_factory=ActionHeadConfig)
@@ -94,8 +106,20 @@ class ModelConfig(Section):
 
     @property
     def frames_per_sample(self) -> int:
-        """F: images per sample (time steps x cameras)."""
+        """F: images per sample (time steps x cameras).
+
+        Raises:
+            ConfigError: the cameras are still 'auto' (they come from the dataset when training starts).
+        """
+        if self.cameras == "auto":
+            from vlaforge.errors import ConfigError
+
+            raise ConfigError("model.cameras = 'auto' takes the dataset's cameras, and no dataset was read here; set "
+                              "model.cameras (e.g. [\"corner\"]) or point data.path at the dataset")
         return self.frames * len(self.cameras)
+
+    def shapes_known(self) -> bool:
+        return "auto" not in (self.cameras, self.state_dim, self.action_dim)
 
 
 class ComponentConfig(Section):
@@ -406,7 +430,13 @@ class VLAConfig(Section):
                              f"{self.model.action_chunk}; execute at most the predicted actions")
         if self.eval.every and self.data.source != "lerobot":
             raise ValueError("eval.every needs data.source = 'lerobot' (evaluation runs the policy in Meta-World)")
-        self._tokens_fit()
+        for key, value in SYNTHETIC_SHAPES.items():
+            if self.data.source == "lerobot" and key not in self.model.model_fields_set:
+                setattr(self.model, key, "auto")  # unset: taken from the dataset (data/shapes.py)
+            elif self.data.source != "lerobot" and getattr(self.model, key) == "auto":
+                setattr(self.model, key, list(value) if isinstance(value, list) else value)  # no dataset to ask
+        if self.model.shapes_known():  # else checked again once the dataset has resolved them
+            self._tokens_fit()
         return self
 
     def _tokens_fit(self) -> None:

@@ -74,6 +74,9 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
 def token_summary(cfg) -> str:
     """TOML comment lines: the LLM sequence of one sample, part by part, and each context-parallel rank's share
     (built under fake tensors: seconds even for 70B flavors)."""
+    if not cfg.model.shapes_known():
+        return "# tokens per sample: known once the dataset's cameras are read (model.cameras = 'auto'; no dataset " \
+               f"at data.path {cfg.data.path})\n"
     with fake_build():
         model = build_vla(cfg.model, cfg.loss)
     lay, d = model.layout, cfg.data

@@ -31,7 +31,9 @@ def base_config(model: str, frames: int | None, cameras: int | None, image_size:
     from vlaforge.models.flavors import FLAVORS
 
     if model.endswith(".toml"):
-        cfg = load_config(Path(model))
+        from vlaforge.data.shapes import resolve_shapes
+
+        cfg = resolve_shapes(load_config(Path(model)))[0]  # a plan needs the camera count
     elif model in FLAVORS:
         cfg = load_config(None, {"model": {"flavor": model}})
     else:

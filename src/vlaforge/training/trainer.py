@@ -19,6 +19,7 @@ from torch import nn
 from vlaforge.config.loading import dump_toml, write_atomic
 from vlaforge.config.schema import VLAConfig
 from vlaforge.data.loader import Data, build_data, build_loader
+from vlaforge.data.shapes import describe as describe_shapes, resolve_shapes
 from vlaforge.evaluation.closed_loop import eval_tasks
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla, tokens_per_sample
@@ -232,6 +233,9 @@ def check_memory(cfg: VLAConfig, model: nn.Module, device: torch.device, tps: in
 
 def build_run(cfg: VLAConfig) -> Run:
     world = world_from_env()
+    cfg, chosen = resolve_shapes(cfg)  # "auto" cameras / state / action sizes from the dataset
+    if chosen and world.is_main:
+        print(describe_shapes(chosen, cfg.data.path), flush=True)
     dims = check_layout(cfg, world)
     run_dir = Path(cfg.train.output_dir)
     resume_from = ckpt.resolve_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
@@ -407,6 +411,7 @@ def train(cfg: VLAConfig) -> dict[str, float]:
 
 def _train(cfg: VLAConfig) -> dict[str, float]:
     run = build_run(cfg)
+    cfg = run.cfg  # resolved
     t = cfg.train
     dp, main = run.dims.dp, run.world.is_main
     loader = build_loader(run.data.dataset, t.batch_size, t.seed,

@@ -1,0 +1,54 @@
+"""`vlaforge data info`: what a LeRobot dataset holds - features, episodes, frames, tasks and fps - read (and
+checked) by the same reader training uses, so a damaged dataset is reported here before a run starts."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from vlaforge.data.lerobot_v3 import LeRobotDataset
+from vlaforge.data.shapes import dataset_shapes
+
+
+def dataset_summary(path: str | Path) -> dict[str, Any]:
+    """A JSON-able summary of the dataset at `path`.
+
+    Raises:
+        VlaforgeError: the dataset is missing, incomplete or damaged (one line naming the file).
+    """
+    reader = LeRobotDataset(path)
+    info = reader.info
+    episodes = Counter(e.task for e in reader.episodes)
+    frames: Counter = Counter()
+    for e in reader.episodes:
+        frames[e.task] += e.length
+    features = [{"name": name, "dtype": spec.get("dtype"), "shape": spec.get("shape")}
+                for name, spec in info.get("features", {}).items()]
+    return {"path": str(reader.root), "codebase_version": reader.version, "robot_type": info.get("robot_type"),
+            "fps": reader.fps, "episodes": len(reader.episodes), "frames": reader.num_frames,
+            "tasks": [{"task": t, "episodes": episodes[t], "frames": frames[t]} for t in reader.tasks],
+            "features": features, "model_shapes": dataset_shapes(info, reader.root),
+            "generator": info.get("vlaforge", {}).get("generator"),
+            "simulator_tasks": info.get("vlaforge", {}).get("tasks", [])}
+
+
+def render_dataset_summary(s: dict[str, Any]) -> str:
+    """The summary as aligned text tables."""
+    shapes = s["model_shapes"]
+    lines = [f"dataset {s['path']}  (LeRobot {s['codebase_version']}, robot {s['robot_type'] or '-'}, "
+             f"{s['fps']:g} fps)",
+             f"{s['episodes']} episodes, {s['frames']} frames, {len(s['tasks'])} tasks",
+             f"model shapes ('auto'): cameras = {shapes['cameras']}, state_dim = {shapes['state_dim']}, "
+             f"action_dim = {shapes['action_dim']}", ""]
+    width = max(len(f["name"]) for f in s["features"])
+    lines.append(f"{'feature':<{width}}  {'dtype':<8}  shape")
+    lines += [f"{f['name']:<{width}}  {str(f['dtype']):<8}  {f['shape']}" for f in s["features"]]
+    lines.append("")
+    width = max([len("task")] + [len(t["task"]) for t in s["tasks"]])
+    lines.append(f"{'task':<{width}}  {'episodes':>8}  {'frames':>7}")
+    lines += [f"{t['task']:<{width}}  {t['episodes']:>8}  {t['frames']:>7}" for t in s["tasks"]]
+    if s["simulator_tasks"]:
+        by = f" ({s['generator']})" if s["generator"] else ""
+        lines += ["", f"recorded from: {', '.join(s['simulator_tasks'])}{by}"]
+    return "\n".join(lines)
