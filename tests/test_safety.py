@@ -410,7 +410,7 @@ def test_a_damaged_video_in_a_loader_worker_is_one_line(tmp_path, dataset):
 
 def test_sizes_that_cannot_fit_are_refused_before_they_are_allocated(tmp_path):
     from vlaforge.models.build import build_vla, tokens_per_sample
-    from vlaforge.training.trainer import check_memory, memory_errors
+    from vlaforge.training.memory_check import check_memory, memory_errors
 
     from conftest import tiny_config
 

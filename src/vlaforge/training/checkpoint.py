@@ -155,6 +155,29 @@ def run_folder_of(ckpt: Path) -> Path:
     return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
 
 
+def check_run_folder(run_dir: Path, resume_from: Path | None) -> None:
+    """A new run needs an empty (or missing) folder it can write; a resumed run writes into the run it resumes
+    from (or an empty folder). Nothing of an earlier run is ever overwritten.
+
+    Raises:
+        VlaforgeError: the folder is a file, holds another run, or cannot be written.
+    """
+    where = f"train.output_dir {run_dir}"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise VlaforgeError(f"{where} is a file, not a folder; choose another --train.output_dir")
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        if resume_from is None:
+            raise VlaforgeError(f"{where} is not empty (an earlier run's files would be overwritten); choose another "
+                                f"--train.output_dir, or continue that run with --resume {run_dir}")
+        if run_dir.resolve() not in resume_from.resolve().parents:
+            raise VlaforgeError(f"{where} is not empty and is not the run of the resumed checkpoint {resume_from}; "
+                                "resume into that run or into an empty --train.output_dir")
+    existing = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise VlaforgeError(f"{where}: {existing} is {'not writable' if existing.is_dir() else 'a file'}; choose a "
+                            "writable --train.output_dir")
+
+
 def load_checkpoint(ckpt: Path, model: torch.nn.Module, sharded: bool = False) -> dict[str, Any]:
     """Load weights into `model` (strict; `sharded`: a parallelized model, loaded from the full state on every
     rank) and return the trainer state.

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
 import shutil
 import time
@@ -41,6 +39,7 @@ from vlaforge.training import checkpoint as ckpt
 from vlaforge.training.metrics import MetricsLogger, to_floats
 from vlaforge.training.optim import build_optimizer, build_scheduler
 from vlaforge.training.loss_scale import LossScaler
+from vlaforge.training.memory_check import check_memory, memory_errors
 from vlaforge.training.step import StepGuards, train_step
 from vlaforge.training.weighting import build_weighting
 
@@ -185,52 +184,6 @@ class Run:
     eval_tasks: list[str]
 
 
-def check_output_dir(run_dir: Path, resume_from: Path | None) -> None:
-    """A new run needs an empty (or missing) folder it can write; a resumed run writes into the run it resumes
-    from (or an empty folder). Nothing of an earlier run is ever overwritten.
-
-    Raises:
-        VlaforgeError: the folder is a file, holds another run, or cannot be written.
-    """
-    where = f"train.output_dir {run_dir}"
-    if run_dir.exists() and not run_dir.is_dir():
-        raise VlaforgeError(f"{where} is a file, not a folder; choose another --train.output_dir")
-    if run_dir.is_dir() and any(run_dir.iterdir()):
-        if resume_from is None:
-            raise VlaforgeError(f"{where} is not empty (an earlier run's files would be overwritten); choose another "
-                                f"--train.output_dir, or continue that run with --resume {run_dir}")
-        if run_dir.resolve() not in resume_from.resolve().parents:
-            raise VlaforgeError(f"{where} is not empty and is not the run of the resumed checkpoint {resume_from}; "
-                                "resume into that run or into an empty --train.output_dir")
-    existing = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise VlaforgeError(f"{where}: {existing} is {'not writable' if existing.is_dir() else 'a file'}; choose a "
-                            "writable --train.output_dir")
-
-
-def check_memory(cfg: VLAConfig, model: nn.Module, device: torch.device, tps: int) -> None:
-    """Refuse sizes whose step cannot fit this device, before anything of that size is allocated. The estimate is
-    a lower bound (images as loaded and batched, and the one hidden state per transformer block that even full
-    checkpointing keeps), so it refuses only what surely does not fit.
-
-    Raises:
-        VlaforgeError: naming the sizes to lower.
-    """
-    lay, b = model.layout, cfg.train.batch_size
-    images = 2 * lay.frames * 3 * lay.image_size ** 2 * 4  # float32, per sample and again in the collated batch
-    vision = lay.frames * lay.patches_per_frame * model.vision.config.hidden_size * \
-        model.vision.config.num_hidden_layers * 2
-    llm = tps * model.llm.config.hidden_size * model.llm.config.num_hidden_layers * 2
-    need = b * (images + vision + llm)
-    have = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
-        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        raise VlaforgeError(f"one step needs at least {need / 2**30:.1f} GiB (train.batch_size = {b} samples of "
-                            f"{lay.frames} images at {lay.image_size} px and {tps} LLM tokens) but the {device.type} "
-                            f"has {have / 2**30:.1f} GiB; lower train.batch_size (raise train.grad_accum to keep the "
-                            "global batch), model.image_size or the token counts")
-
-
 def build_run(cfg: VLAConfig) -> Run:
     world = world_from_env()
     cfg, chosen = resolve_shapes(cfg)  # "auto" cameras / state / action sizes from the dataset
@@ -239,7 +192,7 @@ def build_run(cfg: VLAConfig) -> Run:
     dims = check_layout(cfg, world)
     run_dir = Path(cfg.train.output_dir)
     resume_from = ckpt.resolve_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
-    check_output_dir(run_dir, resume_from)
+    ckpt.check_run_folder(run_dir, resume_from)
     device = init_distributed(world, resolve_device(cfg.train.device), single=dims.backend == "deepspeed")
     if dims.distributed:
         torch.distributed.barrier()  # NOTE: every rank has checked the folder before rank 0 writes into it
@@ -387,20 +340,6 @@ def evaluate_checkpoint(run: Run, path: Path) -> dict[str, float]:
 
 def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     return {f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups if not g["name"].endswith(".no_decay")}
-
-
-@contextlib.contextmanager
-def memory_errors():
-    """An allocation that fails (a size `check_memory`'s lower bound let through) ends in one line, not a trace."""
-    try:
-        yield
-    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
-        text = str(exc)
-        if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in text:
-            raise
-        raise VlaforgeError(f"out of memory ({text.strip().splitlines()[0][:120] if text.strip() else 'MemoryError'});"
-                            " lower train.batch_size (raise train.grad_accum to keep the global batch), "
-                            "model.image_size or the token counts, or turn on activation checkpointing") from None
 
 
 def train(cfg: VLAConfig) -> dict[str, float]:
