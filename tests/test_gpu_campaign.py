@@ -1,0 +1,35 @@
+"""The GPU campaign's CPU dry run: every check of bench/gpu/run_all.sh runs here with tiny shapes and writes the
+JSON keys the device run writes, so a broken script is found before device time is spent on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+MFU_KEYS = {"tokens_per_s", "tflops", "mfu", "peak_gb", "predicted_step_s", "measured_step_s"}
+
+
+@pytest.mark.slow
+def test_run_all_dry_run_writes_every_check(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(["bash", "bench/gpu/run_all.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    checks = ("mfu", "planner_validation", "activation_memory", "ring_kernel", "precision")
+    assert summary["dry_run"] is True and set(summary["checks"]) == set(checks)
+    assert all(c["status"] == "ok" for c in summary["checks"].values()), summary
+    for name in checks:
+        json.loads((tmp_path / f"{name}.json").read_text())
+    assert len(list(tmp_path.iterdir())) <= 8  # what a device call brings back
+    mfu = json.loads((tmp_path / "mfu.json").read_text())
+    assert mfu["points"] and mfu["fp8"] and mfu["largest_flavor"]["flavor"] == "tiny"
+    for row in mfu["points"]:
+        assert MFU_KEYS <= row.keys() and row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1, row
+    assert all("speedup" in row and row["speedup"] > 0 for row in mfu["fp8"]), mfu["fp8"]
