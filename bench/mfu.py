@@ -51,7 +51,7 @@ def base_config(flavor: str, overrides: dict | None = None):
 def largest_fitting(cluster, flavors, seq: int) -> tuple[str, dict]:
     """The largest flavor the planner fits on one GPU at `seq` tokens, and the component settings it recommends
     (bf16 LLM: fp8 is measured as its own variant)."""
-    from vlaforge.diagnostics.profile import with_seq_len
+    from vlaforge.models.build import with_seq_len
     from vlaforge.planner.estimate import PlanModel
     from vlaforge.planner.search import search
 
@@ -122,7 +122,7 @@ def main() -> None:
         args.flavors, args.seq, args.micro, args.steps = ["tiny", "auto"], [64], [2], 1
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
 
-    from vlaforge.diagnostics.profile import with_seq_len
+    from vlaforge.models.build import with_seq_len
     from vlaforge.planner.estimate import Cluster
     from vlaforge.planner.hardware import get_gpu
 

@@ -27,7 +27,7 @@ CONFIGS = [(ck, batch) for ck in ("none", "selective", "full") for batch in (2, 
 
 
 def config(flavor: str, checkpointing: str, batch: int, seq: int | None):
-    from vlaforge.diagnostics.profile import with_seq_len
+    from vlaforge.models.build import with_seq_len
 
     comps = {c: {"precision": "bf16"} for c in ("vision", "projector", "llm", "action_head")}
     comps["llm"]["checkpointing"] = checkpointing
@@ -39,7 +39,7 @@ def config(flavor: str, checkpointing: str, batch: int, seq: int | None):
 
 def measure(cfg, device: torch.device, steps: int) -> dict:
     """Peak device bytes and median step seconds of real training steps (after one warm-up step)."""
-    from vlaforge.diagnostics.profile import synthetic_batch
+    from vlaforge.models.build import synthetic_batch
     from vlaforge.training.optim import build_optimizer, build_scheduler
     from vlaforge.training.step import train_step
     from vlaforge.training.trainer import build_loss_weighting, build_model

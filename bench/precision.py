@@ -47,7 +47,7 @@ def worker(flavor: str, config: str, steps: int, batch_size: int, device_name: s
     from vlaforge.config import load_config
     from vlaforge.data.batch import Batch
     from vlaforge.data.loader import build_data
-    from vlaforge.diagnostics.numerics import GradientUnderflowWarning
+    from vlaforge.training.numerics import GradientUnderflowWarning
     from vlaforge.training.optim import build_optimizer, build_scheduler
     from vlaforge.training.step import train_step
     from vlaforge.training.trainer import build_guards, build_loss_weighting, build_model, resolve_device

@@ -29,7 +29,7 @@ METHODS = ("ring", "ulysses", "allgather")
 def _model(tokens: int):
     from transformers import LlamaConfig, LlamaModel
 
-    from vlaforge.models.flavors import FLAVORS
+    from vlaforge.config.flavors import FLAVORS
 
     cfg = dict(FLAVORS.get("tiny").llm, max_position_embeddings=max(tokens, 1024))
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vlaforge import COMPONENTS
-from vlaforge.diagnostics import memory
+from vlaforge.techniques import accounting as memory
 from vlaforge.errors import VlaforgeError
 from vlaforge.techniques import offload as off
 from vlaforge.training.trainer import build_model

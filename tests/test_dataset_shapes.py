@@ -12,7 +12,7 @@ import pytest
 
 from vlaforge.config import load_config
 from vlaforge.data.lerobot_writer import DatasetWriter
-from vlaforge.data.shapes import resolve_shapes
+from vlaforge.config.shapes import resolve_shapes
 from vlaforge.errors import VlaforgeError
 
 from conftest import TINY_RECIPE, run_cli

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from vlaforge.config.schema import LossConfig
-from vlaforge.training import losses as L
+from vlaforge.models import losses as L
 from vlaforge.training.trainer import train
 from vlaforge.training.weighting import build_weighting
 

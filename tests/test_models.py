@@ -7,7 +7,7 @@ from vlaforge import COMPONENTS
 from vlaforge.config import load_config
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla, parameter_counts
-from vlaforge.models.flavors import FLAVORS
+from vlaforge.config.flavors import FLAVORS
 
 from conftest import make_batch, run_cli, tiny_config
 

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from vlaforge.diagnostics.numerics import (FP16_TINY, GradientUnderflowWarning, NonFiniteGradientError,
+from vlaforge.training.numerics import (FP16_TINY, GradientUnderflowWarning, NonFiniteGradientError,
                                            NumericsMonitor, component_stats)
 from vlaforge.training.step import StepGuards, train_step
 

@@ -109,8 +109,8 @@ def test_per_gpu_shares_match_fsdp2_and_tp_shards_on_eight_fake_ranks():
 
 
 def _measured_blocks(flavor: str, seq: int | None, precision: str, strategy: str, frames: int = 1):
-    from vlaforge.diagnostics import memory
-    from vlaforge.diagnostics.profile import synthetic_batch, with_seq_len
+    from vlaforge.techniques import accounting as memory
+    from vlaforge.models.build import synthetic_batch, with_seq_len
     from vlaforge.models.build import fake_build, tokens_per_sample
     from vlaforge.training.trainer import build_model
 
@@ -173,7 +173,7 @@ def test_whole_model_activation_bytes_within_5_percent_of_fake_measurement(flavo
 def _counted_flops(flavor: str, seq: int | None, components: dict):
     from torch.utils.flop_counter import FlopCounterMode
 
-    from vlaforge.diagnostics.profile import synthetic_batch, with_seq_len
+    from vlaforge.models.build import synthetic_batch, with_seq_len
     from vlaforge.models.build import fake_build
     from vlaforge.techniques.freezing import apply_freezing
     from vlaforge.training.trainer import build_model

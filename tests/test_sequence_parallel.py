@@ -143,7 +143,7 @@ def _llm_worker(rank, world, port, out):
     from transformers import LlamaConfig, LlamaModel
 
     from vlaforge.distributed.sequence_parallel import register_attention
-    from vlaforge.models.flavors import FLAVORS
+    from vlaforge.config.flavors import FLAVORS
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -76,7 +76,12 @@ def train(ctx: typer.Context,
     cfg = _load(config, ctx, resume, first)
     if deepspeed is not None:
         check_resolved(cfg, ds, world_from_env().size, where)
-    last = run_training(cfg)
+    evaluate = None
+    if cfg.eval.every:
+        from vlaforge.evaluation.closed_loop import during_training
+
+        evaluate = during_training(cfg)
+    last = run_training(cfg, evaluate)
     if world_from_env().is_main:  # under torchrun, one summary line
         shown = {k: round(v, 5) for k, v in last.items() if k.startswith(("loss/", "perf/"))}
         typer.echo(f"done: {cfg.train.steps} steps -> {cfg.train.output_dir}  {json.dumps(shown)}")
@@ -141,7 +146,7 @@ def profile(ctx: typer.Context,
             repeats: int = typer.Option(3, min=1, help="timed steps per strategy (after one warm-up)"),
             as_json: bool = typer.Option(False, "--json", help="print JSON")):
     """Activation memory and step time of every checkpointing strategy on the config's model."""
-    from vlaforge.data.shapes import resolve_shapes
+    from vlaforge.config.shapes import resolve_shapes
     from vlaforge.diagnostics.profile import profile as run_profile, render
 
     report = run_profile(resolve_shapes(_load(config, ctx))[0], fake=fake, budget_gb=budget_gb, seq_len=seq_len,
@@ -199,9 +204,9 @@ def config_show(ctx: typer.Context, config: Optional[Path] = typer.Argument(None
     """Print the resolved configuration (recipe + overrides + defaults; 'auto' model shapes from the dataset when
     it exists) as TOML, then, as comments, the tokens of one sample and of each context-parallel rank."""
     from vlaforge.config import dump_toml
-    from vlaforge.models.build import token_summary
+    from vlaforge.distributed.sequence_parallel import token_summary
 
-    from vlaforge.data.shapes import resolve_shapes
+    from vlaforge.config.shapes import resolve_shapes
 
     cfg, _ = resolve_shapes(_load(config, ctx), required=False)  # "auto" shapes, when the dataset is there
     typer.echo(dump_toml(cfg), nl=False)

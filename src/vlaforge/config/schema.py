@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vlaforge import COMPONENTS
+from vlaforge.registry import did_you_mean
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Auto = Literal["auto"]
@@ -26,6 +27,15 @@ MAX_SEED = (1 << 32) - 1  # numpy's and Meta-World's seeds are 32-bit
 MAX_ENV_SEED = 40_000  # eval / generation: base seed x 100,000 + offsets stays a 32-bit environment seed
 
 
+# The action heads `models/action_heads.py` registers, by name (a test keeps the two equal).
+ACTION_HEAD_KINDS = ("regression", "flow_matching")
+# DeepSpeed zero_optimization tuning keys passed through unchanged (no vlaforge counterpart), and those whose
+# "auto" is sized from the LLM's hidden width (`distributed/deepspeed_backend.py` holds the sizes).
+ZERO_TUNING = ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
+               "allgather_partitions", "reduce_scatter", "round_robin_gradients", "sub_group_size",
+               "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+               "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save")
+ZERO_AUTO_FROM_HIDDEN = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 Dim = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
 SYNTHETIC_SHAPES = {"cameras": ["corner"], "state_dim": 4, "action_dim": 4}  # what "auto" means without a dataset
 
@@ -48,10 +58,9 @@ class ActionHeadConfig(Section):
     @field_validator("kind")
     @classmethod
     def _known_head(cls, v: str) -> str:
-        from vlaforge.models.action_heads import ACTION_HEADS
-
-        if v not in ACTION_HEADS:
-            raise ValueError(ACTION_HEADS.unknown_message(v))
+        if v not in ACTION_HEAD_KINDS:
+            raise ValueError(f"unknown action head {v!r}{did_you_mean(v, ACTION_HEAD_KINDS)}; choose one of: "
+                             f"{', '.join(ACTION_HEAD_KINDS)}")
         return v
 
 
@@ -81,7 +90,7 @@ class ModelConfig(Section):
     @field_validator("flavor")
     @classmethod
     def _known_flavor(cls, v: str) -> str:
-        from vlaforge.models.flavors import FLAVORS
+        from vlaforge.config.flavors import FLAVORS
 
         if v not in FLAVORS:
             raise ValueError(FLAVORS.unknown_message(v))
@@ -93,7 +102,7 @@ class ModelConfig(Section):
             raise ValueError("model.patch_size cannot change a pretrained vision tower; drop it or "
                              "model.vision.pretrained")
         if not self.vision.pretrained:  # a pretrained tower's patch size is checked when it is loaded
-            from vlaforge.models.flavors import FLAVORS
+            from vlaforge.config.flavors import FLAVORS
 
             vision = FLAVORS.get(self.flavor).vision
             size, patch = self.image_size or vision["image_size"], self.patch_size or vision["patch_size"]
@@ -250,15 +259,13 @@ class ParallelConfig(Section):
     @field_validator("zero_tuning")
     @classmethod
     def _known_tuning(cls, v: dict) -> dict:
-        from vlaforge.distributed.deepspeed_backend import AUTO_FROM_HIDDEN, ZERO_TUNING
-
         unknown = sorted(set(v) - set(ZERO_TUNING))
         if unknown:
             raise ValueError(f"unknown zero_optimization keys {unknown}; known: {', '.join(ZERO_TUNING)}")
-        auto = sorted(k for k, x in v.items() if x == "auto" and k not in AUTO_FROM_HIDDEN)
+        auto = sorted(k for k, x in v.items() if x == "auto" and k not in ZERO_AUTO_FROM_HIDDEN)
         if auto:
             raise ValueError(f"zero_optimization {auto[0]} = 'auto' has no vlaforge value; give a number (only "
-                             f"{', '.join(AUTO_FROM_HIDDEN)} take 'auto')")
+                             f"{', '.join(ZERO_AUTO_FROM_HIDDEN)} take 'auto')")
         return v
 
     @model_validator(mode="after")
@@ -441,7 +448,7 @@ class VLAConfig(Section):
 
     def _tokens_fit(self) -> None:
         """The LLM sequence of one sample within the flavor's positions (a pretrained LLM is checked on load)."""
-        from vlaforge.models.flavors import FLAVORS
+        from vlaforge.config.flavors import FLAVORS
 
         m, d = self.model, self.data
         if m.vision.pretrained or m.llm.pretrained:

@@ -21,8 +21,8 @@ from vlaforge import COMPONENTS
 from vlaforge.config.loading import deep_merge
 from vlaforge.config.schema import VLAConfig
 from vlaforge.data.batch import Batch
-from vlaforge.diagnostics import memory
-from vlaforge.errors import VlaforgeError
+from vlaforge.techniques import accounting as memory
+from vlaforge.models.build import synthetic_batch, with_seq_len
 
 WITH_BLOCKS = ("vision", "llm")
 # name -> checkpointing of vision and llm (projector and action head: none).
@@ -43,42 +43,6 @@ def strategy_config(cfg: VLAConfig, name: str, offload: bool) -> VLAConfig:
     for c in WITH_BLOCKS:
         comps[c] = {"checkpointing": STRATEGIES[name][c], "offload": "cpu" if offload else "none"}
     return VLAConfig.model_validate(deep_merge(cfg.model_dump(), {"components": comps}))
-
-
-def with_seq_len(cfg: VLAConfig, seq_len: int | None) -> VLAConfig:
-    """`cfg` whose instruction length makes the LLM sequence `seq_len` tokens long."""
-    if seq_len is None:
-        return cfg
-    from vlaforge.models.flavors import FLAVORS
-
-    m = cfg.model
-    flavor = FLAVORS.get(m.flavor)
-    image = m.image_size or flavor.vision["image_size"]
-    patch = m.patch_size or flavor.vision["patch_size"]
-    fixed = m.frames_per_sample * (image // patch) ** 2 + m.action_chunk + cfg.data.max_text_tokens
-    if seq_len <= fixed:
-        raise VlaforgeError(f"--seq-len {seq_len} leaves no room for instruction tokens: images, action queries and "
-                            f"text targets take {fixed} tokens; use a longer --seq-len")
-    return VLAConfig.model_validate(deep_merge(cfg.model_dump(), {"data": {"max_instruction_tokens":
-                                                                            seq_len - fixed}}))
-
-
-def synthetic_batch(cfg: VLAConfig, model: torch.nn.Module, size: int) -> Batch:
-    """A batch of the config's shapes (random values; fake tensors under FakeTensorMode)."""
-    m, d = cfg.model, cfg.data
-    lay = model.layout
-    vocab = model.llm.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    ids = lambda n: torch.randint(1, vocab, (size, n), generator=g)  # noqa: E731
-    text = d.max_text_tokens
-    return Batch(images=torch.randn(size, lay.frames, 3, lay.image_size, lay.image_size, generator=g),
-                 state=torch.randn(size, m.state_dim, generator=g),
-                 instruction_ids=ids(d.max_instruction_tokens),
-                 instruction_mask=torch.ones(size, d.max_instruction_tokens, dtype=torch.long),
-                 actions=torch.randn(size, m.action_chunk, m.action_dim, generator=g),
-                 action_mask=torch.ones(size, m.action_chunk, dtype=torch.bool),
-                 text_ids=ids(text) if text else None,
-                 text_mask=torch.ones(size, text, dtype=torch.long) if text else None)
 
 
 def real_batch(cfg: VLAConfig, model: torch.nn.Module, size: int) -> Batch:

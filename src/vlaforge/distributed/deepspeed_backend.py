@@ -23,23 +23,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlaforge.config.schema import ZERO_AUTO_FROM_HIDDEN, ZERO_TUNING
 from vlaforge.errors import VlaforgeError
 
 ENGINE_DIR = "deepspeed"  # inside a checkpoint folder: DeepSpeed's own partitioned optimizer state
 TAG = "state"
 
-# zero_optimization keys passed through unchanged (tuning knobs with no vlaforge counterpart)
-ZERO_TUNING = ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
-               "allgather_partitions", "reduce_scatter", "round_robin_gradients", "sub_group_size",
-               "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-               "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save")
 IGNORED = ("steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state")
 AUTO = "auto"  # transformers' convention: "take this value from the trainer's own settings"
 # Tuning keys whose "auto" is sized from the LLM's hidden width h, as transformers sizes them from the model's
 # hidden_size; "auto" on any other tuning key leaves DeepSpeed's default.
-AUTO_FROM_HIDDEN = {"reduce_bucket_size": lambda h: h * h,
-                    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-                    "stage3_param_persistence_threshold": lambda h: 10 * h}
+AUTO_FROM_HIDDEN = dict(zip(ZERO_AUTO_FROM_HIDDEN, (lambda h: h * h, lambda h: int(0.9 * h * h), lambda h: 10 * h)))
 
 
 def engine_config(cfg, dp: int, hidden: int | None = None) -> dict[str, Any]:
@@ -68,14 +62,11 @@ def engine_config(cfg, dp: int, hidden: int | None = None) -> dict[str, Any]:
     }
 
 
-def build_engine(model: nn.Module, cfg, dp: int, scheduler_factory, device: torch.device):
-    """(engine, scheduler): `model` wrapped by DeepSpeed with our per-component AdamW groups; the schedule steps
-    inside `engine.step()` at each accumulation boundary."""
+def build_engine(model: nn.Module, cfg, dp: int, groups: list[dict], scheduler_factory, device: torch.device):
+    """(engine, scheduler): `model` wrapped by DeepSpeed with our per-component AdamW parameter `groups`; the
+    schedule steps inside `engine.step()` at each accumulation boundary."""
     import deepspeed
 
-    from vlaforge.training.optim import build_param_groups
-
-    groups = build_param_groups(model, cfg.components)
     t = cfg.train
     if cfg.parallel.offload_optimizer == "cpu" and device.type == "cuda":
         from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -35,7 +35,7 @@ class ModelFacts:
 
 
 def model_facts(model_cfg) -> ModelFacts:
-    from vlaforge.models.flavors import FLAVORS
+    from vlaforge.config.flavors import FLAVORS
 
     flavor = FLAVORS.get(model_cfg.flavor)
     llm, vision = dict(flavor.llm), dict(flavor.vision)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vlaforge import COMPONENTS
-from vlaforge.diagnostics.memory import blocks_of
+from vlaforge.models.blocks import blocks_of
 from vlaforge.techniques.precision import DTYPES
 
 

@@ -26,7 +26,6 @@ from torch import nn
 from vlaforge.data.batch import Batch
 from vlaforge.models.build import tokens_per_sample
 from vlaforge.models.vla import VLA, position_ids
-from vlaforge.training.metrics import add_mean
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -218,7 +217,8 @@ class Pipeline:
         self._step = {}
         sums: dict[str, torch.Tensor] = {}
         for i in sorted(per_batch):  # empty off the last stage
-            add_mean(sums, per_batch[i], len(micro))
+            for k, v in per_batch[i].items():  # the step's mean over its micro-batches
+                sums[k] = sums[k] + v / len(micro) if k in sums else v / len(micro)
         return share_metrics(sums, self.group, mask.device)
 
 

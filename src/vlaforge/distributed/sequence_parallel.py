@@ -6,11 +6,12 @@ The kernels: `ring.ring_attention` (K/V around a ring, overlapped, zigzag-balanc
 K/V). All three are exact and take sequence shards of (B, H, S_local, D).
 
 The wiring (`apply_sequence_parallel`) leaves the model's code path as in one process:
-- **Layout.** Each row's real tokens move to the front in order and its padding to the end (`ShardLayout`), with
-  the position ids the unsharded model gives them. Under causal attention no real token then sees padding, so
-  the kernels need no key-padding mask and the result is the masked full-sequence attention exactly. The
-  compacted sequence is padded to a multiple of 2 x cp and cut into zigzag shards (ring) or contiguous ones
-  (Ulysses, all-gather); each rank feeds its shard to the LLM.
+- **Layout.** A forward pre-hook on the LLM (`SequenceParallel.enter`) takes the model's full-layout input and
+  feeds the LLM this rank's shard instead. Each row's real tokens move to the front in order and its padding to
+  the end (`ShardLayout`), with the position ids the unsharded model gives them. Under causal attention no real
+  token then sees padding, so the kernels need no key-padding mask and the result is the masked full-sequence
+  attention exactly. The compacted sequence is padded to a multiple of 2 x cp and cut into zigzag shards (ring)
+  or contiguous ones (Ulysses, all-gather).
 - **Gather.** A forward hook on the LLM's final norm all-gathers the shards and restores the original layout, so
   the LM head, the action head and the losses run on the full sequence, the same on every cp rank. Its backward
   hands each rank its own shard's gradient times cp: what went through the sharded LLM (its blocks, the
@@ -130,7 +131,8 @@ class _GatherShards(torch.autograd.Function):
 
 @dataclass
 class SequenceParallel:
-    """The cp group and method, attached to the VLA as `model.sequence_parallel`."""
+    """The cp group and method; its `enter` shards the LLM's input (a forward pre-hook), its `gather` restores the
+    full sequence after the final norm (a forward hook). The VLA's code path is the one-process one."""
 
     group: Any
     rank: int
@@ -153,8 +155,16 @@ class SequenceParallel:
 
         return zigzag_unshard(pieces, dim=1) if self.zigzag else torch.cat(pieces, dim=1)
 
-    def enter(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def enter(self, module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """Forward pre-hook of the LLM: its full-layout `inputs_embeds` / `attention_mask` / `position_ids` become
+        this rank's shard of the compacted layout (no mask: padding sits at the end, behind every real token)."""
+        mask = kwargs.pop("attention_mask").bool()
+        kwargs["inputs_embeds"], kwargs["position_ids"] = self.shard_layout(kwargs["inputs_embeds"], mask,
+                                                                            kwargs["position_ids"])
+        return args, kwargs
+
+    def shard_layout(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's shard of the compacted layout: (inputs_embeds, position_ids)."""
         lay = compact_order(mask, 2 * self.size if self.zigzag else self.size)
         self.layout = lay
@@ -179,6 +189,30 @@ def apply_sequence_parallel(model, dims, mesh, cfg, tokens: int) -> SequencePara
     group = mesh.get_group("cp")
     sp = SequenceParallel(group, dist.get_rank(group), dims.cp, method, why)
     model.llm.set_attn_implementation(register_attention(method, group))
+    model.llm.register_forward_pre_hook(sp.enter, with_kwargs=True)
     model.llm.model.norm.register_forward_hook(lambda module, args, out: sp.gather(out))
-    model.sequence_parallel = sp
     return sp
+
+
+def token_summary(cfg) -> str:
+    """TOML comment lines: the LLM sequence of one sample, part by part, and each context-parallel rank's share
+    (built under fake tensors: seconds even for 70B flavors)."""
+    from vlaforge.models.build import build_vla, fake_build, tokens_per_sample
+
+    if not cfg.model.shapes_known():
+        return "# tokens per sample: known once the dataset's cameras are read (model.cameras = 'auto'; no dataset " \
+               f"at data.path {cfg.data.path})\n"
+    with fake_build():
+        model = build_vla(cfg.model, cfg.loss)
+    lay, d = model.layout, cfg.data
+    total = tokens_per_sample(model, d.max_instruction_tokens, d.max_text_tokens)
+    lines = [f"# tokens per sample: {lay.frames} frames x {lay.patches_per_frame} patches + "
+             f"{d.max_instruction_tokens} instruction + {model.action_head.chunk} action queries + "
+             f"{d.max_text_tokens} text = {total}"]
+    cp = cfg.parallel.cp
+    lines.append(f"# tokens per rank: {total}" if cp == 1 else
+                 f"# tokens per rank with parallel.cp = {cp}: {-(-total // cp)}")
+    if cp > 1:
+        method, why = cp_method_for(cfg.parallel, total, model.llm.config.num_attention_heads)
+        lines.append(f"# context-parallel method: {method} ({why})")
+    return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -217,3 +217,19 @@ def render_table(report: dict[str, Any]) -> str:
         lines.append(f"{t:<28} {v['success_rate']:>8.0%} {f'[{lo:.0%}, {hi:.0%}]':>12} {v['mean_length']:>9.1f}")
     lines.append(f"{'mean':<28} {report['mean_success_rate']:>8.0%}")
     return "\n".join(lines)
+
+
+def during_training(cfg) -> Callable[[Path], dict[str, float]]:
+    """The evaluator `vlaforge train` hands the trainer when eval.every > 0: the tasks are checked now, before
+    training, and each call scores a just-saved checkpoint (eval.train_episodes per task) as metrics
+    (eval/success/<task>, eval/success)."""
+    tasks, e = eval_tasks(cfg), cfg.eval
+
+    def score(path: Path) -> dict[str, float]:
+        report = evaluate(path, tasks, e.train_episodes, execute=e.execute, max_steps=e.max_steps, workers=e.workers,
+                          seed=e.seed, video=False, progress=False)
+        out = {f"eval/success/{t}": v["success_rate"] for t, v in report["tasks"].items()}
+        out["eval/success"] = report["mean_success_rate"]
+        return out
+
+    return score

@@ -1,4 +1,5 @@
-"""`build_vla`: the one place that turns a `ModelConfig` into a VLA (real, or fake for planning)."""
+"""`build_vla`: the one place that turns a `ModelConfig` into a VLA (real, or fake for planning); the shapes of
+one sample (`tokens_per_sample`, `with_seq_len`, `synthetic_batch`)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import contextlib
 
 import torch
 
-from vlaforge.config.schema import LossConfig, ModelConfig
+from vlaforge.config.flavors import FLAVORS
+from vlaforge.config.loading import deep_merge
+from vlaforge.config.schema import LossConfig, ModelConfig, VLAConfig
+from vlaforge.data.batch import Batch
+from vlaforge.errors import VlaforgeError
 from vlaforge.models.action_heads import ACTION_HEADS
-from vlaforge.models.flavors import FLAVORS
 from vlaforge.models.llm import build_llm
 from vlaforge.models.vision import build_vision
 from vlaforge.models.vla import VLA, Layout, Projector
-from vlaforge.training.losses import Objective
+from vlaforge.models.losses import Objective
 
 
 def objective_from(loss: LossConfig) -> Objective:
@@ -71,25 +75,35 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     return counts
 
 
-def token_summary(cfg) -> str:
-    """TOML comment lines: the LLM sequence of one sample, part by part, and each context-parallel rank's share
-    (built under fake tensors: seconds even for 70B flavors)."""
-    if not cfg.model.shapes_known():
-        return "# tokens per sample: known once the dataset's cameras are read (model.cameras = 'auto'; no dataset " \
-               f"at data.path {cfg.data.path})\n"
-    with fake_build():
-        model = build_vla(cfg.model, cfg.loss)
-    lay, d = model.layout, cfg.data
-    total = tokens_per_sample(model, d.max_instruction_tokens, d.max_text_tokens)
-    lines = [f"# tokens per sample: {lay.frames} frames x {lay.patches_per_frame} patches + "
-             f"{d.max_instruction_tokens} instruction + {model.action_head.chunk} action queries + "
-             f"{d.max_text_tokens} text = {total}"]
-    cp = cfg.parallel.cp
-    lines.append(f"# tokens per rank: {total}" if cp == 1 else
-                 f"# tokens per rank with parallel.cp = {cp}: {-(-total // cp)}")
-    if cp > 1:
-        from vlaforge.distributed.sequence_parallel import cp_method_for
+def with_seq_len(cfg: VLAConfig, seq_len: int | None) -> VLAConfig:
+    """`cfg` whose instruction length makes the LLM sequence `seq_len` tokens long."""
+    if seq_len is None:
+        return cfg
+    m = cfg.model
+    flavor = FLAVORS.get(m.flavor)
+    image = m.image_size or flavor.vision["image_size"]
+    patch = m.patch_size or flavor.vision["patch_size"]
+    fixed = m.frames_per_sample * (image // patch) ** 2 + m.action_chunk + cfg.data.max_text_tokens
+    if seq_len <= fixed:
+        raise VlaforgeError(f"--seq-len {seq_len} leaves no room for instruction tokens: images, action queries and "
+                            f"text targets take {fixed} tokens; use a longer --seq-len")
+    return VLAConfig.model_validate(deep_merge(cfg.model_dump(), {"data": {"max_instruction_tokens":
+                                                                            seq_len - fixed}}))
 
-        method, why = cp_method_for(cfg.parallel, total, model.llm.config.num_attention_heads)
-        lines.append(f"# context-parallel method: {method} ({why})")
-    return "\n".join(lines) + "\n"
+
+def synthetic_batch(cfg: VLAConfig, model: torch.nn.Module, size: int) -> Batch:
+    """A batch of the config's shapes (random values; fake tensors under FakeTensorMode)."""
+    m, d = cfg.model, cfg.data
+    lay = model.layout
+    vocab = model.llm.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(1, vocab, (size, n), generator=g)  # noqa: E731
+    text = d.max_text_tokens
+    return Batch(images=torch.randn(size, lay.frames, 3, lay.image_size, lay.image_size, generator=g),
+                 state=torch.randn(size, m.state_dim, generator=g),
+                 instruction_ids=ids(d.max_instruction_tokens),
+                 instruction_mask=torch.ones(size, d.max_instruction_tokens, dtype=torch.long),
+                 actions=torch.randn(size, m.action_chunk, m.action_dim, generator=g),
+                 action_mask=torch.ones(size, m.action_chunk, dtype=torch.bool),
+                 text_ids=ids(text) if text else None,
+                 text_mask=torch.ones(size, text, dtype=torch.long) if text else None)

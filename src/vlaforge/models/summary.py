@@ -10,7 +10,7 @@ def summarize(flavor: str) -> dict:
     from vlaforge.config.schema import ModelConfig
     from vlaforge.errors import VlaforgeError
     from vlaforge.models.build import build_vla, parameter_counts
-    from vlaforge.models.flavors import FLAVORS
+    from vlaforge.config.flavors import FLAVORS
 
     if flavor not in FLAVORS:
         raise VlaforgeError(FLAVORS.unknown_message(flavor))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from vlaforge.models.flavors import Flavor
+from vlaforge.config.flavors import Flavor
 from vlaforge.models.hf_loading import load_pretrained
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from vlaforge.data.batch import Batch
 from vlaforge.models.action_heads import ActionHead
-from vlaforge.training import losses as L
+from vlaforge.models import losses as L
 
 
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
@@ -99,13 +99,8 @@ class VLA(nn.Module):
                                                                    batch.text_ids if with_text else None)
         mask = self.token_mask(batch, with_text)
         n_text = batch.text_ids.shape[1] if with_text else 0
-        sp = getattr(self, "sequence_parallel", None)
-        if sp is None:
-            inputs = {"inputs_embeds": embeds, "attention_mask": mask.long(), "position_ids": position_ids(mask)}
-        else:  # this rank's shard; the final norm's hook gathers the full sequence back (sequence_parallel.py)
-            shard, positions = sp.enter(embeds, mask, position_ids(mask))
-            inputs = {"inputs_embeds": shard, "position_ids": positions}
-        out = self.llm(**inputs, output_hidden_states=True, logits_to_keep=n_text + 1, use_cache=False)
+        out = self.llm(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids(mask),
+                       output_hidden_states=True, logits_to_keep=n_text + 1, use_cache=False)
         h = self.split_outputs(out.hidden_states[-1], out.logits, n_text)
         if self.objective.active("contrastive"):
             h.update(self.contrastive_inputs(vision_tokens, instruction, batch.instruction_mask))

@@ -27,11 +27,11 @@ def base_config(model: str, frames: int | None, cameras: int | None, image_size:
                 text_tokens: int | None, seq: int | None):
     """The config every candidate starts from: a flavor's defaults or a recipe, with the input flags applied."""
     from vlaforge.config.loading import deep_merge, load_config
-    from vlaforge.diagnostics.profile import with_seq_len
-    from vlaforge.models.flavors import FLAVORS
+    from vlaforge.models.build import with_seq_len
+    from vlaforge.config.flavors import FLAVORS
 
     if model.endswith(".toml"):
-        from vlaforge.data.shapes import resolve_shapes
+        from vlaforge.config.shapes import resolve_shapes
 
         cfg = resolve_shapes(load_config(Path(model)))[0]  # a plan needs the camera count
     elif model in FLAVORS:

@@ -78,7 +78,7 @@ class PlanModel:
     """The model of a base config, built once under fake tensors, with the facts every candidate reuses."""
 
     def __init__(self, cfg):
-        from vlaforge.diagnostics.profile import synthetic_batch
+        from vlaforge.models.build import synthetic_batch
         from vlaforge.models.build import build_vla, fake_build
         from vlaforge.distributed.parallel_dims import model_facts
 
@@ -122,7 +122,7 @@ class PlanModel:
     def matmul_numel(self) -> dict[str, dict[str, int]]:
         """Parameters of the linears and convolutions per component, what autocast casts: 'attn' and 'ffn' of one
         block (vision, llm), 'rest' outside the blocks."""
-        from vlaforge.diagnostics.memory import blocks_of
+        from vlaforge.models.blocks import blocks_of
 
         def numel(module) -> int:
             return sum(p.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
@@ -150,7 +150,7 @@ class PlanModel:
     @cached_property
     def root_numel(self) -> dict[str, int]:
         """Parameters outside the transformer blocks per component: FSDP2's root unit, gathered whole."""
-        from vlaforge.diagnostics.memory import blocks_of
+        from vlaforge.models.blocks import blocks_of
 
         out = {}
         for comp in COMPONENTS:

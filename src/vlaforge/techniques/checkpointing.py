@@ -24,7 +24,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from vlaforge import COMPONENTS
-from vlaforge.diagnostics import memory
+from vlaforge.models.blocks import blocks_of
+from vlaforge.techniques import accounting as memory
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._scaled_mm.default}
@@ -92,7 +93,7 @@ def apply_checkpointing(model: nn.Module, policies: Mapping[str, Any]) -> dict[s
         strategy = policies[name].checkpointing
         if strategy == "none":
             continue
-        blocks = memory.blocks_of(model, name)
+        blocks = blocks_of(model, name)
         if blocks is None:  # projector / action head: the config allows only 'full' here
             checkpoint_module(getattr(model, name))
             done[name] = "module"

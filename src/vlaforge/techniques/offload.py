@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from vlaforge import COMPONENTS
-from vlaforge.diagnostics import memory
+from vlaforge.models.blocks import blocks_of
+from vlaforge.techniques import accounting as memory
 from vlaforge.errors import VlaforgeError
 
 PREFETCH = 2  # tensors read ahead in backward
@@ -205,7 +206,7 @@ def apply_offload(model: nn.Module, policies: Mapping[str, Any], device: torch.d
         policy = policies[name]
         if policy.offload == "none":
             continue
-        blocks = memory.blocks_of(model, name)
+        blocks = blocks_of(model, name)
         chosen = None
         if blocks is not None and policy.offload_fraction < 1.0:
             chosen = set(range(math.ceil(policy.offload_fraction * len(blocks))))

@@ -12,9 +12,9 @@ from torch import nn
 
 from vlaforge import COMPONENTS
 from vlaforge.data.batch import Batch
-from vlaforge.diagnostics.numerics import NumericsMonitor, nonfinite_error
+from vlaforge.training.numerics import NumericsMonitor, nonfinite_error
 from vlaforge.training.loss_scale import LossScaler
-from vlaforge.training.losses import valid_counts
+from vlaforge.models.losses import valid_counts
 from vlaforge.training.metrics import add_mean
 
 

@@ -9,7 +9,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -17,13 +17,12 @@ from torch import nn
 from vlaforge.config.loading import dump_toml, write_atomic
 from vlaforge.config.schema import VLAConfig
 from vlaforge.data.loader import Data, build_data, build_loader
-from vlaforge.data.shapes import describe as describe_shapes, resolve_shapes
-from vlaforge.evaluation.closed_loop import eval_tasks
+from vlaforge.config.shapes import describe as describe_shapes, resolve_shapes
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla, tokens_per_sample
 from vlaforge.progress import progress_bar
 from vlaforge.techniques.freezing import apply_freezing, schedule_changes
-from vlaforge.diagnostics.numerics import NumericsMonitor
+from vlaforge.training.numerics import NumericsMonitor
 from vlaforge.distributed.parallel_dims import ParallelDims, World, init_distributed, model_facts, world_from_env
 from vlaforge.distributed.deepspeed_backend import build_engine, full_weights, load_engine, save_engine
 from vlaforge.distributed.parallelize import GradReducer, parallelize
@@ -37,7 +36,7 @@ from vlaforge.techniques.offload import apply_offload
 from vlaforge.techniques.precision import PrecisionSetup, apply_precision
 from vlaforge.training import checkpoint as ckpt
 from vlaforge.training.metrics import MetricsLogger, to_floats
-from vlaforge.training.optim import build_optimizer, build_scheduler
+from vlaforge.training.optim import build_optimizer, build_param_groups, build_scheduler
 from vlaforge.training.loss_scale import LossScaler
 from vlaforge.training.memory_check import check_memory, memory_errors
 from vlaforge.training.step import StepGuards, train_step
@@ -134,7 +133,7 @@ def build_model(cfg: VLAConfig, device: torch.device) -> tuple[nn.Module, Precis
 def compile_blocks(model: nn.Module) -> int:
     """`torch.compile` every transformer block in place (`nn.Module.compile`: names and hooks unchanged; blocks of
     one shape share the compiled code). Returns how many were compiled."""
-    from vlaforge.diagnostics.memory import blocks_of
+    from vlaforge.models.blocks import blocks_of
 
     count = 0
     for comp in ("vision", "llm"):
@@ -162,6 +161,11 @@ def build_loss_weighting(cfg: VLAConfig, model: nn.Module, device: torch.device)
     return build_weighting(cfg.loss.weighting, terms, cfg.loss, shared=shared).to(device)
 
 
+# A saved checkpoint -> metrics (eval/success/<task>, eval/success). NOTE: evaluation sits on a floor above training
+# (it loads what training writes), so the trainer is handed the evaluator instead of importing it.
+Evaluator = Callable[[Path], dict[str, float]]
+
+
 @dataclass
 class Run:
     """Everything the loop touches, built once."""
@@ -181,10 +185,13 @@ class Run:
     start_sample: int  # global samples consumed before start_step (the batch may have changed with the world size)
     tokens_per_sample: int
     data: Data
-    eval_tasks: list[str]
+    evaluate: "Evaluator | None"
 
 
-def build_run(cfg: VLAConfig) -> Run:
+def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
+    if cfg.eval.every and evaluate is None:
+        raise VlaforgeError(f"eval.every = {cfg.eval.every} evaluates in the simulator during training, and no "
+                            "evaluator was given: run it through `vlaforge train`, or set eval.every = 0")
     world = world_from_env()
     cfg, chosen = resolve_shapes(cfg)  # "auto" cameras / state / action sizes from the dataset
     if chosen and world.is_main:
@@ -225,7 +232,8 @@ def build_run(cfg: VLAConfig) -> Run:
                                        mesh, device)
     weighting = build_loss_weighting(cfg, model, device)
     if dims.backend == "deepspeed":
-        guards.engine, scheduler = build_engine(model, cfg, dims.dp, lambda o: build_scheduler(o, cfg.train), device)
+        guards.engine, scheduler = build_engine(model, cfg, dims.dp, build_param_groups(model, cfg.components),
+                                                 lambda o: build_scheduler(o, cfg.train), device)
         optimizer = scheduler.optimizer  # ours, with the per-component groups; ZeRO partitions its state
     else:
         optimizer = build_optimizer(model, cfg, list(weighting.parameters()))
@@ -241,9 +249,8 @@ def build_run(cfg: VLAConfig) -> Run:
         write_atomic(run_dir / "config.toml", dump_toml(cfg))
         write_atomic(run_dir / "precision.json", json.dumps(precision.to_json(), indent=2))
     data = build_data(cfg, model)
-    tasks = eval_tasks(cfg) if cfg.eval.every else []  # checked before training, not at the first evaluation
     return Run(cfg, run_dir, device, world, dims, model, precision, guards, weighting, optimizer, scheduler, start,
-               samples, tps, data, tasks)
+               samples, tps, data, evaluate)
 
 
 def trainer_state(run: Run, step: int, optimizer: bool = True) -> dict[str, Any]:
@@ -326,30 +333,19 @@ def save(run: Run, step: int) -> Path | None:
     return path
 
 
-def evaluate_checkpoint(run: Run, path: Path) -> dict[str, float]:
-    """Closed-loop success rates of a just-saved checkpoint, as metrics (eval/success/<task>, eval/success)."""
-    from vlaforge.evaluation.closed_loop import evaluate
-
-    e = run.cfg.eval
-    report = evaluate(path, run.eval_tasks, e.train_episodes, execute=e.execute, max_steps=e.max_steps,
-                      workers=e.workers, seed=e.seed, video=False, progress=False)
-    out = {f"eval/success/{t}": v["success_rate"] for t, v in report["tasks"].items()}
-    out["eval/success"] = report["mean_success_rate"]
-    return out
-
-
 def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     return {f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups if not g["name"].endswith(".no_decay")}
 
 
-def train(cfg: VLAConfig) -> dict[str, float]:
-    """Train as configured; returns the last logged metrics."""
+def train(cfg: VLAConfig, evaluate: Evaluator | None = None) -> dict[str, float]:
+    """Train as configured; returns the last logged metrics. `evaluate`: rank 0 scores every eval.every-th
+    checkpoint with it (`evaluation.closed_loop.during_training`)."""
     with memory_errors():
-        return _train(cfg)
+        return _train(cfg, evaluate)
 
 
-def _train(cfg: VLAConfig) -> dict[str, float]:
-    run = build_run(cfg)
+def _train(cfg: VLAConfig, evaluate: Evaluator | None) -> dict[str, float]:
+    run = build_run(cfg, evaluate)
     cfg = run.cfg  # resolved
     t = cfg.train
     dp, main = run.dims.dp, run.world.is_main
@@ -394,7 +390,7 @@ def _train(cfg: VLAConfig) -> dict[str, float]:
             if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or evaluate_now:
                 path = save(run, done)
                 if evaluate_now and main:
-                    scores = evaluate_checkpoint(run, path)
+                    scores = run.evaluate(path)
                     logger.log(done, scores)
                     last |= scores
                 if evaluate_now and run.dims.distributed:

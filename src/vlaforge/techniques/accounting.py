@@ -24,25 +24,11 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from vlaforge import COMPONENTS
+from vlaforge.models.blocks import blocks_of
 
 DEVICE, CPU, NVME = "device", "cpu", "nvme"
 _location: list[tuple[str, int | None]] = []  # (component, block index) stack, innermost last
 _active: list["SavedBytes"] = []
-
-
-def blocks_of(model: nn.Module, component: str) -> nn.ModuleList | None:
-    """The transformer blocks of `component` (None for the projector and the action head, and for a component
-    another pipeline stage holds)."""
-    from vlaforge.models.llm import llm_blocks
-    from vlaforge.models.vision import vision_blocks
-
-    if getattr(getattr(model, component), "removed", False):
-        return None
-    if component == "vision":
-        return vision_blocks(model.vision)
-    if component == "llm":
-        return llm_blocks(model.llm)
-    return None
 
 
 def track_locations(model: nn.Module) -> None:

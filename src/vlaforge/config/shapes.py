@@ -10,29 +10,7 @@ from typing import Any
 from vlaforge.config.loading import deep_merge, to_dict, validate
 from vlaforge.config.schema import VLAConfig
 from vlaforge.data.lerobot_v3 import read_info
-from vlaforge.errors import VlaforgeError
-
-VIDEO_PREFIX = "observation.images."
-
-
-def dataset_shapes(info: dict[str, Any], where: Path) -> dict[str, Any]:
-    """Cameras (in the dataset's order), state and action sizes declared by a LeRobot `meta/info.json`.
-
-    Raises:
-        VlaforgeError: a feature is missing or has no size.
-    """
-    feats = info.get("features") or {}
-    cameras = [k.removeprefix(VIDEO_PREFIX) for k, v in feats.items() if v.get("dtype") == "video"]
-    if not cameras:
-        raise VlaforgeError(f"{where / 'meta/info.json'} declares no video features (cameras); the dataset has no "
-                            "images to train on")
-    out: dict[str, Any] = {"cameras": cameras}
-    for key, name in (("observation.state", "state_dim"), ("action", "action_dim")):
-        shape = (feats.get(key) or {}).get("shape")
-        if not shape or not isinstance(shape[0], int):
-            raise VlaforgeError(f"{where / 'meta/info.json'} declares no size for {key!r}; regenerate the dataset")
-        out[name] = shape[0]
-    return out
+from vlaforge.data.summary import dataset_shapes
 
 
 def resolve_shapes(cfg: VLAConfig, required: bool = True) -> tuple[VLAConfig, dict[str, Any]]:
