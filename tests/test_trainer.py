@@ -140,7 +140,8 @@ def test_accumulated_micro_batches_equal_one_large_batch(tmp_path):
 def test_compiled_blocks_train_like_eager(tmp_path):
     """train.compile: every vision and LLM block compiled in place (names unchanged); the losses of 2 steps match
     eager within float tolerance."""
-    from vlaforge.training.trainer import build_model, compile_blocks, train
+    from vlaforge.techniques.compile import compile_blocks
+    from vlaforge.training.trainer import build_model, train
 
     cfg = tiny_config(tmp_path, train={"steps": 2, "compile": True})
     model, _ = build_model(cfg, torch.device("cpu"))

@@ -217,8 +217,8 @@ class LossConfig(Section):
 
 
 class ParallelConfig(Section):
-    """Data parallel (FSDP2 / HSDP / DDP / DeepSpeed ZeRO), LLM tensor parallel and pipeline parallel under
-    torchrun; cp > 1 arrives later."""
+    """The layout under torchrun: data parallel (FSDP2 / HSDP / DDP / DeepSpeed ZeRO), LLM tensor parallel (with
+    Megatron-style sequence parallel), context parallel and pipeline parallel."""
 
     dp_replicate: int = Field(1, ge=1, description="replicas (HSDP's outer dimension; DDP: all ranks)")
     dp_shard: int = Field(-1, ge=-1, description="-1: the rest of the world size")

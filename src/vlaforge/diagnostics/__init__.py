@@ -1,1 +1,2 @@
-"""Diagnostics of a training run: gradient numerics (more to come: loss curve, memory, communication)."""
+"""Diagnostics, floor 9 (imports `planner` and below): `vlaforge profile` (every checkpointing / offload strategy
+measured on the real model, next to the planner's bytes); the run diagnosis comes here next."""

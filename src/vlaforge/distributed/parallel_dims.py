@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from vlaforge.distributed.sequence_parallel import check_ulysses_heads
 from vlaforge.errors import VlaforgeError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -156,6 +157,67 @@ def world_from_env() -> World:
     """Rank facts as torchrun sets them (RANK, LOCAL_RANK, WORLD_SIZE); one process without them."""
     return World(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")),
                  int(os.environ.get("WORLD_SIZE", "1")))
+
+
+# ---- the layout rules of a whole config (beyond the degrees), checked before anything is built ----------------
+
+def check_layout(cfg, world: World) -> ParallelDims:
+    """The parallel layout for this world size, validated before anything is built (one line on a bad one)."""
+    facts = model_facts(cfg.model)
+    dims = ParallelDims.build(cfg.parallel, world.size, facts)
+    if dims.backend == "deepspeed":
+        check_deepspeed(cfg, dims)
+    if dims.pp > 1:
+        if cfg.train.grad_accum < dims.pp:
+            raise VlaforgeError(f"parallel.pp = {dims.pp} needs train.grad_accum >= {dims.pp} (the accumulation "
+                                f"micro-batches are the pipeline's; fewer leave stages idle); set train.grad_accum "
+                                f"= {2 * dims.pp} or more")
+        if cfg.loss.weighting != "static":
+            raise VlaforgeError(f"loss.weighting = '{cfg.loss.weighting}' is not available with parallel.pp > 1 "
+                                "(the losses exist on the last stage only); use 'static'")
+        if dims.backend == "ddp":
+            raise VlaforgeError("parallel.pp > 1 runs with backend = 'fsdp2' (set dp_shard = 1 to replicate); "
+                                "use backend = 'fsdp2'")
+        if dims.sequence_parallel:
+            raise VlaforgeError("parallel.sequence_parallel with pp > 1 is not supported (stages exchange whole "
+                                "sequences); set sequence_parallel = false or pp = 1")
+    if dims.cp > 1:
+        if dims.pp > 1 or dims.backend != "fsdp2":
+            raise VlaforgeError(f"parallel.cp = {dims.cp} runs with backend = 'fsdp2' and pp = 1 (the gathered "
+                                "sequence feeds the heads on every cp rank); set pp = 1 and backend = 'fsdp2', or "
+                                "cp = 1")
+        if cfg.parallel.cp_method == "ulysses":  # 'auto' avoids it when the heads do not split
+            check_ulysses_heads(dims.cp, facts.llm_heads // dims.tp)
+    if dims.distributed:
+        if any(p.unfreeze_at_step is not None for _, p in cfg.components.items()):
+            raise VlaforgeError("unfreeze_at_step is not available with more than one process yet (FSDP2 fixes "
+                                "which parameters train when it shards); train the component from the start or "
+                                "run in one process")
+    return dims
+
+
+def check_deepspeed(cfg, dims: ParallelDims) -> None:
+    """What the DeepSpeed backend runs, refused with one line otherwise."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise VlaforgeError("parallel.backend = 'deepspeed' needs the deepspeed extra: pip install "
+                            "'vlaforge[deepspeed]' (DS_BUILD_OPS=0: ops compile on first use)")
+    if dims.tp > 1 or dims.pp > 1 or dims.cp > 1 or dims.dp_replicate > 1:
+        raise VlaforgeError("parallel.backend = 'deepspeed' shards over all ranks (ZeRO); set tp = pp = cp = "
+                            "dp_replicate = 1, or use backend = 'fsdp2' for tensor / pipeline parallel and HSDP")
+    if cfg.loss.weighting in ("uncertainty", "gradnorm"):
+        raise VlaforgeError(f"loss.weighting = '{cfg.loss.weighting}' is not available with DeepSpeed (its learned "
+                            "weights live outside the engine); use 'static' or 'dwa'")
+    if any(p.precision == "fp16" for _, p in cfg.components.items()):
+        raise VlaforgeError("fp16 components are not available with DeepSpeed (vlaforge's per-component loss scaler "
+                            "cannot reach ZeRO's gradient partitions); use 'bf16'")
+    if cfg.train.checkpoint_format == "sharded":
+        raise VlaforgeError("train.checkpoint_format = 'sharded' is for fsdp2 / ddp; DeepSpeed checkpoints hold "
+                            "ZeRO's own partitions plus model.safetensors: use 'full'")
+    if any(p.unfreeze_at_step is not None for _, p in cfg.components.items()):
+        raise VlaforgeError("unfreeze_at_step is not available with DeepSpeed (ZeRO fixes the trained parameters "
+                            "at initialization); train the component from the start")
 
 
 def init_distributed(world: World, device: torch.device, single: bool = False) -> torch.device:

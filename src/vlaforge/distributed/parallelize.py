@@ -152,12 +152,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
 def parallelize(model: nn.Module, dims, mesh, policies: Mapping[str, Any], root: nn.Module | None = None
                 ) -> GradReducer:
     """Tensor-parallel the LLM over `mesh["tp"]` when tp > 1, then shard (or replicate) over the data-parallel
-    dimensions, in place (DESIGN.md order). `root`: the module whose forward runs the step (a pipeline stage's
-    module over `model`'s components; `model` by default) - FSDP2's root unit."""
-    from torch.distributed.fsdp import fully_shard
-
+    dimensions, in place: the two layout steps of `apply.apply_techniques`, for a model with no other technique."""
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel)
+    return apply_data_parallel(model, dims, mesh, policies, root)
+
+
+def apply_data_parallel(model: nn.Module, dims, mesh, policies: Mapping[str, Any], root: nn.Module | None = None
+                        ) -> GradReducer:
+    """Shard (FSDP2), shard and replicate (HSDP) or replicate (DDP on FSDP2's replicate dimension) every block and
+    the root over the data-parallel dimensions (and cp). `root`: the module whose forward runs the step (a pipeline
+    stage's module over `model`'s components; `model` by default) - FSDP2's root unit."""
+    from torch.distributed.fsdp import fully_shard
 
     names = mesh.mesh_dim_names
     shard_dim = "dp_shard"

@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from vlaforge.distributed.attention_blocks import block_backward, block_forward, expand_kv, fold_kv_grad
+
 # Test hook: called with ("send", step) when a transfer is issued and ("compute", step) before a block's math.
 trace: Callable[[str, int], None] | None = None
 
@@ -52,56 +54,6 @@ def causal_work(rank: int, world: int, zigzag: bool) -> int:
     """Query x key chunk pairs rank `rank` computes under causal masking (a diagonal pair counts as one)."""
     mine = (rank, 2 * world - 1 - rank) if zigzag else (2 * rank, 2 * rank + 1)
     return sum(1 for q in mine for kv in range(2 * world) if kv <= q)
-
-
-# ---- block math (fp32) ---------------------------------------------------------------------------------------
-
-def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
-    return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
-
-
-def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Sum a (B, H, S, D) gradient of expanded K/V back onto its kv-heads."""
-    b, h, s, d = grad.shape
-    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
-
-
-def _scores(q, k, scale, causal_diag: bool):
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
-    if causal_diag:
-        n_q, n_k = s.shape[-2:]
-        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).tril(n_k - n_q)
-        s = s.masked_fill(~keep, float("-inf"))
-    return s
-
-
-def _fused(q: torch.Tensor, k: torch.Tensor, causal_diag: bool) -> bool:
-    """Whether torch's fused CPU flash kernel runs this block: on CPU, and for a diagonal block only when it is
-    square (its causal mask is then plain `is_causal`)."""
-    return q.device.type == "cpu" and (not causal_diag or q.shape[2] == k.shape[2])
-
-
-def _block_forward(q, k, v, scale, causal_diag):
-    """(out, lse) of q against one K/V block; fp32. On CPU the fused flash kernel (which returns the log-sum-exp);
-    elsewhere explicit math (a CUDA flash/efficient kernel with log-sum-exp is the GPU path still to add)."""
-    if _fused(q, k, causal_diag):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal_diag, scale=scale)
-    s = _scores(q, k, scale, causal_diag)
-    lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
-    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
-
-
-def _block_backward(q, k, v, out, lse, dout, delta, scale, causal_diag):
-    """(dq, dk, dv) of one block, from the merged output's lse and delta = rowsum(dout * out): the flash backward
-    given the merged output and lse yields this block's share exactly."""
-    if _fused(q, k, causal_diag):
-        c = [t.contiguous() for t in (dout, q, k, v, out, lse)]
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*c, 0.0, causal_diag, scale=scale)
-    p = torch.exp(_scores(q, k, scale, causal_diag) - lse[..., None])  # (B, H, Sq, Sk)
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta[..., None])
-    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
 
 
 def _plan(rank: int, src: int, causal: bool, zigzag: bool, n: int):
@@ -162,9 +114,9 @@ class _RingAttention(torch.autograd.Function):
                 _note("send", step + 1)
             src = (ring.rank - step) % ring.world
             _note("compute", step)
-            kb, vb = _expand(kv[0], heads).float(), _expand(kv[1], heads).float()
+            kb, vb = expand_kv(kv[0], heads).float(), expand_kv(kv[1], heads).float()
             for qs, ks, diag in _plan(ring.rank, src, causal, zigzag, n):
-                o_b, lse_b = _block_forward(qf[:, :, qs], kb[:, :, ks], vb[:, :, ks], scale, diag)
+                o_b, lse_b = block_forward(qf[:, :, qs], kb[:, :, ks], vb[:, :, ks], scale, diag)
                 new = torch.logaddexp(lse[:, :, qs], lse_b)
                 out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - new)[..., None]
                                  + o_b * torch.exp(lse_b - new)[..., None])
@@ -190,15 +142,15 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.world):
             pending = ring.start(kv) if step < ring.world - 1 else None  # next K/V travels during the math
             src = (ring.rank - step) % ring.world
-            kb, vb = _expand(kv[0], heads).float(), _expand(kv[1], heads).float()
+            kb, vb = expand_kv(kv[0], heads).float(), expand_kv(kv[1], heads).float()
             dk_b, dv_b = torch.zeros_like(kb), torch.zeros_like(vb)
             for qs, ks, diag in _plan(ring.rank, src, ctx.causal, ctx.zigzag, n):
-                g = _block_backward(qf[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs], lse[:, :, qs],
+                g = block_backward(qf[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs], lse[:, :, qs],
                                     doutf[:, :, qs], delta[:, :, qs], ctx.scale, diag)
                 dq[:, :, qs] += g[0]
                 dk_b[:, :, ks] += g[1]
                 dv_b[:, :, ks] += g[2]
-            dkv = [dkv[0] + _fold(dk_b, kv_heads), dkv[1] + _fold(dv_b, kv_heads)]
+            dkv = [dkv[0] + fold_kv_grad(dk_b, kv_heads), dkv[1] + fold_kv_grad(dv_b, kv_heads)]
             if ring.world == 1:  # one rank: its own block is the whole sequence, nothing travels
                 break
             grads = ring.start(dkv)  # the accumulators follow their block (the last hop takes them home)

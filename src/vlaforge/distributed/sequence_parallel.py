@@ -35,12 +35,22 @@ RING_ABOVE = 16384  # tokens: from here a ring's O(S/cp) K/V memory and overlapp
 ALLGATHER_BELOW = 4096  # tokens: below this gathering all of K/V is cheap and simplest
 
 
+def check_ulysses_heads(degree: int, heads: int) -> None:
+    """Ulysses splits the attention heads (per tp rank) over the cp ranks.
+
+    Raises:
+        VlaforgeError: cp does not divide them.
+    """
+    if heads % degree:
+        raise VlaforgeError(f"parallel.cp_method = 'ulysses' needs cp = {degree} to divide the llm's {heads} "
+                            "attention heads; use cp_method = 'ring' or a cp degree that divides them")
+
+
 def choose_cp_method(method: str, seq_len: int, degree: int, heads: int) -> tuple[str, str]:
     """(method, why) for `parallel.cp_method`; 'auto' picks by sequence length and degree."""
     if method != "auto":
-        if method == "ulysses" and heads % degree:
-            raise VlaforgeError(f"parallel.cp_method = 'ulysses' needs cp = {degree} to divide the llm's {heads} "
-                                "attention heads; use cp_method = 'ring' or a cp degree that divides them")
+        if method == "ulysses":
+            check_ulysses_heads(degree, heads)
         return method, "set in parallel.cp_method"
     if seq_len >= RING_ABOVE:
         return "ring", (f"{seq_len} tokens >= {RING_ABOVE}: K/V stay sharded (1/{degree} per rank) and their "

@@ -12,6 +12,8 @@ Shapes: q (B, H, S_local, D); k, v (B, Hkv, S_local, D).
 from __future__ import annotations
 
 import torch
+
+from vlaforge.distributed.attention_blocks import block_backward, block_forward, expand_kv, fold_kv_grad
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -96,14 +98,12 @@ class _GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kf, vf, rank, causal, scale):
-        from vlaforge.distributed.ring import _block_forward, _expand
-
         heads, n = q.shape[1], q.shape[2]
         blocks = _gathered_blocks(rank, n, kf.shape[2], causal)
-        qf, kb, vb = q.float(), _expand(kf, heads).float(), _expand(vf, heads).float()
+        qf, kb, vb = q.float(), expand_kv(kf, heads).float(), expand_kv(vf, heads).float()
         out = lse = None
         for ks, diag in blocks:
-            o_b, l_b = _block_forward(qf, kb[:, :, ks], vb[:, :, ks], scale, diag)
+            o_b, l_b = block_forward(qf, kb[:, :, ks], vb[:, :, ks], scale, diag)
             if out is None:
                 out, lse = o_b, l_b
                 continue
@@ -116,20 +116,18 @@ class _GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from vlaforge.distributed.ring import _block_backward, _expand, _fold
-
         q, kf, vf, out, lse = ctx.saved_tensors
         heads, kv_heads = q.shape[1], kf.shape[1]
         qf, doutf = q.float(), dout.float()
-        kb, vb = _expand(kf, heads).float(), _expand(vf, heads).float()
+        kb, vb = expand_kv(kf, heads).float(), expand_kv(vf, heads).float()
         delta = (doutf * out).sum(-1)
         dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kb), torch.zeros_like(vb)
         for ks, diag in ctx.blocks:
-            g = _block_backward(qf, kb[:, :, ks], vb[:, :, ks], out, lse, doutf, delta, ctx.scale, diag)
+            g = block_backward(qf, kb[:, :, ks], vb[:, :, ks], out, lse, doutf, delta, ctx.scale, diag)
             dq += g[0]
             dk[:, :, ks] += g[1]
             dv[:, :, ks] += g[2]
-        return (dq.to(q.dtype), _fold(dk, kv_heads).to(kf.dtype), _fold(dv, kv_heads).to(vf.dtype),
+        return (dq.to(q.dtype), fold_kv_grad(dk, kv_heads).to(kf.dtype), fold_kv_grad(dv, kv_heads).to(vf.dtype),
                 None, None, None)
 
 

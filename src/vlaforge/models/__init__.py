@@ -1,1 +1,3 @@
-"""The VLA model: composition of vision / projector / llm / action_head, flavors and loading."""
+"""The VLA, floor 3 (imports `config`, `data` and below): the four components and their composition, the loss
+terms the model computes (`losses.py`: the model's `compute_loss` owns them), model structure (`blocks.py`), action
+heads, Hugging Face loading and `build_vla`. Knows nothing of parallelism, precision or memory techniques."""

@@ -1,2 +1,2 @@
-"""`vlaforge plan` (in progress): memory and throughput planning for a VLA on a cluster - the GPU catalog,
-model-state and activation bytes, and FLOPs per step exist; the search, report and command come next."""
+"""`vlaforge plan`, floor 8 (imports `evaluation` and below): the GPU catalog, model-state and activation bytes,
+FLOPs and step time, the layout search that uses the trainer's own checks, reports and the white paper."""

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vlaforge.errors import VlaforgeError
-from vlaforge.planner.estimate import Assumptions, Cluster, PlanModel
+from vlaforge.planner.types import Assumptions, Cluster, PlanModel
 from vlaforge.planner.search import parse_fixes, search, write_config
 
 

@@ -27,143 +27,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from functools import cached_property
-from typing import Any
-
-from torch import nn
 
 from vlaforge import COMPONENTS
-from vlaforge.planner.activations import Sequence, activation_parts, compute_bytes, sequence_of  # noqa: F401
-from vlaforge.planner.hardware import GB, GPU
-from vlaforge.planner.memory import ModelState, StateBytes, model_state, per_gpu
+from vlaforge.planner.activations import activation_parts, compute_bytes
+from vlaforge.planner.hardware import GB
+from vlaforge.planner.memory import StateBytes, per_gpu
 from vlaforge.planner.throughput import step_time
-from vlaforge.techniques.freezing import trainable_at
+from vlaforge.planner.types import Assumptions, Case, Cluster, MemoryBytes, PlanModel, config_fields
+from vlaforge.techniques.freezing import ever_trains
 
-EVER = 1 << 62
 DDP_BUCKET = 25 * 2 ** 20
-
-
-@dataclass(frozen=True)
-class Cluster:
-    gpu: GPU
-    gpus_per_node: int = 8
-    nodes: int = 1
-    cpu_mem_gb: float = 1024.0  # host memory per node
-    nvme_gb: float = 0.0  # NVMe per node
-    nvme_gbps: float = 6.0  # NVMe read/write per node
-
-    @property
-    def gpus(self) -> int:
-        return self.gpus_per_node * self.nodes
-
-    def describe(self) -> str:
-        return f"{self.nodes} x {self.gpus_per_node} x {self.gpu.name}"
-
-
-@dataclass(frozen=True)
-class Assumptions:
-    """The stated constants of the throughput and fit model (each overridable on the command line)."""
-
-    matmul_efficiency: float = 0.6  # share of the dense peak large bf16 GEMMs reach (no GPU calibration yet)
-    fp8_efficiency: float = 0.4  # share of the fp8 peak torchao's fp8 linears reach, casts and scaling included
-    attention_efficiency: float = 0.45  # flash-attention kernels, forward and backward together
-    comm_efficiency: float = 0.8  # share of a link's bandwidth ring collectives reach
-    elementwise_passes: float = 6.0  # HBM passes over the saved activations by norms, activations, casts, adds
-    cpu_adam_gbps: float = 20.0  # optimizer state a node's CPU Adam streams through per second (DeepSpeed offload)
-    margin: float = 0.10  # allocator fragmentation
-    reserved_gb: float = 1.0  # CUDA context, cuBLAS and NCCL workspaces
-
-
-class PlanModel:
-    """The model of a base config, built once under fake tensors, with the facts every candidate reuses."""
-
-    def __init__(self, cfg):
-        from vlaforge.models.build import synthetic_batch
-        from vlaforge.models.build import build_vla, fake_build
-        from vlaforge.distributed.parallel_dims import model_facts
-
-        self.cfg = cfg
-        with fake_build():
-            self.model = build_vla(cfg.model, cfg.loss)
-            self.seq = sequence_of(self.model, synthetic_batch(cfg, self.model, 1))
-        self.facts = model_facts(cfg.model)
-        self.contrastive = self.model.objective.active("contrastive")
-        self._states: dict = {}
-        self._plans: dict = {}
-
-    @property
-    def tokens_per_sample(self) -> int:
-        return self.seq.llm_tokens
-
-    def state(self, policies, master: str):
-        key = (master, tuple((c, policies[c].precision, trainable_at(policies[c], EVER)) for c in COMPONENTS))
-        if key not in self._states:
-            self._states[key] = model_state(self.model, policies, master)
-        return self._states[key]
-
-    def stage_bounds(self, pp: int) -> tuple[tuple[int, int], ...]:
-        if pp not in self._plans:
-            from vlaforge.distributed.pipeline import plan_stages
-
-            d = self.cfg.data
-            self._plans[pp] = plan_stages(self.model, pp, d.max_instruction_tokens, d.max_text_tokens).bounds
-        return self._plans[pp]
-
-    @cached_property
-    def llm_numel(self) -> dict[str, int]:
-        """The LLM's parameters by place: the token embeddings, one block, and the tail (final norm + LM head)."""
-        llm = self.model.llm
-        block = sum(p.numel() for p in llm.model.layers[0].parameters())
-        embed = llm.model.embed_tokens.weight.numel()
-        total = sum(p.numel() for p in llm.parameters())
-        return {"embed": embed, "block": block, "tail": total - embed - block * len(llm.model.layers)}
-
-    @cached_property
-    def matmul_numel(self) -> dict[str, dict[str, int]]:
-        """Parameters of the linears and convolutions per component, what autocast casts: 'attn' and 'ffn' of one
-        block (vision, llm), 'rest' outside the blocks."""
-        from vlaforge.models.blocks import blocks_of
-
-        def numel(module) -> int:
-            return sum(p.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
-                       for p in m.parameters(recurse=False))
-
-        out = {}
-        for comp in COMPONENTS:
-            blocks = blocks_of(self.model, comp)
-            row = {"rest": numel(getattr(self.model, comp)), "attn": 0, "ffn": 0}
-            if blocks is not None:
-                row["attn"], row["ffn"] = numel(blocks[0].self_attn), numel(blocks[0].mlp)
-                row["rest"] -= len(blocks) * (row["attn"] + row["ffn"])
-            out[comp] = row
-        return out
-
-    def cast_numel(self, comp: str, strategy: str, blocks: int, tp: int = 1) -> int:
-        """Matmul parameters whose casts autograd keeps until backward: a checkpointed region recomputes its casts
-        (`full` and `selective` keep none of a block's; `selective_attn` keeps the FFN's, `selective_ffn` the
-        attention's); tensor parallel holds 1/tp of the LLM blocks' linears."""
-        row = self.matmul_numel[comp]
-        kept = {"none": row["attn"] + row["ffn"], "every_nth": row["attn"] + row["ffn"],
-                "selective_attn": row["ffn"], "selective_ffn": row["attn"]}.get(strategy, 0)
-        return row["rest"] + blocks * kept // (tp if comp == "llm" else 1)
-
-    @cached_property
-    def root_numel(self) -> dict[str, int]:
-        """Parameters outside the transformer blocks per component: FSDP2's root unit, gathered whole."""
-        from vlaforge.models.blocks import blocks_of
-
-        out = {}
-        for comp in COMPONENTS:
-            blocks = blocks_of(self.model, comp)
-            inside = sum(p.numel() for p in blocks.parameters()) if blocks is not None else 0
-            out[comp] = sum(p.numel() for p in getattr(self.model, comp).parameters()) - inside
-        return out
-
-    @cached_property
-    def vision_block_numel(self) -> int:
-        from vlaforge.models.vision import vision_blocks
-
-        return sum(p.numel() for p in vision_blocks(self.model.vision)[0].parameters())
 
 
 @dataclass
@@ -181,8 +54,6 @@ class Estimate:
     recompute_share: float = 0.0  # FLOPs recomputed by checkpointing over the useful FLOPs
 
     def to_json(self) -> dict:
-        from vlaforge.planner.search import config_fields
-
         return {"config": config_fields(self.config), "memory_gb": _round(self.memory),
                 "by_component": {c: _round(v) for c, v in self.by_component.items()}, "fits": self.fits,
                 "step_time_s": round(self.step_time_s, 4), "tokens_per_s": round(self.tokens_per_s, 1),
@@ -191,40 +62,6 @@ class Estimate:
 
 def _round(d: dict) -> dict:
     return {k: round(v, 3) for k, v in d.items()}
-
-
-@dataclass(frozen=True)
-class Case:
-    """One candidate's resolved facts, shared by its memory and step-time estimates (`build_case`)."""
-
-    cfg: Any
-    policies: dict
-    tp: int
-    pp: int
-    cp: int
-    rep: int
-    shard: int
-    micro: int
-    accum: int
-    seq: Sequence  # one micro-batch
-    bounds: tuple  # the LLM blocks of each pipeline stage
-    state: ModelState
-    parts: dict[str, int]  # `activations.activation_parts` for one micro-batch under this layout
-    fsdp: bool  # FSDP2 shards over more than one rank (its gather buffers, no autocast weight casts)
-    method: str  # the context-parallel method the trainer will run
-    backward_through: dict[str, bool]  # whether backward runs through each component
-
-    @property
-    def par(self):
-        return self.cfg.parallel
-
-    @property
-    def dp(self) -> int:
-        return self.rep * self.shard
-
-    @property
-    def layers(self) -> int:
-        return self.bounds[-1][1]
 
 
 def build_case(pm: PlanModel, cfg, cluster: Cluster) -> Case:
@@ -242,13 +79,14 @@ def build_case(pm: PlanModel, cfg, cluster: Cluster) -> Case:
         method = cp_method_for(par, seq.llm_tokens, pm.model.llm.config.num_attention_heads)[0]
     parts = activation_parts(pm.model, seq, policies, pm.contrastive, tp=tp, cp=cp,
                              sequence_parallel=par.sequence_parallel, allgather=cp > 1 and method == "allgather")
-    trains = {c: trainable_at(policies[c], EVER) for c in COMPONENTS}
+    trains = {c: ever_trains(policies[c]) for c in COMPONENTS}
     through = {"vision": trains["vision"], "projector": trains["vision"] or trains["projector"]}
     through["llm"] = through["projector"] or trains["llm"]
     through["action_head"] = True
-    return Case(cfg, policies, tp, pp, cp, rep, shard, tr.batch_size, tr.grad_accum, seq,
-                pm.stage_bounds(pp) if pp > 1 else ((0, layers),), pm.state(policies, tr.precision_master), parts,
-                par.backend == "fsdp2" and shard * cp > 1, method, through)
+    return Case(cfg=cfg, policies=policies, tp=tp, pp=pp, cp=cp, rep=rep, shard=shard, micro=tr.batch_size,
+                accum=tr.grad_accum, seq=seq, bounds=pm.stage_bounds(pp) if pp > 1 else ((0, layers),),
+                state=pm.state(policies, tr.precision_master), parts=parts,
+                fsdp=par.backend == "fsdp2" and shard * cp > 1, method=method, backward_through=through)
 
 
 def estimate(pm: PlanModel, cfg, cluster: Cluster, assume: Assumptions = Assumptions()) -> Estimate:
@@ -256,16 +94,16 @@ def estimate(pm: PlanModel, cfg, cluster: Cluster, assume: Assumptions = Assumpt
     on `cluster`."""
     case = build_case(pm, cfg, cluster)
     stages = [_stage_memory(pm, case, stage) for stage in range(case.pp)]
-    stage = max(range(case.pp), key=lambda i: stages[i][0]["total"])
+    stage = max(range(case.pp), key=lambda i: stages[i][0].total)
     totals, comp_mem = stages[stage]
     budget = (cluster.gpu.memory_gb - assume.reserved_gb) * GB * (1 - assume.margin)
     per_node = cluster.gpus_per_node
-    cpu_node = sum(s[0]["cpu"] for s in stages) / case.pp * per_node
-    nvme_node = sum(s[0]["nvme"] for s in stages) / case.pp * per_node
+    cpu_node = sum(s[0].cpu for s in stages) / case.pp * per_node
+    nvme_node = sum(s[0].nvme for s in stages) / case.pp * per_node
     reasons = []
-    fits = totals["total"] <= budget
+    fits = totals.total <= budget
     if not fits:
-        reasons.append(f"needs {totals['total'] / GB:.1f} GB per GPU, over the {budget / GB:.1f} GB usable of "
+        reasons.append(f"needs {totals.total / GB:.1f} GB per GPU, over the {budget / GB:.1f} GB usable of "
                        f"{cluster.gpu.memory_gb:g} GB")
     if cpu_node > cluster.cpu_mem_gb * GB * 0.8:
         fits = False
@@ -282,37 +120,40 @@ def estimate(pm: PlanModel, cfg, cluster: Cluster, assume: Assumptions = Assumpt
     by_component = {}
     for comp in COMPONENTS:
         m = comp_mem[comp]
-        row = {k: m[k] / GB for k in ("params", "grads", "optimizer", "activations")}
+        row = {"params": m.params / GB, "grads": m.grads / GB, "optimizer": m.optimizer / GB,
+               "activations": m.activations / GB}
         row["buffers"] = 0.0  # the buffers belong to the communication, not to a component
         row["total"] = sum(row.values())
-        row["cpu"], row["nvme"] = m["cpu"] / GB, m["nvme"] / GB
+        row["cpu"], row["nvme"] = m.cpu / GB, m.nvme / GB
         by_component[comp] = row
-    memory = {k: v / GB for k, v in totals.items()}
-    memory["cpu"], memory["nvme"] = cpu_node / per_node / GB, nvme_node / per_node / GB
+    t = totals
+    memory = {"params": t.params / GB, "grads": t.grads / GB, "optimizer": t.optimizer / GB,
+              "activations": t.activations / GB, "buffers": t.buffers / GB, "total": t.total / GB,
+              "cpu": cpu_node / per_node / GB, "nvme": nvme_node / per_node / GB}
     if fits:
         reasons.append(f"fits: {memory['total']:.1f} of {budget / GB:.1f} GB usable per GPU")
     slowest = max((k for k in times if k != "compute"), key=lambda k: times[k], default=None)
     if slowest and times[slowest] > 0.05 * step:
         reasons.append(f"{slowest.replace('_', ' ')} is {100 * times[slowest] / step:.0f}% of the step")
-    return Estimate(cfg, memory, by_component, fits, step, tokens_per_s, mfu, times, reasons, stage,
-                    sum(flops.recompute.values()) / flops.model_flops)
+    return Estimate(config=cfg, memory=memory, by_component=by_component, fits=fits, step_time_s=step,
+                    tokens_per_s=tokens_per_s, mfu=mfu, time_s=times, reasons=reasons, stage=stage,
+                    recompute_share=sum(flops.recompute.values()) / flops.model_flops)
 
 
-def _stage_memory(pm: PlanModel, case: Case, stage: int) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    """(totals by kind, memory by component and kind) in bytes on one GPU of pipeline stage `stage`."""
+def _stage_memory(pm: PlanModel, case: Case, stage: int) -> tuple[MemoryBytes, dict[str, MemoryBytes]]:
+    """(totals, memory by component) on one GPU of pipeline stage `stage`."""
     pp, accum = case.pp, case.accum
     in_flight = 1 if pp == 1 else (accum if case.par.pp_schedule == "gpipe" else min(pp - stage, accum))
     comp_mem = {comp: _component_memory(pm, case, comp, stage, in_flight) for comp in COMPONENTS}
-    totals = {k: sum(m[k] for m in comp_mem.values()) for k in ("params", "grads", "optimizer", "activations")}
-    totals["activations"] += case.parts["other"] * in_flight if stage == pp - 1 else 0
-    totals["buffers"] = _buffers(pm, case)
-    totals["total"] = sum(totals.values())
-    totals["cpu"] = sum(m["cpu"] for m in comp_mem.values())
-    totals["nvme"] = sum(m["nvme"] for m in comp_mem.values())
+    parts = comp_mem.values()
+    activations = sum(m.activations for m in parts) + (case.parts["other"] * in_flight if stage == pp - 1 else 0)
+    totals = MemoryBytes(params=sum(m.params for m in parts), grads=sum(m.grads for m in parts),
+                         optimizer=sum(m.optimizer for m in parts), activations=activations,
+                         buffers=_buffers(pm, case), cpu=sum(m.cpu for m in parts), nvme=sum(m.nvme for m in parts))
     return totals, comp_mem
 
 
-def _component_memory(pm: PlanModel, case: Case, comp: str, stage: int, in_flight: int) -> dict[str, float]:
+def _component_memory(pm: PlanModel, case: Case, comp: str, stage: int, in_flight: int) -> MemoryBytes:
     """One component's bytes on a GPU of `stage`: state, activations (with the autocast weight casts), what
     activation offload moved and where the host holds it."""
     par, parts, pol = case.par, case.parts, case.policies[comp]
@@ -346,8 +187,8 @@ def _component_memory(pm: PlanModel, case: Case, comp: str, stage: int, in_fligh
     if par.backend == "deepspeed" and par.offload_param != "none":
         host[par.offload_param] += params
         params = 0.0
-    return {"params": params, "grads": grads, "optimizer": opt, "activations": act + casts, "weight_casts": casts,
-            "offloaded": off, **host}
+    return MemoryBytes(params=params, grads=grads, optimizer=opt, activations=act + casts, weight_casts=casts,
+                       offloaded=off, cpu=host["cpu"], nvme=host["nvme"])
 
 
 def _state_share(pm: PlanModel, case: Case, comp: str, stage: int) -> StateBytes:

@@ -25,11 +25,10 @@ import torch
 from torch import nn
 
 from vlaforge.models.llm import llm_blocks
-from vlaforge.techniques.freezing import trainable_at
+from vlaforge.techniques.freezing import ever_trains
 from vlaforge.techniques.precision import MASTER_DTYPES
 
 ADAM_STEP_BYTES = 4  # the fp32 `step` tensor AdamW keeps per parameter tensor
-EVER = 1 << 62
 
 
 @dataclass
@@ -86,7 +85,7 @@ def model_state(model: nn.Module, policies: Mapping[str, Any], master: str = "fp
         policy = policies[name]
         dtype = torch.float32 if policy.precision == "fp32" else MASTER_DTYPES[master]
         size = torch.empty((), dtype=dtype).element_size()
-        trains = trainable_at(policy, EVER)
+        trains = ever_trains(policy)
         s = StateBytes()
         for p in params:
             n = p.numel()

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from vlaforge import COMPONENTS
-from vlaforge.planner.activations import llm_shape
-from vlaforge.planner.estimate import GB, Assumptions, Cluster, Estimate, PlanModel
-from vlaforge.planner.search import Plan, config_fields
+from vlaforge.planner.estimate import GB, Estimate
+from vlaforge.planner.types import Assumptions, Cluster, PlanModel
+from vlaforge.planner.search import Plan
+from vlaforge.planner.types import config_fields
 
 KINDS = ("params", "grads", "optimizer", "activations")
 

@@ -9,7 +9,7 @@ Enumerated (each dimension only where `--fix` leaves it free):
 - checkpointing: none / selective / full on the LLM, none / full on the vision tower;
 - activation offload of the LLM to CPU memory;
 - the micro-batch (1, 2, 4, ... 64) and the accumulation that reach the global batch.
-Every layout goes through the trainer's own checks (`VLAConfig` validation and `trainer.check_layout`) before it
+Every layout goes through the trainer's own checks (`VLAConfig` validation and `distributed.parallel_dims.check_layout`) before it
 is estimated, so the search never proposes what `vlaforge train` refuses (cp with pp or DDP, Ulysses whose heads
 do not split, pipelines of tied embeddings, ...). DeepSpeed is not searched (FSDP2 covers its sharding);
 `--fix parallel.backend=deepspeed` evaluates it, and it is tried as an alternative when nothing fits.
@@ -22,14 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlaforge import COMPONENTS
 from vlaforge.errors import VlaforgeError
-from vlaforge.planner.estimate import GB, Assumptions, Cluster, Estimate, PlanModel, estimate
+from vlaforge.planner.estimate import GB, Estimate, estimate
+from vlaforge.planner.types import Assumptions, Cluster, PlanModel, config_fields
 
-SEARCHED = ("parallel.tp", "parallel.sequence_parallel", "parallel.pp", "parallel.cp", "parallel.cp_method",
-            "parallel.dp_replicate",
-            "parallel.dp_shard", "parallel.backend", "train.batch_size", "train.grad_accum",
-            *(f"components.{c}.{k}" for c in COMPONENTS for k in ("precision", "checkpointing", "offload")))
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 ALTERNATIVES = {
     "DeepSpeed ZeRO-3 with optimizer and parameter offload to CPU": {
@@ -38,19 +34,6 @@ ALTERNATIVES = {
     "bf16 master weights (train.precision_master = bf16: 8 bytes per parameter, bf16 rounding of the updates)": {
         "train.precision_master": "bf16"},
 }
-
-
-def config_fields(cfg) -> dict[str, Any]:
-    """The fields a plan decides, flat and dotted (the rest of the config is the base's)."""
-    out = {}
-    for key in SEARCHED:
-        section, *rest = key.split(".")
-        value = getattr(cfg, section)
-        for part in rest:
-            value = getattr(value, part)
-        out[key] = value
-    out["train.precision_master"] = cfg.train.precision_master
-    return out
 
 
 def nested(flat: dict[str, Any]) -> dict[str, Any]:
@@ -130,8 +113,7 @@ def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, 
     `plan.alternatives` holds the best of each of the fallbacks the search leaves out by default (`ALTERNATIVES`:
     they change the numerics or cost host memory and PCIe time)."""
     from vlaforge.config.loading import deep_merge, validate
-    from vlaforge.distributed.parallel_dims import World
-    from vlaforge.training.trainer import check_layout
+    from vlaforge.distributed.parallel_dims import World, check_layout
 
     fixed = dict(fixed or {})
     base = pm.cfg.model_dump()

@@ -40,12 +40,11 @@ from typing import TYPE_CHECKING
 from vlaforge import COMPONENTS
 from vlaforge.planner.activations import Sequence, activation_parts, compute_bytes, llm_shape, vision_shape
 from vlaforge.planner.hardware import GB
-from vlaforge.techniques.freezing import trainable_at
+from vlaforge.techniques.freezing import ever_trains
 
 if TYPE_CHECKING:
-    from vlaforge.planner.estimate import Assumptions, Case, Cluster, PlanModel
+    from vlaforge.planner.types import Assumptions, Case, Cluster, PlanModel
 
-EVER = 1 << 62
 
 
 @dataclass
@@ -83,7 +82,7 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     vis, llm = model.vision.config, model.llm.config
     b, s = seq.batch, seq.llm_tokens
     images, tv, t = b * seq.frames, b * seq.frames * seq.patches, b * s
-    trains = {c: trainable_at(policies[c], EVER) for c in ("vision", "projector", "llm", "action_head")}
+    trains = {c: ever_trains(policies[c]) for c in ("vision", "projector", "llm", "action_head")}
     out = StepFlops()
 
     # vision: patch convolution, blocks (q, k, v, o; fc1, fc2), attention core over each image's patches
@@ -297,19 +296,19 @@ def _host_traffic(case: "Case", cluster: "Cluster", assume: "Assumptions", stage
     totals, comp_mem = stages[0]
     pcie = cluster.gpu.pcie_gbps * GB
     times = {}
-    moved = totals["cpu"] + totals["nvme"]
-    act_off = sum(m["offloaded"] for m in comp_mem.values())
+    moved = totals.cpu + totals.nvme
+    act_off = sum(m.offloaded for m in comp_mem.values())
     if act_off:
         link = pcie
         if any(case.policies[c].offload == "nvme" for c in COMPONENTS):
             link = min(link, cluster.nvme_gbps * GB / cluster.gpus_per_node)
         times["offload_exposed"] = max(0.0, accum * 2 * act_off / link - compute)
-    opt_gpu = totals["optimizer"] + totals["params"] + totals["grads"]
+    opt_gpu = totals.optimizer + totals.params + totals.grads
     times["optimizer"] = 2 * opt_gpu / (cluster.gpu.hbm_gbps * GB)
     if moved - act_off > 0:  # DeepSpeed's offloaded optimizer / parameters: gradients out, parameters back
         times["optimizer"] += 2 * (moved - act_off) / pcie
         if par.offload_optimizer != "none":  # CPU Adam on the node's cores, shared by its GPUs
-            times["optimizer"] += totals["cpu"] * cluster.gpus_per_node / (assume.cpu_adam_gbps * GB)
+            times["optimizer"] += totals.cpu * cluster.gpus_per_node / (assume.cpu_adam_gbps * GB)
         if par.offload_param != "none":  # ZeRO-3 fetches the parameters for every forward and backward
-            times["offload_params"] = 2 * accum * comp_mem["llm"]["cpu"] / pcie
+            times["offload_params"] = 2 * accum * comp_mem["llm"].cpu / pcie
     return times

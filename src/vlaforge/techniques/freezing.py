@@ -24,6 +24,11 @@ def trainable_at(policy: Any, step: int) -> bool:
     return policy.unfreeze_at_step is not None and step >= policy.unfreeze_at_step
 
 
+def ever_trains(policy: Any) -> bool:
+    """Whether a component with this policy trains at some step of the run (now, or once unfrozen)."""
+    return policy.trainable or policy.unfreeze_at_step is not None
+
+
 def schedule_changes(policies: Mapping[str, Any]) -> set[int]:
     """Steps after step 0 at which some component's trainable set changes."""
     return {p.unfreeze_at_step for p in policies.values() if p.unfreeze_at_step}

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from vlaforge import COMPONENTS
-from vlaforge.techniques.freezing import trainable_at
+from vlaforge.techniques.freezing import ever_trains
 
 
 class LRSpreadWarning(UserWarning):
@@ -50,7 +50,7 @@ def build_param_groups(model: nn.Module, components) -> list[dict]:
 
 def check_lr_spread(components, limit: float) -> str | None:
     """A warning text when max/min lr over components that ever train exceeds `limit`."""
-    lrs = {n: p.lr for n, p in components.items() if trainable_at(p, step=1 << 62)}
+    lrs = {n: p.lr for n, p in components.items() if ever_trains(p)}
     if len(lrs) < 2:
         return None
     hi, lo = max(lrs, key=lrs.get), min(lrs, key=lrs.get)

@@ -1,11 +1,13 @@
-"""One optimizer step: forward/backward over the micro-batches (loss-scaled when fp16 computes), unscaling,
-per-component gradient norms, numerics checks, clipping, optimizer and schedule. Returns a metrics dict of tensors;
-host syncs happen only for loss scaling (skip or not) and the non-finite check."""
+"""One optimizer step. The numerics guards (`StepGuards`: loss scaler, monitor) are apart from how the step runs,
+an `Executor` chosen once per run: in this process or through a pipeline schedule (`LocalExecutor`), or through a
+DeepSpeed engine (`DeepSpeedExecutor`). In this process: forward/backward over the micro-batches (loss-scaled when
+fp16 computes), unscaling, per-component gradient norms, numerics checks, clipping, optimizer and schedule. Returns a
+metrics dict of tensors; host syncs happen only for loss scaling (skip or not) and the non-finite check."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -16,6 +18,12 @@ from vlaforge.training.numerics import NumericsMonitor, nonfinite_error
 from vlaforge.training.loss_scale import LossScaler
 from vlaforge.models.losses import valid_counts
 from vlaforge.training.metrics import add_mean
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+    from vlaforge.distributed.parallelize import GradReducer
+    from vlaforge.distributed.pipeline import Pipeline
 
 
 def local_grads(optimizer: torch.optim.Optimizer, reducer=None) -> list[torch.Tensor]:
@@ -62,9 +70,7 @@ class StepGuards:
     scaler: LossScaler = field(default_factory=lambda: LossScaler(enabled=False))
     monitor: NumericsMonitor | None = None
     step: int = 0
-    reducer: Any = None  # distributed.parallelize.GradReducer when gradients are sharded / replicated
-    pipeline: Any = None  # distributed.pipeline.Pipeline under pipeline parallel: it runs forward and backward
-    engine: Any = None  # a DeepSpeed engine (parallel.backend = "deepspeed"): it reduces, clips and steps
+    reducer: "GradReducer | None" = None  # when gradients are sharded / replicated over ranks
     sync_every: int = 0  # train.sync_every: reduce gradients every k-th micro-step too (0: the last only)
 
     @property
@@ -94,23 +100,56 @@ def loss_denominators(model: nn.Module, micro_batches: list[Batch], reducer=None
     return dict(zip(keys, stacked.unbind()))
 
 
+class Executor(Protocol):
+    """How one optimizer step runs: chosen once, in `trainer.build_run`, from the layout."""
+
+    def step(self, model: nn.Module, micro_batches: list[Batch], optimizer: torch.optim.Optimizer, scheduler,
+             weighting, grad_clip: float, guards: StepGuards) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass
+class LocalExecutor:
+    """Forward and backward in this process - or through a pipeline schedule - then vlaforge's own unscaling,
+    per-component norms, numerics, clipping, optimizer and schedule step (`local_step`)."""
+
+    pipeline: "Pipeline | None" = None  # pipeline parallel: the schedule runs forward and backward
+
+    def step(self, model, micro_batches, optimizer, scheduler, weighting, grad_clip, guards):
+        return local_step(model, micro_batches, optimizer, scheduler, weighting, grad_clip, guards, self.pipeline)
+
+
+@dataclass
+class DeepSpeedExecutor:
+    """parallel.backend = "deepspeed": the engine reduces, clips and steps (`deepspeed_step`)."""
+
+    engine: "DeepSpeedEngine"
+
+    def step(self, model, micro_batches, optimizer, scheduler, weighting, grad_clip, guards):
+        return deepspeed_step(self.engine, micro_batches, weighting, guards.reducer)
+
+
 def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.optim.Optimizer,
-               scheduler, weighting, grad_clip: float, guards: StepGuards | None = None) -> dict[str, torch.Tensor]:
+               scheduler, weighting, grad_clip: float, guards: StepGuards | None = None,
+               executor: Executor | None = None) -> dict[str, torch.Tensor]:
+    """One optimizer step over `micro_batches` by `executor` (in this process by default)."""
+    return (executor or LocalExecutor()).step(model, micro_batches, optimizer, scheduler, weighting, grad_clip,
+                                              guards or StepGuards())
+
+
+def local_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.optim.Optimizer, scheduler, weighting,
+               grad_clip: float, guards: StepGuards, pipeline: "Pipeline | None" = None) -> dict[str, torch.Tensor]:
     """Accumulate gradients over `micro_batches` (loss averaged over them), unscale, clip, step.
 
     With loss scaling, a step whose gradients overflow is skipped (no optimizer or schedule update). Without it,
     `guards.check_finite` stops at a non-finite gradient before the optimizer step, naming the parameters.
     """
-    guards = guards or StepGuards()
-    if guards.engine is not None:
-        return deepspeed_step(guards.engine, micro_batches, weighting, guards.reducer)
     scaler, reducer = guards.scaler, guards.reducer
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, torch.Tensor] = {}
     n = len(micro_batches)
     denominators = loss_denominators(model, micro_batches, reducer)
-    if guards.pipeline is not None:  # the schedule runs every micro-batch and syncs gradients after the last
-        sums = guards.pipeline.run(micro_batches, weighting, scaler, denominators)
+    if pipeline is not None:  # the schedule runs every micro-batch and syncs gradients after the last
+        sums = pipeline.run(micro_batches, weighting, scaler, denominators)
     else:
         for i, batch in enumerate(micro_batches):
             if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce on the last micro-step (or every k-th)

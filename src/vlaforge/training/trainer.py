@@ -23,23 +23,21 @@ from vlaforge.models.build import build_vla, tokens_per_sample
 from vlaforge.progress import progress_bar
 from vlaforge.techniques.freezing import apply_freezing, schedule_changes
 from vlaforge.training.numerics import NumericsMonitor
-from vlaforge.distributed.parallel_dims import ParallelDims, World, init_distributed, model_facts, world_from_env
+from vlaforge.distributed.parallel_dims import ParallelDims, World, check_layout, init_distributed, world_from_env
 from vlaforge.distributed.deepspeed_backend import build_engine, full_weights, load_engine, save_engine
-from vlaforge.distributed.parallelize import GradReducer, parallelize
-from vlaforge.distributed.pipeline import Pipeline, split_for_stage
-from vlaforge.distributed.sequence_parallel import apply_sequence_parallel, cp_method_for
+from vlaforge.distributed.apply import Applied, apply_techniques
+from vlaforge.distributed.parallelize import GradReducer
+from vlaforge.distributed.pipeline import Pipeline
 from vlaforge.distributed.state import (full_model_state, full_optimizer_state, load_full_optimizer_state,
                                         load_sharded, save_sharded)
-from vlaforge.techniques.checkpointing import apply_checkpointing
-from vlaforge.techniques.freezing import trainable_at
-from vlaforge.techniques.offload import apply_offload
-from vlaforge.techniques.precision import PrecisionSetup, apply_precision
+from vlaforge.techniques.freezing import ever_trains
+from vlaforge.techniques.precision import PrecisionSetup
 from vlaforge.training import checkpoint as ckpt
 from vlaforge.training.metrics import MetricsLogger, to_floats
 from vlaforge.training.optim import build_optimizer, build_param_groups, build_scheduler
 from vlaforge.training.loss_scale import LossScaler
 from vlaforge.training.memory_check import check_memory, memory_errors
-from vlaforge.training.step import StepGuards, train_step
+from vlaforge.training.step import DeepSpeedExecutor, Executor, LocalExecutor, StepGuards, train_step
 from vlaforge.training.weighting import build_weighting
 
 
@@ -56,96 +54,24 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_layout(cfg: VLAConfig, world: World) -> ParallelDims:
-    """The parallel layout for this world size, validated before anything is built (one line on a bad one)."""
-    facts = model_facts(cfg.model)
-    dims = ParallelDims.build(cfg.parallel, world.size, facts)
-    if dims.backend == "deepspeed":
-        check_deepspeed(cfg, dims)
-    if dims.pp > 1:
-        if cfg.train.grad_accum < dims.pp:
-            raise VlaforgeError(f"parallel.pp = {dims.pp} needs train.grad_accum >= {dims.pp} (the accumulation "
-                                f"micro-batches are the pipeline's; fewer leave stages idle); set train.grad_accum "
-                                f"= {2 * dims.pp} or more")
-        if cfg.loss.weighting != "static":
-            raise VlaforgeError(f"loss.weighting = '{cfg.loss.weighting}' is not available with parallel.pp > 1 "
-                                "(the losses exist on the last stage only); use 'static'")
-        if dims.backend == "ddp":
-            raise VlaforgeError("parallel.pp > 1 runs with backend = 'fsdp2' (set dp_shard = 1 to replicate); "
-                                "use backend = 'fsdp2'")
-        if dims.sequence_parallel:
-            raise VlaforgeError("parallel.sequence_parallel with pp > 1 is not supported (stages exchange whole "
-                                "sequences); set sequence_parallel = false or pp = 1")
-    if dims.cp > 1:
-        if dims.pp > 1 or dims.backend != "fsdp2":
-            raise VlaforgeError(f"parallel.cp = {dims.cp} runs with backend = 'fsdp2' and pp = 1 (the gathered "
-                                "sequence feeds the heads on every cp rank); set pp = 1 and backend = 'fsdp2', or "
-                                "cp = 1")
-        if cfg.parallel.cp_method == "ulysses":  # its heads per tp rank must split over cp ('auto' avoids it)
-            cp_method_for(cfg.parallel, 0, facts.llm_heads)
-    if dims.distributed:
-        if any(p.unfreeze_at_step is not None for _, p in cfg.components.items()):
-            raise VlaforgeError("unfreeze_at_step is not available with more than one process yet (FSDP2 fixes "
-                                "which parameters train when it shards); train the component from the start or "
-                                "run in one process")
-    return dims
-
-
-def check_deepspeed(cfg: VLAConfig, dims: ParallelDims) -> None:
-    """What the DeepSpeed backend runs, refused with one line otherwise."""
-    import importlib.util
-
-    if importlib.util.find_spec("deepspeed") is None:
-        raise VlaforgeError("parallel.backend = 'deepspeed' needs the deepspeed extra: pip install "
-                            "'vlaforge[deepspeed]' (DS_BUILD_OPS=0: ops compile on first use)")
-    if dims.tp > 1 or dims.pp > 1 or dims.cp > 1 or dims.dp_replicate > 1:
-        raise VlaforgeError("parallel.backend = 'deepspeed' shards over all ranks (ZeRO); set tp = pp = cp = "
-                            "dp_replicate = 1, or use backend = 'fsdp2' for tensor / pipeline parallel and HSDP")
-    if cfg.loss.weighting in ("uncertainty", "gradnorm"):
-        raise VlaforgeError(f"loss.weighting = '{cfg.loss.weighting}' is not available with DeepSpeed (its learned "
-                            "weights live outside the engine); use 'static' or 'dwa'")
-    if any(p.precision == "fp16" for _, p in cfg.components.items()):
-        raise VlaforgeError("fp16 components are not available with DeepSpeed (vlaforge's per-component loss scaler "
-                            "cannot reach ZeRO's gradient partitions); use 'bf16'")
-    if cfg.train.checkpoint_format == "sharded":
-        raise VlaforgeError("train.checkpoint_format = 'sharded' is for fsdp2 / ddp; DeepSpeed checkpoints hold "
-                            "ZeRO's own partitions plus model.safetensors: use 'full'")
-    if any(p.unfreeze_at_step is not None for _, p in cfg.components.items()):
-        raise VlaforgeError("unfreeze_at_step is not available with DeepSpeed (ZeRO fixes the trained parameters "
-                            "at initialization); train the component from the start")
-
-
 def build_model(cfg: VLAConfig, device: torch.device) -> tuple[nn.Module, PrecisionSetup]:
-    """The VLA with its techniques applied in DESIGN.md order: precision (fp8 converters), then checkpointing, then
-    activation offload, then `torch.compile` per block (`train.compile`)."""
+    """The VLA with its one-process techniques applied (`apply_techniques` without a layout): for tools and
+    benchmarks that run the model in this process."""
+    model = build_bare(cfg, device)
+    return model, apply_techniques(model, cfg, device).precision
+
+
+def build_bare(cfg: VLAConfig, device: torch.device) -> nn.Module:
+    """The VLA as `build_vla` makes it, on `device`, before any technique."""
     model = build_vla(cfg.model, cfg.loss)
     if next(model.parameters()).device != device:  # (built on CPU; also keeps fake-tensor builds off `.to`)
         model.to(device)
-    policies = dict(cfg.components.items())
-    precision = apply_precision(model, policies, device, cfg.train.precision_master)
-    apply_checkpointing(model, policies)
-    apply_offload(model, policies, device)
-    if cfg.train.compile:
-        compile_blocks(model)
-    return model, precision
-
-
-def compile_blocks(model: nn.Module) -> int:
-    """`torch.compile` every transformer block in place (`nn.Module.compile`: names and hooks unchanged; blocks of
-    one shape share the compiled code). Returns how many were compiled."""
-    from vlaforge.models.blocks import blocks_of
-
-    count = 0
-    for comp in ("vision", "llm"):
-        for block in blocks_of(model, comp) or ():
-            block.compile()
-            count += 1
-    return count
+    return model
 
 
 def build_guards(cfg: VLAConfig, precision: PrecisionSetup) -> StepGuards:
     """Loss scaler (dynamic when a component that ever trains computes in fp16) and numerics monitor."""
-    ever_trained = [c for c, p in cfg.components.items() if trainable_at(p, step=1 << 62)]
+    ever_trained = [c for c, p in cfg.components.items() if ever_trains(p)]
     scaler = LossScaler.from_config(cfg.loss_scale, precision.used, ever_trained)
     if precision.computes_in("fp16") and not scaler.enabled:
         warnings.warn("components compute in fp16 with loss_scale.mode = 'off': small gradients (the vision "
@@ -178,6 +104,7 @@ class Run:
     model: nn.Module
     precision: PrecisionSetup
     guards: StepGuards
+    executor: Executor
     weighting: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
@@ -185,7 +112,7 @@ class Run:
     start_sample: int  # global samples consumed before start_step (the batch may have changed with the world size)
     tokens_per_sample: int
     data: Data
-    evaluate: "Evaluator | None"
+    evaluate: Evaluator | None
 
 
 def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
@@ -204,7 +131,7 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
     if dims.distributed:
         torch.distributed.barrier()  # NOTE: every rank has checked the folder before rank 0 writes into it
     seed_everything(cfg.train.seed)  # the same on every rank: identical initial weights before sharding
-    model, precision = build_model(cfg, device)
+    model = build_bare(cfg, device)
     tps = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
     check_memory(cfg, model, device, tps)
     try:
@@ -212,45 +139,55 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
     except OSError as exc:
         raise VlaforgeError(f"train.output_dir {run_dir} cannot be created ({exc.strerror or exc}); choose a "
                             "writable --train.output_dir") from None
-    guards = build_guards(cfg, precision)
-    if dims.backend == "deepspeed":
-        guards.reducer = GradReducer()  # world sums: loss denominators, DWA, metrics
-    elif dims.distributed:
-        mesh = dims.build_mesh(device.type)
-        stage_module = None
-        if dims.pp > 1:
-            stage_module, plan = split_for_stage(model, cfg, dims.pp, mesh)
-            if world.is_main and cfg.train.progress:
-                print(f"pipeline: {plan.summary()}", flush=True)
-        if dims.cp > 1:
-            sp = apply_sequence_parallel(model, dims, mesh, cfg, tps)
-            if world.is_main and cfg.train.progress:
-                print(f"context parallel: cp = {dims.cp}, {sp.method} ({sp.why})", flush=True)
-        guards.reducer = parallelize(model, dims, mesh, dict(cfg.components.items()), root=stage_module)
-        if stage_module is not None:
-            guards.pipeline = Pipeline(model, stage_module, dims.pp, cfg.train.grad_accum, cfg.parallel.pp_schedule,
-                                       mesh, device)
+    mesh = dims.build_mesh(device.type) if dims.distributed and dims.backend != "deepspeed" else None
+    applied = apply_techniques(model, cfg, device, dims, mesh, tps)
+    if world.is_main and cfg.train.progress:
+        describe_layout(applied, dims)
+    guards = build_guards(cfg, applied.precision)
+    guards.reducer = GradReducer() if dims.backend == "deepspeed" else applied.reducer  # DeepSpeed: world sums
     weighting = build_loss_weighting(cfg, model, device)
-    if dims.backend == "deepspeed":
-        guards.engine, scheduler = build_engine(model, cfg, dims.dp, build_param_groups(model, cfg.components),
-                                                 lambda o: build_scheduler(o, cfg.train), device)
-        optimizer = scheduler.optimizer  # ours, with the per-component groups; ZeRO partitions its state
-    else:
-        optimizer = build_optimizer(model, cfg, list(weighting.parameters()))
-        scheduler = build_scheduler(optimizer, cfg.train)
+    executor, optimizer, scheduler = build_executor(cfg, dims, model, weighting, applied, mesh, device)
     start = samples = 0
     if resume_from is not None:
         start, samples = restore(resume_from, model, weighting, optimizer, scheduler, guards.scaler,
-                                 dims.distributed, global_batch(cfg, dims), guards.engine)
+                                 dims.distributed, global_batch(cfg, dims), getattr(executor, "engine", None))
         if start >= cfg.train.steps:
             raise VlaforgeError(f"checkpoint {resume_from} is at step {start} and train.steps = {cfg.train.steps}: "
                                 f"nothing to train; set --train.steps above {start}")
     if world.is_main:
         write_atomic(run_dir / "config.toml", dump_toml(cfg))
-        write_atomic(run_dir / "precision.json", json.dumps(precision.to_json(), indent=2))
+        write_atomic(run_dir / "precision.json", json.dumps(applied.precision.to_json(), indent=2))
     data = build_data(cfg, model)
-    return Run(cfg, run_dir, device, world, dims, model, precision, guards, weighting, optimizer, scheduler, start,
-               samples, tps, data, evaluate)
+    return Run(cfg=cfg, run_dir=run_dir, device=device, world=world, dims=dims, model=model,
+               precision=applied.precision, guards=guards, executor=executor, weighting=weighting, optimizer=optimizer,
+               scheduler=scheduler, start_step=start, start_sample=samples, tokens_per_sample=tps, data=data,
+               evaluate=evaluate)
+
+
+def describe_layout(applied: Applied, dims: ParallelDims) -> None:
+    """Rank 0's lines on what the layout chose: the pipeline's stage split, the context-parallel method."""
+    if applied.stage_plan is not None:
+        print(f"pipeline: {applied.stage_plan.summary()}", flush=True)
+    if applied.sequence_parallel is not None:
+        sp = applied.sequence_parallel
+        print(f"context parallel: cp = {dims.cp}, {sp.method} ({sp.why})", flush=True)
+
+
+def build_executor(cfg: VLAConfig, dims: ParallelDims, model: nn.Module, weighting: nn.Module, applied: Applied,
+                   mesh, device: torch.device) -> tuple[Executor, torch.optim.Optimizer, Any]:
+    """How each step runs - in this process, through the pipeline schedule, or through a DeepSpeed engine (the
+    data-parallel step of that backend, built here because it wraps the optimizer) - with the optimizer (the
+    per-component AdamW groups) and the schedule."""
+    if dims.backend == "deepspeed":
+        engine, scheduler = build_engine(model, cfg, dims.dp, build_param_groups(model, cfg.components),
+                                         lambda o: build_scheduler(o, cfg.train), device)
+        return DeepSpeedExecutor(engine), scheduler.optimizer, scheduler  # ZeRO partitions our optimizer's state
+    optimizer = build_optimizer(model, cfg, list(weighting.parameters()))
+    pipeline = None
+    if applied.stage is not None:
+        pipeline = Pipeline(model, applied.stage, dims.pp, cfg.train.grad_accum, cfg.parallel.pp_schedule, mesh,
+                            device)
+    return LocalExecutor(pipeline), optimizer, build_scheduler(optimizer, cfg.train)
 
 
 def trainer_state(run: Run, step: int, optimizer: bool = True) -> dict[str, Any]:
@@ -305,7 +242,7 @@ def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScal
 def save(run: Run, step: int) -> Path | None:
     """Write a checkpoint. Rank 0 writes the files; with a sharded model every rank takes part: gathering the full
     state, or writing its own shards (`checkpoint_format = "sharded"`, and DeepSpeed's optimizer partitions)."""
-    t, distributed, engine = run.cfg.train, run.dims.distributed, run.guards.engine
+    t, distributed, engine = run.cfg.train, run.dims.distributed, getattr(run.executor, "engine", None)
     sharded = t.checkpoint_format == "sharded"
     prepared = sharded or engine is not None  # every rank writes into the temporary folder first
     if prepared:
@@ -370,7 +307,7 @@ def _train(cfg: VLAConfig, evaluate: Evaluator | None) -> dict[str, float]:
                 micro[0].validate()  # the data contract, checked once with a readable error
             run.guards.step = step
             metrics = train_step(run.model, micro, run.optimizer, run.scheduler, run.weighting, t.grad_clip,
-                                 run.guards)
+                                 run.guards, run.executor)
             window_steps += 1
             done = step + 1
             numerics = {k: v for k, v in metrics.items() if k.startswith("numerics/")}

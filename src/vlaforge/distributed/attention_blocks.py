@@ -1,0 +1,56 @@
+"""The block math the context-parallel kernels share (`ring.py`, `ulysses.py`'s all-gather): one query block
+against one K/V block with its log-sum-exp (fp32), and its exact backward given the merged output and log-sum-exp.
+GQA: K/V are expanded to the query heads for a block and their gradients folded back."""
+
+from __future__ import annotations
+
+import torch
+
+
+def expand_kv(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, Hkv, S, D) K or V repeated onto the H query heads (GQA)."""
+    return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
+
+
+def fold_kv_grad(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum a (B, H, S, D) gradient of expanded K/V back onto its kv-heads."""
+    b, h, s, d = grad.shape
+    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+def _scores(q, k, scale, causal_diag: bool):
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
+    if causal_diag:
+        n_q, n_k = s.shape[-2:]
+        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).tril(n_k - n_q)
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _fused(q: torch.Tensor, k: torch.Tensor, causal_diag: bool) -> bool:
+    """Whether torch's fused CPU flash kernel runs this block: on CPU, and for a diagonal block only when it is
+    square (its causal mask is then plain `is_causal`)."""
+    return q.device.type == "cpu" and (not causal_diag or q.shape[2] == k.shape[2])
+
+
+def block_forward(q, k, v, scale, causal_diag):
+    """(out, lse) of q against one K/V block; fp32. On CPU the fused flash kernel (which returns the log-sum-exp);
+    elsewhere explicit math (a CUDA flash/efficient kernel with log-sum-exp is the GPU path still to add)."""
+    if _fused(q, k, causal_diag):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal_diag, scale=scale)
+    s = _scores(q, k, scale, causal_diag)
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
+    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
+
+
+def block_backward(q, k, v, out, lse, dout, delta, scale, causal_diag):
+    """(dq, dk, dv) of one block, from the merged output's lse and delta = rowsum(dout * out): the flash backward
+    given the merged output and lse yields this block's share exactly."""
+    if _fused(q, k, causal_diag):
+        c = [t.contiguous() for t in (dout, q, k, v, out, lse)]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*c, 0.0, causal_diag, scale=scale)
+    p = torch.exp(_scores(q, k, scale, causal_diag) - lse[..., None])  # (B, H, Sq, Sk)
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta[..., None])
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv

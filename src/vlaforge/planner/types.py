@@ -1,0 +1,212 @@
+"""The planner's shared vocabulary: the cluster, the stated assumptions, the model of a base config, one resolved
+candidate (`Case`), memory by kind (`MemoryBytes`), and the config fields a plan decides. `estimate.py`,
+`throughput.py`, `search.py` and `report.py` all import from here, and not from each other in both directions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from torch import nn
+
+from vlaforge import COMPONENTS
+from vlaforge.planner.activations import Sequence, sequence_of
+from vlaforge.planner.hardware import GPU
+from vlaforge.planner.memory import ModelState, model_state
+from vlaforge.techniques.freezing import ever_trains
+
+SEARCHED = ("parallel.tp", "parallel.sequence_parallel", "parallel.pp", "parallel.cp", "parallel.cp_method",
+            "parallel.dp_replicate",
+            "parallel.dp_shard", "parallel.backend", "train.batch_size", "train.grad_accum",
+            *(f"components.{c}.{k}" for c in COMPONENTS for k in ("precision", "checkpointing", "offload")))
+
+
+def config_fields(cfg) -> dict[str, Any]:
+    """The fields a plan decides, flat and dotted (the rest of the config is the base's)."""
+    out = {}
+    for key in SEARCHED:
+        section, *rest = key.split(".")
+        value = getattr(cfg, section)
+        for part in rest:
+            value = getattr(value, part)
+        out[key] = value
+    out["train.precision_master"] = cfg.train.precision_master
+    return out
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: GPU
+    gpus_per_node: int = 8
+    nodes: int = 1
+    cpu_mem_gb: float = 1024.0  # host memory per node
+    nvme_gb: float = 0.0  # NVMe per node
+    nvme_gbps: float = 6.0  # NVMe read/write per node
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def describe(self) -> str:
+        return f"{self.nodes} x {self.gpus_per_node} x {self.gpu.name}"
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The stated constants of the throughput and fit model (each overridable on the command line)."""
+
+    matmul_efficiency: float = 0.6  # share of the dense peak large bf16 GEMMs reach (no GPU calibration yet)
+    fp8_efficiency: float = 0.4  # share of the fp8 peak torchao's fp8 linears reach, casts and scaling included
+    attention_efficiency: float = 0.45  # flash-attention kernels, forward and backward together
+    comm_efficiency: float = 0.8  # share of a link's bandwidth ring collectives reach
+    elementwise_passes: float = 6.0  # HBM passes over the saved activations by norms, activations, casts, adds
+    cpu_adam_gbps: float = 20.0  # optimizer state a node's CPU Adam streams through per second (DeepSpeed offload)
+    margin: float = 0.10  # allocator fragmentation
+    reserved_gb: float = 1.0  # CUDA context, cuBLAS and NCCL workspaces
+
+
+class PlanModel:
+    """The model of a base config, built once under fake tensors, with the facts every candidate reuses."""
+
+    def __init__(self, cfg):
+        from vlaforge.models.build import synthetic_batch
+        from vlaforge.models.build import build_vla, fake_build
+        from vlaforge.distributed.parallel_dims import model_facts
+
+        self.cfg = cfg
+        with fake_build():
+            self.model = build_vla(cfg.model, cfg.loss)
+            self.seq = sequence_of(self.model, synthetic_batch(cfg, self.model, 1))
+        self.facts = model_facts(cfg.model)
+        self.contrastive = self.model.objective.active("contrastive")
+        self._states: dict = {}
+        self._plans: dict = {}
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.seq.llm_tokens
+
+    def state(self, policies, master: str):
+        key = (master, tuple((c, policies[c].precision, ever_trains(policies[c])) for c in COMPONENTS))
+        if key not in self._states:
+            self._states[key] = model_state(self.model, policies, master)
+        return self._states[key]
+
+    def stage_bounds(self, pp: int) -> tuple[tuple[int, int], ...]:
+        if pp not in self._plans:
+            from vlaforge.distributed.pipeline import plan_stages
+
+            d = self.cfg.data
+            self._plans[pp] = plan_stages(self.model, pp, d.max_instruction_tokens, d.max_text_tokens).bounds
+        return self._plans[pp]
+
+    @cached_property
+    def llm_numel(self) -> dict[str, int]:
+        """The LLM's parameters by place: the token embeddings, one block, and the tail (final norm + LM head)."""
+        llm = self.model.llm
+        block = sum(p.numel() for p in llm.model.layers[0].parameters())
+        embed = llm.model.embed_tokens.weight.numel()
+        total = sum(p.numel() for p in llm.parameters())
+        return {"embed": embed, "block": block, "tail": total - embed - block * len(llm.model.layers)}
+
+    @cached_property
+    def matmul_numel(self) -> dict[str, dict[str, int]]:
+        """Parameters of the linears and convolutions per component, what autocast casts: 'attn' and 'ffn' of one
+        block (vision, llm), 'rest' outside the blocks."""
+        from vlaforge.models.blocks import blocks_of
+
+        def numel(module) -> int:
+            return sum(p.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
+                       for p in m.parameters(recurse=False))
+
+        out = {}
+        for comp in COMPONENTS:
+            blocks = blocks_of(self.model, comp)
+            row = {"rest": numel(getattr(self.model, comp)), "attn": 0, "ffn": 0}
+            if blocks is not None:
+                row["attn"], row["ffn"] = numel(blocks[0].self_attn), numel(blocks[0].mlp)
+                row["rest"] -= len(blocks) * (row["attn"] + row["ffn"])
+            out[comp] = row
+        return out
+
+    def cast_numel(self, comp: str, strategy: str, blocks: int, tp: int = 1) -> int:
+        """Matmul parameters whose casts autograd keeps until backward: a checkpointed region recomputes its casts
+        (`full` and `selective` keep none of a block's; `selective_attn` keeps the FFN's, `selective_ffn` the
+        attention's); tensor parallel holds 1/tp of the LLM blocks' linears."""
+        row = self.matmul_numel[comp]
+        kept = {"none": row["attn"] + row["ffn"], "every_nth": row["attn"] + row["ffn"],
+                "selective_attn": row["ffn"], "selective_ffn": row["attn"]}.get(strategy, 0)
+        return row["rest"] + blocks * kept // (tp if comp == "llm" else 1)
+
+    @cached_property
+    def root_numel(self) -> dict[str, int]:
+        """Parameters outside the transformer blocks per component: FSDP2's root unit, gathered whole."""
+        from vlaforge.models.blocks import blocks_of
+
+        out = {}
+        for comp in COMPONENTS:
+            blocks = blocks_of(self.model, comp)
+            inside = sum(p.numel() for p in blocks.parameters()) if blocks is not None else 0
+            out[comp] = sum(p.numel() for p in getattr(self.model, comp).parameters()) - inside
+        return out
+
+    @cached_property
+    def vision_block_numel(self) -> int:
+        from vlaforge.models.vision import vision_blocks
+
+        return sum(p.numel() for p in vision_blocks(self.model.vision)[0].parameters())
+
+
+@dataclass(frozen=True)
+class Case:
+    """One candidate's resolved facts, shared by its memory and step-time estimates (`build_case`)."""
+
+    cfg: Any
+    policies: dict
+    tp: int
+    pp: int
+    cp: int
+    rep: int
+    shard: int
+    micro: int
+    accum: int
+    seq: Sequence  # one micro-batch
+    bounds: tuple  # the LLM blocks of each pipeline stage
+    state: ModelState
+    parts: dict[str, int]  # `activations.activation_parts` for one micro-batch under this layout
+    fsdp: bool  # FSDP2 shards over more than one rank (its gather buffers, no autocast weight casts)
+    method: str  # the context-parallel method the trainer will run
+    backward_through: dict[str, bool]  # whether backward runs through each component
+
+    @property
+    def par(self):
+        return self.cfg.parallel
+
+    @property
+    def dp(self) -> int:
+        return self.rep * self.shard
+
+    @property
+    def layers(self) -> int:
+        return self.bounds[-1][1]
+
+
+@dataclass
+class MemoryBytes:
+    """Bytes on one GPU by kind, and what activation offload or DeepSpeed moved to the host or NVMe instead."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0  # the autocast weight casts included
+    buffers: float = 0.0
+    weight_casts: float = 0.0
+    offloaded: float = 0.0  # activations moved off the GPU
+    cpu: float = 0.0
+    nvme: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """What the GPU holds."""
+        return sum((self.params, self.grads, self.optimizer, self.activations, self.buffers))

@@ -1,0 +1,105 @@
+"""The structure rules of docs/architecture.md: folders import one way (no cycle, imports inside functions
+included), the model knows nothing of parallelism or memory techniques, and one function applies the techniques in
+DESIGN.md's order."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ROOT, tiny_config
+
+PACKAGE = ROOT / "src" / "vlaforge"
+# Lowest first. A module may import its own floor and any floor below it, never one above.
+LAYERS = [("errors", "registry", "progress"), ("data",), ("config",), ("models",), ("techniques",),
+          ("distributed",), ("training",), ("evaluation",), ("planner",), ("diagnostics",), ("cli", "__main__")]
+FLOOR = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def folder_imports() -> list[tuple[str, str, str]]:
+    """(importing floor, imported floor, where) for every `vlaforge.*` import of another top-level module."""
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).parts
+        here = rel[0] if len(rel) > 1 else rel[0][:-3]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "vlaforge" and len(parts) > 1 and parts[1] != here:
+                    out.append((here, parts[1], f"{'/'.join(rel)}:{node.lineno}"))
+    return out
+
+
+def test_every_module_has_a_floor():
+    modules = {p.name[:-3] if p.is_file() else p.name for p in PACKAGE.iterdir()
+               if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and (p / "__init__.py").exists())}
+    assert modules <= set(FLOOR), f"give these a floor in LAYERS and docs/architecture.md: {modules - set(FLOOR)}"
+
+
+def test_folders_import_only_downwards():
+    upward = [f"{a} -> {b} ({where})" for a, b, where in folder_imports() if FLOOR[b] > FLOOR[a]]
+    assert not upward, "imports that point up a floor (move the code to the floor it belongs on):\n" + "\n".join(upward)
+    same = {(a, b) for a, b, _ in folder_imports() if FLOOR[a] == FLOOR[b]}
+    assert not {(a, b) for a, b in same if (b, a) in same}, "two modules of one floor import each other"
+
+
+def test_the_vla_knows_nothing_of_parallelism_or_memory_techniques():
+    tree = ast.parse((PACKAGE / "models" / "vla.py").read_text())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and n.body
+                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    words = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            words.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            words.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words.add(node.value)
+    banned = ("parallel", "shard", "checkpoint", "offload", "fsdp", "distributed", "mesh", "autocast", "compile")
+    assert not {w for w in words for b in banned if b in w.lower()}
+
+
+def test_apply_techniques_runs_in_designs_order(monkeypatch):
+    """Every step recorded with a layout of every kind (tp, cp, pp, data parallel): precision (fp8 converters),
+    pipeline split, tensor then context parallel, checkpointing, offload, compile, data-parallel sharding."""
+    from vlaforge.distributed import apply
+
+    calls: list[str] = []
+
+    def record(name, result=None):
+        return lambda *a, **k: calls.append(name) or result
+
+    monkeypatch.setattr(apply, "apply_precision", record("precision", "setup"))
+    monkeypatch.setattr(apply, "split_for_stage", record("pipeline", ("stage", "plan")))
+    monkeypatch.setattr(apply, "apply_tensor_parallel", record("tensor_parallel"))
+    monkeypatch.setattr(apply, "apply_sequence_parallel", record("context_parallel"))
+    monkeypatch.setattr(apply, "apply_checkpointing", record("checkpointing"))
+    monkeypatch.setattr(apply, "apply_offload", record("offload"))
+    monkeypatch.setattr(apply, "compile_blocks", record("compile"))
+    monkeypatch.setattr(apply, "apply_data_parallel", record("data_parallel", "reducer"))
+    cfg = tiny_config(train={"compile": True})
+    dims = SimpleNamespace(distributed=True, backend="fsdp2", pp=2, tp=2, cp=2, sequence_parallel=False)
+    mesh = {"tp": None}
+    applied = apply.apply_techniques(object(), cfg, "cpu", dims, mesh, tokens=64)
+    assert calls == ["precision", "pipeline", "tensor_parallel", "context_parallel", "checkpointing", "offload",
+                     "compile", "data_parallel"]
+    assert (applied.precision, applied.stage, applied.reducer) == ("setup", "stage", "reducer")
+    calls.clear()
+    apply.apply_techniques(object(), tiny_config(), "cpu")  # one process: no layout steps, no compile
+    assert calls == ["precision", "checkpointing", "offload"]
+
+
+@pytest.mark.parametrize("package", sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()))
+def test_each_package_says_what_lives_there_and_what_it_may_import(package):
+    doc = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text())) or ""
+    assert f"floor {FLOOR[package]}" in doc and "import" in doc, doc
