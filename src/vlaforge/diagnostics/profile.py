@@ -2,7 +2,7 @@
 
 For each strategy it applies the techniques to a fresh model, runs forward + backward on one batch (the first
 samples of the config's dataset; a batch of the config's shapes under fake tensors) and reports
-activation bytes (saved for backward, per component and per block, from `diagnostics/memory.py`), peak memory
+activation bytes (saved for backward, per component and per block, from `techniques/accounting.py`), peak memory
 (CUDA's allocator peak on GPU; the saved-bytes accounting on CPU), step time and overhead against no
 checkpointing, and which strategy fits a memory budget. With `fake=True` the model and batch are fake tensors
 (`FakeTensorMode`): memory only, no times, large flavors in seconds.

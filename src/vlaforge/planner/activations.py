@@ -3,7 +3,7 @@ from the architecture (hidden, FFN width, heads, kv-heads, head dim) and the tok
 
 The byte counts follow what autograd keeps under vlaforge's design (fp32 master weights, autocast compute, an fp32
 residual stream), term by term, and `tests/test_planner.py` checks them against the fake-tensor accounting of
-`diagnostics.memory.count_saved` on the real modules. Notation: T tokens in the micro-batch (B x S), D hidden,
+`techniques.accounting.count_saved` on the real modules. Notation: T tokens in the micro-batch (B x S), D hidden,
 F FFN width, H heads, Hk kv-heads, d head dim, c bytes of the compute dtype (4 fp32, 2 bf16 / fp16; fp8 linears
 keep bf16 activations here), residual and norm statistics in fp32.
 

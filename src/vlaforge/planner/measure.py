@@ -1,7 +1,7 @@
 """Fake-tensor measurement of a configured model next to the planner's arithmetic (`vlaforge plan --measure`).
 
 The model is built under `FakeTensorMode` (seconds even for vla-70b), one forward runs on a synthetic batch with
-the configured precision and checkpointing, and `diagnostics.memory.count_saved` counts what it keeps for backward
+the configured precision and checkpointing, and `techniques.accounting.count_saved` counts what it keeps for backward
 per component; model-state bytes come from the real parameter shapes. The analytic side is computed from the same
 model and sequence.
 """
