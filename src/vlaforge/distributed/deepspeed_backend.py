@@ -132,7 +132,7 @@ DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.r
 
 def _data_only_engine(engine):
     """DeepSpeed's checkpoint engine with `load` reading through `torch.load(weights_only=True)`: DeepSpeed calls
-    `torch.load(weights_only=False)`, which runs whatever code a crafted file carries."""
+    torch's unrestricted unpickler (weights_only off), which runs whatever code a crafted file carries."""
     import importlib
 
     allowed = [getattr(importlib.import_module(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1])

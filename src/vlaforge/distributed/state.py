@@ -124,9 +124,9 @@ def load_full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer:
 
 
 # ---- reading DCP files without running code from them -------------------------------------------------------------
-# DCP's own reader unpickles `.metadata` with plain `pickle.load`, and its default planner reads non-tensor items
-# (the optimizer's flattened param_groups values) with `torch.load(weights_only=False)`: a crafted checkpoint would
-# run code on load. These two admit data only.
+# DCP's own reader unpickles `.metadata` with the unrestricted `pickle` loader, and its default planner reads
+# non-tensor items (the optimizer's flattened param_groups values) with torch's unrestricted unpickler (weights_only
+# off): a crafted checkpoint would run code on load. These two admit data only.
 
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _METADATA_CALLABLES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
