@@ -266,3 +266,20 @@ def test_training_with_memory_techniques_matches_the_plain_run(tmp_path):
     assert plain.keys() == techniques.keys()
     assert all(torch.equal(plain[k], techniques[k]) for k in plain)
     assert not [p for p in (tmp_path / "nvme" / "vlaforge-offload").iterdir() if not p.name.startswith(".")]
+
+
+def test_profile_table_keeps_wide_columns_apart():
+    """A per-block range fills its column ("27.31-27.84"): every cell still stands apart from its neighbour."""
+    from vlaforge.diagnostics.profile import render
+
+    row = {"activation_bytes": 9.5e9, "per_component": {"llm": 9e9, "vision": 4e8}, "activation_vs_none": 1.0,
+           "per_block": {"llm": {"0": 9.5e7, "1": 9.5e7}, "vision": {"0": 2.731e10, "1": 2.784e10}},
+           "offloaded_bytes": 0, "weight_cast_bytes": 0, "peak_bytes": 1.2e10, "peak_source": "fake",
+           "step_s": 1.5, "overhead_vs_none": 0.0}
+    text = render({"flavor": "small", "device": "cpu", "batch_size": 2, "tokens_per_sample": 1024,
+                   "strategies": {"none": row}})
+    header, line = text.splitlines()[1:3]
+    two_word = ("vs none", "peak GB", "step s")  # header labels of two words
+    assert all(w in header for w in two_word)
+    assert len(line.split()) == len(header.split()) - len(two_word) == 15  # no two cells run together
+    assert "0.095 27.31-27.84" in line

@@ -176,3 +176,31 @@ def test_llama_through_the_attention_registry_matches_the_full_sequence():
     full-sequence hidden states, and its weight gradients summed over ranks give the full-sequence gradients."""
     for key, (hidden_err, grad_err) in spawn_ranks(_llm_worker, 2).items():
         assert hidden_err < 1e-5 and grad_err < 1e-5, (key, hidden_err, grad_err)
+
+
+def _unequal_worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    n = 8 + 2 * rank  # 8 and 10 tokens: even (zigzag's own check passes), but unequal across the ranks
+    q = torch.randn(1, 2, n, 4)
+    for name, kernel in (("ring", lambda: ring_attention(q, q, q, causal=True)),
+                         ("ulysses", lambda: ulysses_attention(q, q, q, causal=True)),
+                         ("allgather", lambda: allgather_attention(q, q, q, causal=True))):
+        try:
+            kernel()
+            out[f"{name}_{rank}"] = "ran"
+        except ValueError as exc:
+            out[f"{name}_{rank}"] = str(exc)
+    try:
+        zigzag_shard(torch.randn(1, 2, 18, 4), rank, world)
+    except ValueError as exc:
+        out[f"zigzag_{rank}"] = str(exc)
+    dist.destroy_process_group()
+
+
+def test_unequal_shards_are_a_clear_error_not_an_abort():
+    out = spawn_ranks(_unequal_worker, 2)
+    for name in ("ring", "ulysses", "allgather"):
+        for rank in (0, 1):
+            assert "differ in length across the 2 ranks (from 8 to 10 tokens)" in out[f"{name}_{rank}"], out
+    assert all("not a multiple of 4" in out[f"zigzag_{r}"] for r in (0, 1))

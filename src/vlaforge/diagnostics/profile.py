@@ -142,11 +142,12 @@ def render(report: dict) -> str:
     lines = [f"{report['flavor']} on {report['device']}, batch {report['batch_size']}, "
              f"{report['tokens_per_sample']} tokens/sample; activation {unit} saved for backward on the device"]
     lines.append(f"{'strategy':<27}" + "".join(f"{c:>12}" for c in (*COMPONENTS, "other")) +
-                 f"{'llm/block':>11}{'vis/block':>11}{'total':>9}{'vs none':>8}{'offload':>9}{'casts':>9}{'peak GB':>9}"
+                 f"{'llm/block':>12}{'vis/block':>12}{'total':>9}{'vs none':>8}{'offload':>9}{'casts':>9}{'peak GB':>9}"
                  f"{'step s':>8}{'overhd':>8}")
     for name, r in rows.items():
         comp = "".join(f"{r['per_component'].get(c, 0) / div:>12.3f}" for c in (*COMPONENTS, "other"))
-        per_block = "".join(f"{_block(r['per_block'][c], div):>11}" for c in ("llm", "vision"))
+        per_block = "".join(f" {_block(r['per_block'][c], div):>11}" for c in ("llm", "vision"))  # NOTE: a space
+        # always: a range ("27.31-27.84") fills the width
         time_cols = (f"{r['step_s']:>8.3f}{r['overhead_vs_none']:>+8.0%}" if "step_s" in r else f"{'-':>8}{'-':>8}")
         lines.append(f"{name:<27}{comp}{per_block}{r['activation_bytes'] / div:>9.3f}{r['activation_vs_none']:>8.0%}"
                      f"{r['offloaded_bytes'] / div:>9.3f}{r['weight_cast_bytes'] / div:>9.3f}{r['peak_bytes'] / GB:>9.2f}"

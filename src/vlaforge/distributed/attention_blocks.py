@@ -5,6 +5,29 @@ GQA: K/V are expanded to the query heads for a block and their gradients folded 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
+_EQUAL: set = set()  # (group ranks, local length) pairs already checked: a run checks each shape once
+
+
+def check_equal_shards(length: int, group) -> None:
+    """Every rank of `group` must hold `length` tokens: the collectives move equal pieces, and unequal ones abort
+    the process group (gloo: "Received data size doesn't match"). One small all-reduce the first time a length
+    is seen on a group, none after.
+
+    Raises:
+        ValueError: the ranks hold different lengths, naming them.
+    """
+    key = (tuple(dist.get_process_group_ranks(group)), length)  # the same on every rank of the group
+    if key in _EQUAL:
+        return
+    both = torch.tensor([length, -length], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # (longest, -shortest)
+    if int(both[0]) != -int(both[1]):
+        raise ValueError(f"sequence shards differ in length across the {dist.get_world_size(group)} ranks (from "
+                         f"{-int(both[1])} to {int(both[0])} tokens); pad the sequence to a multiple of the world size "
+                         "(2 x the world size for zigzag) before sharding it")
+    _EQUAL.add(key)
 
 
 def expand_kv(kv: torch.Tensor, heads: int) -> torch.Tensor:

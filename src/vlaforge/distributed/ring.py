@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from vlaforge.distributed.attention_blocks import block_backward, block_forward, expand_kv, fold_kv_grad
+from vlaforge.distributed.attention_blocks import (block_backward, block_forward, check_equal_shards, expand_kv,
+                                                   fold_kv_grad)
 
 # Test hook: called with ("send", step) when a transfer is issued and ("compute", step) before a block's math.
 trace: Callable[[str, int], None] | None = None
@@ -36,6 +37,9 @@ def _note(event: str, step: int) -> None:
 
 def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int = 2) -> torch.Tensor:
     """Rank `rank`'s zigzag shard of the full-sequence tensor `x`: chunks rank and 2W-1-rank of 2W."""
+    if x.shape[dim] % (2 * world):
+        raise ValueError(f"zigzag sharding cuts the sequence into 2 x {world} equal chunks; its length "
+                         f"{x.shape[dim]} is not a multiple of {2 * world}: pad it first")
     chunks = x.chunk(2 * world, dim=dim)
     return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=dim)
 
@@ -174,5 +178,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of kv-heads {k.shape[1]}")
     if causal and zigzag and q.shape[2] % 2:
         raise ValueError(f"zigzag sharding needs an even local sequence length, got {q.shape[2]}")
+    check_equal_shards(q.shape[2], group)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _RingAttention.apply(q, k, v, group, causal, zigzag and causal, scale)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from vlaforge.distributed.attention_blocks import block_backward, block_forward, expand_kv, fold_kv_grad
+from vlaforge.distributed.attention_blocks import (block_backward, block_forward, check_equal_shards, expand_kv,
+                                                   fold_kv_grad)
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -83,6 +84,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     if heads % world:
         raise ValueError(f"Ulysses degree {world} does not divide the {heads} attention heads; use a cp degree "
                          f"that divides them, or cp_method = 'ring'")
+    check_equal_shards(q.shape[2], group)
     if kv_heads % world:  # GQA with fewer kv-heads than ranks: replicate K/V heads up to the query heads
         k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
     qh, kh, vh = (_seq_to_heads(t, world, group) for t in (q, k, v))
@@ -146,6 +148,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
 
     group = group or dist.group.WORLD
     world, rank = _world(group)
+    check_equal_shards(q.shape[2], group)
     kf = _AllGatherSeq.apply(k, group)  # (B, Hkv, S, D)
     vf = _AllGatherSeq.apply(v, group)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
