@@ -8,12 +8,13 @@ by storage, parameters excluded); the target is N ranks <= 1/N of one process + 
 CPU measure the methods' overhead (collectives, blockwise math) rather than GPU speed; with 4 ranks each rank has
 half a core.
 
-    python bench/sequence_parallel.py [--tokens 4096 8192 16384] [--ranks 2 4] [--repeats 2]
+    python bench/sequence_parallel.py [--tokens 4096 8192 16384] [--ranks 2 4] [--repeats 2] [--bf16]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -36,7 +37,12 @@ def _model(tokens: int):
     return LlamaModel(LlamaConfig(attn_implementation="sdpa", **cfg))
 
 
-def _saved_bytes_and_time(model, x, pos, repeats: int) -> tuple[int, float]:
+def _autocast(bf16: bool):
+    """bf16 autocast over the fp32 (master) weights, as training runs a bf16 LLM; or nothing."""
+    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def _saved_bytes_and_time(model, x, pos, repeats: int, bf16: bool = False) -> tuple[int, float]:
     """(bytes autograd saves in one forward, best fwd+bwd seconds over `repeats`)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: set = set()
@@ -50,7 +56,7 @@ def _saved_bytes_and_time(model, x, pos, repeats: int) -> tuple[int, float]:
             total += t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(bf16):
         out = model(inputs_embeds=x, position_ids=pos).last_hidden_state
     out.float().square().mean().backward()
     best = float("inf")
@@ -59,7 +65,9 @@ def _saved_bytes_and_time(model, x, pos, repeats: int) -> tuple[int, float]:
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
-        model(inputs_embeds=x, position_ids=pos).last_hidden_state.float().square().mean().backward()
+        with _autocast(bf16):
+            hidden = model(inputs_embeds=x, position_ids=pos).last_hidden_state
+        hidden.float().square().mean().backward()
         if dist.is_initialized():
             dist.barrier()
         best = min(best, time.perf_counter() - start)
@@ -71,7 +79,7 @@ def _inputs(tokens: int, hidden: int):
     return torch.randn(1, tokens, hidden, generator=g), torch.arange(tokens)[None]
 
 
-def _worker(rank: int, world: int, port: int, tokens: int, repeats: int, out) -> None:
+def _worker(rank: int, world: int, port: int, tokens: int, repeats: int, bf16: bool, out) -> None:
     from vlaforge.distributed.ring import zigzag_shard
     from vlaforge.distributed.sequence_parallel import register_attention
 
@@ -84,7 +92,7 @@ def _worker(rank: int, world: int, port: int, tokens: int, repeats: int, out) ->
         model.set_attn_implementation(register_attention(method))
         shard = ((lambda t: zigzag_shard(t, rank, world, dim=1)) if method == "ring"
                  else (lambda t: t.chunk(world, 1)[rank]))
-        nbytes, seconds = _saved_bytes_and_time(model, shard(x), shard(pos), repeats)
+        nbytes, seconds = _saved_bytes_and_time(model, shard(x), shard(pos), repeats, bf16)
         out[(method, rank)] = (nbytes, seconds)
     dist.destroy_process_group()
 
@@ -95,18 +103,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(tokens_list: list[int], ranks: list[int], repeats: int) -> dict:
+def run(tokens_list: list[int], ranks: list[int], repeats: int, bf16: bool = False) -> dict:
     report: dict = {"model": "tiny llama (2 blocks, hidden 128, heads 4, kv-heads 2)", "threads": os.cpu_count(),
+                    "compute": "bf16 autocast over fp32 weights" if bf16 else "fp32",
                     "target": "activation bytes per rank <= 1/N of one process + 10%", "tokens": {}}
     for tokens in tokens_list:
         torch.set_num_threads(os.cpu_count() or 2)
         model = _model(tokens)
         x, pos = _inputs(tokens, model.config.hidden_size)
-        single_bytes, single_s = _saved_bytes_and_time(model, x, pos, repeats)
+        single_bytes, single_s = _saved_bytes_and_time(model, x, pos, repeats, bf16)
         row = {"single": {"activation_bytes": single_bytes, "step_s": round(single_s, 4)}}
         for world in ranks:
             out = mp.Manager().dict()
-            mp.spawn(_worker, args=(world, _free_port(), tokens, repeats, out), nprocs=world)
+            mp.spawn(_worker, args=(world, _free_port(), tokens, repeats, bf16, out), nprocs=world)
             for method in METHODS:
                 per_rank = [out[(method, r)] for r in range(world)]
                 worst = max(b for b, _ in per_rank)
@@ -124,8 +133,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 weights (training's bf16 LLM)")
     args = parser.parse_args()
-    print(json.dumps(run(args.tokens, args.ranks, args.repeats), indent=2))
+    print(json.dumps(run(args.tokens, args.ranks, args.repeats, args.bf16), indent=2))
 
 
 if __name__ == "__main__":

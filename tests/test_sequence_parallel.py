@@ -204,3 +204,44 @@ def test_unequal_shards_are_a_clear_error_not_an_abort():
         for rank in (0, 1):
             assert "differ in length across the 2 ranks (from 8 to 10 tokens)" in out[f"{name}_{rank}"], out
     assert all("not a multiple of 4" in out[f"zigzag_{r}"] for r in (0, 1))
+
+
+def _autocast_worker(rank, world, port, out):
+    """Under bf16 autocast with fp32 q/k/v (what Llama's rotary step returns over fp32 masters), each method
+    returns and saves what SDPA does: the same dtype, the same saved bytes."""
+    from types import SimpleNamespace
+
+    from vlaforge.distributed.sequence_parallel import attention_function
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    module = SimpleNamespace(is_causal=True)
+
+    def saved(fn):
+        sizes = []
+
+        def pack(t):
+            sizes.append((t.dtype, t.numel() * t.element_size()))
+            return t
+
+        q, k, v = (torch.randn(1, 4, 64, 16, requires_grad=True) for _ in range(3))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+            o = fn(q, k, v)
+        o.float().sum().backward()
+        return o.dtype, sum(n for _, n in sizes)
+
+    sdpa = saved(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2))
+    out["sdpa"] = (str(sdpa[0]), sdpa[1])
+    for method in ("ring", "ulysses", "allgather"):
+        attend = attention_function(method, dist.group.WORLD)
+        got = saved(lambda q, k, v: attend(module, q, k, v, None)[0])
+        out[method] = (str(got[0]), got[1])
+    dist.destroy_process_group()
+
+
+def test_context_parallel_kernels_run_in_the_autocast_dtype_as_sdpa_does():
+    out = spawn_ranks(_autocast_worker, 1)
+    assert out["sdpa"][0] == "torch.bfloat16"
+    for method in ("ring", "ulysses", "allgather"):
+        assert out[method][0] == "torch.bfloat16", (method, out)
+        assert out[method][1] <= out["sdpa"][1], (method, out)  # saved bytes: SDPA's or fewer

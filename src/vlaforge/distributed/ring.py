@@ -128,13 +128,15 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 ring.wait(pending[0])
                 kv = pending[1]
+        out = out.to(q.dtype)  # NOTE: saved in the input dtype, as SDPA saves its output (fp32 inputs: no copy)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.zigzag, ctx.scale = group, causal, zigzag, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
+        out = out.float()
         ring = _Ring(ctx.group)
         heads, kv_heads, n = q.shape[1], k.shape[1], q.shape[2]
         qf, doutf = q.float(), dout.float()

@@ -87,6 +87,11 @@ def attention_function(method: str, group=None):
     def attend(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                is_causal: bool | None = None, **kwargs):
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        device = query.device.type
+        if torch.is_autocast_enabled(device):  # NOTE: as autocast casts SDPA's inputs (Llama's rotary step returns
+            # fp32 q/k under fp32 masters): the kernels then save, send and return the autocast dtype, as SDPA would
+            dtype = torch.get_autocast_dtype(device)
+            query, key, value = (t.to(dtype) for t in (query, key, value))
         out = kernel(query, key, value, bool(causal), scaling)  # (B, H, S_local, D)
         return out.transpose(1, 2).contiguous(), None  # (B, S_local, H, D), as transformers expects
 

@@ -112,13 +112,15 @@ class _GatheredAttention(torch.autograd.Function):
             new = torch.logaddexp(lse, l_b)
             out = out * torch.exp(lse - new)[..., None] + o_b * torch.exp(l_b - new)[..., None]
             lse = new
+        out = out.to(q.dtype)  # NOTE: saved in the input dtype, as SDPA saves its output (fp32 inputs: no copy)
         ctx.save_for_backward(q, kf, vf, out, lse)
         ctx.blocks, ctx.scale = blocks, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, kf, vf, out, lse = ctx.saved_tensors
+        out = out.float()
         heads, kv_heads = q.shape[1], kf.shape[1]
         qf, doutf = q.float(), dout.float()
         kb, vb = expand_kv(kf, heads).float(), expand_kv(vf, heads).float()
