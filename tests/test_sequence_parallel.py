@@ -245,3 +245,35 @@ def test_context_parallel_kernels_run_in_the_autocast_dtype_as_sdpa_does():
     for method in ("ring", "ulysses", "allgather"):
         assert out[method][0] == "torch.bfloat16", (method, out)
         assert out[method][1] <= out["sdpa"][1], (method, out)  # saved bytes: SDPA's or fewer
+
+
+def _padding_worker(rank, world, port, out):
+    from transformers import LlamaConfig, LlamaModel
+
+    from vlaforge.distributed.sequence_parallel import register_attention
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = LlamaModel(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100))
+    x = torch.randn(2, 8, 64)
+    for method in ("ring", "ulysses", "allgather"):
+        model.set_attn_implementation(register_attention(method))
+        ref = model(inputs_embeds=x).last_hidden_state  # no padding: runs
+        same = model(inputs_embeds=x, attention_mask=torch.ones(2, 8, dtype=torch.long)).last_hidden_state
+        out[f"{method}_unpadded"] = bool(torch.equal(ref, same))
+        padded = torch.ones(2, 8, dtype=torch.long)
+        padded[1, 5:] = 0
+        try:
+            model(inputs_embeds=x, attention_mask=padded)
+            out[method] = "ran"
+        except ValueError as exc:
+            out[method] = str(exc)
+    dist.destroy_process_group()
+
+
+def test_a_padding_mask_is_refused_not_ignored():
+    out = spawn_ranks(_padding_worker, 1)
+    for method in ("ring", "ulysses", "allgather"):
+        assert out[f"{method}_unpadded"], out
+        assert "cannot honour a padding mask" in out[method] and "\n" not in out[method], out

@@ -71,9 +71,9 @@ def cp_method_for(parallel, tokens: int, heads: int) -> tuple[str, str]:
 
 def attention_function(method: str, group=None):
     """An attention function with the `transformers` AttentionInterface signature that runs `method` over the
-    sequence shards of `group`. Causality comes from the module (Llama: causal; SigLIP: not). The local attention
-    mask is ignored: the function applies the global causal pattern itself, so batches must not rely on padding
-    masks (the VLA wiring passes key padding separately when it lands)."""
+    sequence shards of `group`. Causality comes from the module (Llama: causal; SigLIP: not). It applies the global
+    causal pattern itself; `register_attention` refuses a padding mask (one line) rather than ignore it: the trainer
+    compacts each row's padding to its end, behind every real token, and passes no mask."""
     from vlaforge.distributed.ring import ring_attention
     from vlaforge.distributed.ulysses import allgather_attention, ulysses_attention
 
@@ -101,11 +101,28 @@ def attention_function(method: str, group=None):
 def register_attention(method: str, group=None) -> str:
     """Register `method` over `group` in the `transformers` attention registry; returns the implementation name
     to pass as `attn_implementation` (or to `set_attn_implementation`)."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, AttentionMaskInterface
 
     name = f"vlaforge_{method}"
     AttentionInterface.register(name, attention_function(method, group))
+    # NOTE: without a mask function of its own, transformers drops a padded batch's mask on the way to the
+    # attention function, which would then attend to the padding. This one builds no (S x S) mask at all: it
+    # refuses padding, in one line, from the 2-D mask.
+    AttentionMaskInterface.register(name, _refuse_padding(method))
     return name
+
+
+def _refuse_padding(method: str):
+    """A `transformers` mask function that builds no mask: the kernels apply the causal pattern themselves."""
+
+    def mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError(f"{method} context-parallel attention applies the causal pattern itself and cannot "
+                             "honour a padding mask; pass no attention_mask, with each row's padding at its end "
+                             "(the trainer's compacted layout does this)")
+        return None
+
+    return mask
 
 
 @dataclass(frozen=True)
