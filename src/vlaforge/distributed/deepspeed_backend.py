@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from vlaforge.config.schema import ZERO_AUTO_FROM_HIDDEN, ZERO_TUNING
-from vlaforge.errors import VlaforgeError
+from vlaforge.errors import VlaforgeError, first_line
 
 ENGINE_DIR = "deepspeed"  # inside a checkpoint folder: DeepSpeed's own partitioned optimizer state
 TAG = "state"
@@ -143,9 +143,8 @@ def _data_only_engine(engine):
             with torch.serialization.safe_globals(allowed):
                 return torch.load(path, map_location=map_location, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - UnpicklingError for foreign objects, others for damaged files
-            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
             raise VlaforgeError(f"DeepSpeed state file {path} holds more than tensors and plain data, or is damaged "
-                                f"({why}); vlaforge reads no code from checkpoints - resume from a checkpoint you "
+                                f"({first_line(exc, 160)}); vlaforge reads no code from checkpoints - resume from a checkpoint you "
                                 "wrote") from None
 
     engine.load = load
@@ -171,7 +170,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
         else:
             data = json.loads(text)
     except Exception as exc:  # json / yaml syntax errors
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc, None)
         raise VlaforgeError(f"--deepspeed {path}: not valid {path.suffix.lstrip('.') or 'JSON'} ({first}); fix the "
                             "file") from None
     if not isinstance(data, dict):

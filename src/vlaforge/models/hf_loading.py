@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vlaforge.errors import VlaforgeError
+from vlaforge.errors import VlaforgeError, first_line
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
@@ -49,5 +49,4 @@ def load_pretrained(model_cls: Any, path: str | Path, field: str) -> Any:
         return model_cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
                                          attn_implementation="sdpa")
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise VlaforgeError(f"{field}: cannot load {folder}: {first}") from None
+        raise VlaforgeError(f"{field}: cannot load {folder}: {first_line(exc, None)}") from None

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from vlaforge.config.loading import write_atomic
-from vlaforge.errors import VlaforgeError
+from vlaforge.errors import VlaforgeError, first_line
 
 MODEL_FILE, STATE_FILE, CONFIG_FILE, DCP_DIR = "model.safetensors", "trainer_state.pt", "config.toml", "dcp"
 
@@ -211,7 +211,7 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
     try:
         state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch.load raises many types for damaged files (and refuses foreign objects)
-        raise VlaforgeError(f"checkpoint file {ckpt / STATE_FILE} is truncated or corrupt ({_first_line(exc)}); "
+        raise VlaforgeError(f"checkpoint file {ckpt / STATE_FILE} is truncated or corrupt ({first_line(exc)}); "
                             "resume from another checkpoint") from None
     problem = _state_problem(state)
     if problem:
@@ -263,7 +263,7 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
         _upgrade_legacy(ckpt / MODEL_FILE)
         missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise VlaforgeError(f"checkpoint file {ckpt / MODEL_FILE} is truncated or corrupt ({_first_line(exc)}); "
+        raise VlaforgeError(f"checkpoint file {ckpt / MODEL_FILE} is truncated or corrupt ({first_line(exc)}); "
                             "use another checkpoint") from None
     if missing or unexpected:
         raise VlaforgeError(f"checkpoint {ckpt} does not match the model ({len(missing)} missing, "
@@ -288,11 +288,6 @@ def _upgrade_legacy(path: Path) -> None:
     tmp.replace(path)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
-
-
 def export_weights(ckpt: Path, out: Path | None = None) -> Path:
     """Consolidate a checkpoint's weights into one safetensors file for inference (default: CKPT/model.safetensors,
     which `vlaforge eval` and the policy server read); written to a temporary name and renamed.
@@ -313,7 +308,7 @@ def export_weights(ckpt: Path, out: Path | None = None) -> Path:
         try:
             state = load_file(str(default))
         except (SafetensorError, OSError, ValueError) as exc:
-            raise VlaforgeError(f"checkpoint file {default} is truncated or corrupt ({_first_line(exc)}); use "
+            raise VlaforgeError(f"checkpoint file {default} is truncated or corrupt ({first_line(exc)}); use "
                                 "another checkpoint") from None
     else:
         if out.resolve() != default.resolve():

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from vlaforge.config.schema import VLAConfig
-from vlaforge.errors import VlaforgeError
+from vlaforge.errors import VlaforgeError, first_line
 
 
 def check_memory(cfg: VLAConfig, model: nn.Module, device: torch.device, tps: int) -> None:
@@ -42,9 +42,8 @@ def memory_errors():
     try:
         yield
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
-        text = str(exc)
-        if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in text:
+        if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in str(exc):
             raise
-        raise VlaforgeError(f"out of memory ({text.strip().splitlines()[0][:120] if text.strip() else 'MemoryError'});"
+        raise VlaforgeError(f"out of memory ({first_line(exc, 120)});"
                             " lower train.batch_size (raise train.grad_accum to keep the global batch), "
                             "model.image_size or the token counts, or turn on activation checkpointing") from None
