@@ -70,7 +70,7 @@ def test_a_missing_dataset_leaves_auto_only_where_allowed(tmp_path):
 
 @pytest.mark.slow
 def test_a_one_camera_dataset_trains_without_model_overrides(tmp_path):
-    from vlaforge.evaluation.closed_loop import Policy
+    from vlaforge.inference.runtime import Observation, PolicyRuntime
 
     root = write_one_camera(tmp_path / "one")
     run = tmp_path / "run"
@@ -82,10 +82,9 @@ def test_a_one_camera_dataset_trains_without_model_overrides(tmp_path):
     saved = load_config(ckpt / "config.toml")
     assert (saved.model.cameras, saved.model.state_dim, saved.model.action_dim) == (["wrist"], 6, 7)
     assert json.loads((ckpt / "policy.json").read_text())["cameras"] == ["observation.images.wrist"]
-    policy = Policy.load(ckpt, execute=1)
-    policy.reset("pick the cube")
-    policy.act({"wrist": _images(0, 1, 0)[0]}, np.zeros(STATE, np.float32))
-    chunk = policy._predict(np.zeros(STATE, np.float32))
+    runtime = PolicyRuntime.load(ckpt)
+    chunk = runtime.predict(Observation({"wrist": _images(0, 1, 0)[0]}, np.zeros(STATE, np.float32),
+                                        "pick the cube")).actions
     assert chunk.shape == (saved.model.action_chunk, ACTION) and np.isfinite(chunk).all()
     # a recipe that sets a shape the dataset does not have keeps today's one-line error
     proc = run_cli("train", str(TINY_RECIPE), "--data.source=lerobot", f"--data.path={root}", "--model.action_dim=4",

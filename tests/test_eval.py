@@ -1,4 +1,4 @@
-"""Tokenizer, Wilson intervals, the policy runtime against the training dataset, and Meta-World end to end."""
+"""Tokenizer, Wilson intervals, and Meta-World end to end (the policy runtime itself: test_inference.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from vlaforge.data.episodes import DemoDataset
 from vlaforge.data.lerobot_v3 import LeRobotDataset
 from vlaforge.data.video import decode_frames
 from vlaforge.data.tokenizer import load_tokenizer, train_bpe
-from vlaforge.data.transforms import ObservationSpec, normalization_from_stats
-from vlaforge.evaluation.closed_loop import Policy, wilson_interval
+from vlaforge.evaluation.closed_loop import wilson_interval
 
 from conftest import run_cli
-from fake_lerobot import CAMS, SIZE, write_dataset
 
 
 def test_bpe_tokenizer_round_trip(tmp_path):
@@ -51,66 +48,6 @@ def test_task_counts():
 def test_wilson_interval(k, n, lo, hi):
     a, b = wilson_interval(k, n)
     assert a == pytest.approx(lo, abs=1e-4) and b == pytest.approx(hi, abs=1e-4)
-
-
-class _Recorder(torch.nn.Module):
-    """Stands in for the VLA: returns a fixed normalized chunk and records what it was shown."""
-
-    def __init__(self, chunk):
-        super().__init__()
-        self.seen, self.chunk = [], chunk
-
-    def predict_actions(self, obs):
-        self.seen.append(obs)
-        return torch.arange(self.chunk * 4, dtype=torch.float32).reshape(self.chunk, 4)
-
-
-def test_policy_sees_what_training_saw(tmp_path):
-    """Closed-loop inputs (frame history, resizing, normalization, tokens) equal the dataset's samples."""
-    root = tmp_path / "ds"
-    eps = write_dataset(root)
-    d = LeRobotDataset(root)
-    spec = ObservationSpec(cameras=[f"observation.images.{c}" for c in CAMS], frames=3, frame_stride=2,
-                           image_size=24, render_size=SIZE, instruction_tokens=6, text_tokens=0, chunk=4,
-                           **normalization_from_stats(d.stats))
-    tok = train_bpe(d.tasks, 300)
-    ds = DemoDataset(d, spec, tok, seed=0, shift=0, color=0.0, cache_mb=64, text_column=None)
-    model = _Recorder(spec.chunk)
-    policy = Policy(model, spec, tok, execute=3)
-    e = d.episodes[1]
-    frames = {c: d.decode(f"observation.images.{c}", e) for c in CAMS}
-    policy.reset(e.task)
-    executed = []
-    for t in range(e.length):
-        views = {c: frames[c][t] for c in CAMS}
-        executed.append(policy.act(views, d.columns["observation.state"][e.start + t]))
-        ref = ds[e.start + t]
-        obs = policy.observation(d.columns["observation.state"][e.start + t])
-        torch.testing.assert_close(obs.images, ref.images)
-        torch.testing.assert_close(obs.state, ref.state)
-        assert torch.equal(obs.instruction_ids, ref.instruction_ids)
-    # receding horizon: a new prediction every 3 steps, executing its first 3 actions (denormalized)
-    assert len(model.seen) == -(-e.length // 3)
-    chunk = spec.denormalize_action(model.predict_actions(None)).numpy()
-    np.testing.assert_allclose(np.stack(executed[:6]), np.concatenate([chunk[:3], chunk[:3]]), rtol=1e-6)
-    assert eps[1]["state"].shape[0] == e.length
-
-
-def test_policy_renders_only_when_it_predicts(tmp_path):
-    root = tmp_path / "ds"
-    write_dataset(root)
-    d = LeRobotDataset(root)
-    spec = ObservationSpec(cameras=[f"observation.images.{c}" for c in CAMS], frames=1, frame_stride=1,
-                           image_size=SIZE, render_size=SIZE, instruction_tokens=6, text_tokens=0, chunk=4,
-                           **normalization_from_stats(d.stats))
-    policy = Policy(_Recorder(4), spec, train_bpe(d.tasks, 300), execute=3)
-    policy.reset(d.tasks[0])
-    frame = {c: np.zeros((SIZE, SIZE, 3), np.uint8) for c in CAMS}
-    wants = []
-    for _ in range(7):
-        wants.append(policy.wants_views())
-        policy.act(frame if wants[-1] else None, d.columns["observation.state"][0])
-    assert wants == [True, False, False, True, False, False, True]
 
 
 @pytest.mark.slow
@@ -168,3 +105,14 @@ def test_generate_train_eval_end_to_end(tmp_path):
     frames = decode_frames(video, 0.0, int(r["mean_length"]) if r["successes"] == 0 else 1, 20)
     assert frames.shape[1:] == (32, 64, 3)  # two views side by side
     assert "reach-v3" in proc.stdout and "95% CI" in proc.stdout
+    assert report["inference"]["options"]["cache"] == "exact" and report["inference"]["predictions"] > 0
+    # the runtime's options reach the report: token cache, asynchronous chunks with a simulated delay
+    proc = run_cli("eval", str(run), "--episodes=1", "--max-steps=12", "--workers=1", "--no-progress", "--no-video",
+                   "--cache=token", "--async", "--latency-ms=20", "--execute=2", f"--out={tmp_path / 'eval2'}",
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    inf = json.loads((tmp_path / "eval2" / "report.json").read_text())["inference"]
+    assert inf["options"] | {"cache": "token", "asynchronous": True, "latency_ms": 20.0} == inf["options"]
+    assert inf["p50_ms"] > 0 and 0 <= inf["idle_fraction"] < 1 and inf["cache"]["frames"] > 0
+    proc = run_cli("eval", str(run), "--merge=rtc", "--episodes=1", timeout=300)
+    assert proc.returncode == 2 and "needs a flow-matching action head" in proc.stderr

@@ -100,11 +100,25 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                                                                                   + _DEFAULT),
           out: Optional[Path] = typer.Option(None, help="report folder (default CHECKPOINT/eval)"),
           video: Optional[bool] = typer.Option(None, help="write one MP4 per task" + _DEFAULT),
+          cache: str = typer.Option("exact", help="frame-feature cache: none, exact (each frame encoded once; same "
+                                                  "actions), frame (reuse a similar frame's features), token (recompute "
+                                                  "only changed patches)"),
+          compile: str = typer.Option("off", help="torch.compile the two regions: off, default, reduce-overhead, "
+                                                  "max-autotune"),
+          dtype: str = typer.Option("auto", help="inference dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16"),
+          device: str = typer.Option("cpu", help="cpu, cuda, cuda:N or auto"),
+          asynchronous: bool = typer.Option(False, "--async/--sync", help="compute the next chunk in a background "
+                                                                          "thread while the current one executes"),
+          merge: str = typer.Option("replace", help="chunk merge: replace, ensemble (ACT temporal ensembling), rtc "
+                                                    "(real-time chunking; flow-matching heads)"),
+          latency_ms: float = typer.Option(0.0, min=0.0, help="simulated inference delay added to each prediction "
+                                                              "(robot clock)"),
           progress: bool = typer.Option(True, help="show a progress bar")):
-    """Closed-loop success rate per task in Meta-World, with Wilson 95% intervals; writes report.json."""
+    """Closed-loop success rate per task in Meta-World, with Wilson 95% intervals; writes report.json with the
+    inference options and figures (latency p50/p99 per prediction, cache hit rates, robot idle fraction)."""
     from vlaforge.config import load_config
     from vlaforge.data.metaworld import parse_tasks
-    from vlaforge.evaluation.closed_loop import eval_tasks, evaluate, render_table
+    from vlaforge.evaluation.closed_loop import InferenceOptions, eval_tasks, evaluate, render_table
     from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint
 
     ckpt = resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT")
@@ -112,7 +126,10 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     e = cfg.eval
     names = parse_tasks(tasks) if tasks else eval_tasks(cfg)
     pick = lambda v, d: d if v is None else v  # noqa: E731
-    report = evaluate(ckpt, names, pick(episodes, e.episodes), execute=pick(execute, e.execute),
+    options = InferenceOptions(cache=cache, compile=compile, dtype=dtype, device=device,
+                               execute=pick(execute, e.execute), asynchronous=asynchronous, merge=merge,
+                               latency_ms=latency_ms)
+    report = evaluate(ckpt, names, pick(episodes, e.episodes), options=options,
                       max_steps=pick(max_steps, e.max_steps), workers=pick(workers, e.workers),
                       seed=pick(seed, e.seed), out=out, video=pick(video, e.video), progress=progress)
     typer.echo(render_table(report))

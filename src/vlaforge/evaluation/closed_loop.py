@@ -1,9 +1,10 @@
 """`vlaforge eval`: closed-loop success rate of a trained policy in Meta-World.
 
-The policy sees exactly what training showed it (the checkpoint's `policy.json`: cameras, frame history,
-image size, normalization; `tokenizer.json`) and runs with a receding horizon: it predicts T actions, executes
-the first K, then predicts again from the new observation. Initial positions come from the evaluation seed
-range, disjoint from the generation seeds. Episodes run in parallel worker processes (rendering dominates).
+The policy runs through `inference.PolicyRuntime` (it sees exactly what training showed it: the checkpoint's
+`policy.json` and `tokenizer.json`) and `inference.ChunkExecutor` (receding horizon by default: predict T actions,
+execute the first K, predict again; or asynchronous, with simulated latency, ensembling or RTC), so every inference
+option is judged by closed-loop success next to its speed. Initial positions come from the evaluation seed range,
+disjoint from the generation seeds. Episodes run in parallel worker processes (rendering dominates).
 """
 
 from __future__ import annotations
@@ -12,22 +13,20 @@ import json
 import math
 import multiprocessing as mp
 import time
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from vlaforge.config.loading import load_config, write_atomic
-from vlaforge.data.batch import Batch
-from vlaforge.data.metaworld import TASKS, cached_env, episode_seed, parse_tasks
-from vlaforge.data.tokenizer import load_tokenizer
-from vlaforge.data.transforms import ObservationSpec, to_model_images
+from vlaforge.config.loading import write_atomic
+from vlaforge.data.metaworld import FPS, TASKS, cached_env, episode_seed, parse_tasks
 from vlaforge.errors import VlaforgeError
+from vlaforge.inference.chunking import ChunkExecutor
+from vlaforge.inference.feature_cache import CacheConfig, CacheStats
+from vlaforge.inference.runtime import Observation, PolicyRuntime, latency_summary
 from vlaforge.progress import progress_bar
-from vlaforge.training.checkpoint import CONFIG_FILE, load_weights
 
 
 def eval_tasks(cfg) -> list[str]:
@@ -55,58 +54,27 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-class Policy:
-    """A trained VLA as a controller: `reset(instruction)`, then `act(views, state)` once per env step."""
+@dataclass(frozen=True)
+class InferenceOptions:
+    """How the policy runs in closed loop: the runtime's options and the chunk execution's."""
 
-    def __init__(self, model: torch.nn.Module, spec: ObservationSpec, tokenizer, execute: int):
-        if not 1 <= execute <= spec.chunk:
-            raise VlaforgeError(f"execute = {execute} must be between 1 and the action chunk ({spec.chunk})")
-        self.model, self.spec, self.tokenizer, self.execute = model.eval(), spec, tokenizer, execute
-        self.camera_names = [k.removeprefix("observation.images.") for k in spec.cameras]
-        self.depth = (spec.frames - 1) * spec.frame_stride + 1
+    cache: str = "exact"
+    compile: str = "off"
+    dtype: str = "auto"
+    device: str = "cpu"
+    execute: int = 1
+    asynchronous: bool = False
+    merge: str = "replace"
+    latency_ms: float = 0.0
+    cache_options: dict = field(default_factory=dict)
 
-    @classmethod
-    def load(cls, ckpt: Path, execute: int) -> "Policy":
-        from vlaforge.models.build import build_vla
+    def runtime(self, ckpt: Path) -> PolicyRuntime:
+        return PolicyRuntime.load(ckpt, device=self.device, dtype=self.dtype, compile=self.compile,
+                                  cache=CacheConfig(mode=self.cache, **self.cache_options))
 
-        cfg = load_config(ckpt / CONFIG_FILE)
-        spec = ObservationSpec.load(ckpt)
-        tokenizer = load_tokenizer(ckpt, cfg.model.llm.pretrained)
-        model = build_vla(cfg.model, cfg.loss)
-        load_weights(ckpt, model)
-        return cls(model, spec, tokenizer, execute)
-
-    def reset(self, instruction: str) -> None:
-        ids, mask = self.tokenizer.encode([instruction], self.spec.instruction_tokens)
-        self.instruction = (ids[0], mask[0])
-        self.frames: dict[str, deque] = {c: deque(maxlen=self.depth) for c in self.camera_names}
-        self.queue: deque = deque()
-
-    def wants_views(self) -> bool:
-        """Whether the next `act` needs this step's images: always with a frame history, else only when it
-        predicts a new chunk (so executing K actions per chunk renders K times less)."""
-        return self.spec.frames > 1 or not self.queue
-
-    def act(self, views: dict[str, np.ndarray] | None, state: np.ndarray) -> np.ndarray:
-        if views is not None:
-            for cam in self.camera_names:
-                self.frames[cam].append(torch.from_numpy(views[cam]))
-        if not self.queue:
-            self.queue.extend(self._predict(state)[:self.execute])
-        return self.queue.popleft()
-
-    def _predict(self, state: np.ndarray) -> np.ndarray:
-        actions = self.model.predict_actions(self.observation(state))  # (T, A), normalized
-        return self.spec.denormalize_action(actions).numpy()
-
-    def observation(self, state: np.ndarray) -> Batch:
-        """The model input for the frames seen so far - built exactly as the training dataset builds it."""
-        spec, n = self.spec, len(self.frames[self.camera_names[0]])
-        rows = [n - 1 - min(n - 1, k * spec.frame_stride) for k in range(spec.frames - 1, -1, -1)]
-        views = torch.stack([to_model_images(torch.stack([self.frames[c][r] for r in rows]), spec.image_size)
-                             for c in self.camera_names])  # (V, F, 3, S, S)
-        return Batch(images=views.transpose(0, 1).flatten(0, 1), state=spec.normalize_state(state),
-                     instruction_ids=self.instruction[0], instruction_mask=self.instruction[1])
+    def executor(self, runtime: PolicyRuntime, session: str) -> ChunkExecutor:
+        return ChunkExecutor(runtime, session, execute=self.execute, period_s=1 / FPS, merge=self.merge,
+                             asynchronous=self.asynchronous, latency_ms=self.latency_ms)
 
 
 @dataclass(frozen=True)
@@ -122,52 +90,63 @@ class Job:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(ckpt: str, execute: int, threads: int) -> None:
+def _init_worker(ckpt: str, options: InferenceOptions, threads: int) -> None:
     torch.set_num_threads(threads)
-    _WORKER["policy"] = Policy.load(Path(ckpt), execute)
+    _WORKER["runtime"], _WORKER["options"] = options.runtime(Path(ckpt)), options
 
 
 def run_episode(job: Job) -> dict[str, Any]:
-    """One held-out episode; returns success, length and (if `record`) the rendered frames."""
-    policy: Policy = _WORKER["policy"]
-    env = cached_env(job.task, policy.camera_names, policy.spec.render_size)
+    """One held-out episode; returns success, length, the inference figures and (if `record`) the frames."""
+    runtime: PolicyRuntime = _WORKER["runtime"]
+    env = cached_env(job.task, runtime.cameras, runtime.spec.render_size)
     torch.manual_seed(job.seed)  # flow-matching heads sample noise
     obs = env.reset(episode_seed("eval", job.task_index, job.episode, job.seed))
     instructions = TASKS.get(job.task).instructions
-    policy.reset(instructions[job.episode % len(instructions)])
+    instruction = instructions[job.episode % len(instructions)]
+    runtime.reset("episode")
+    executor = _WORKER["options"].executor(runtime, "episode")
     success, frames, steps = False, [], 0
-    for steps in range(1, job.max_steps + 1):
-        views = env.views() if job.record or policy.wants_views() else None
-        if job.record:
-            frames.append(np.concatenate([views[c] for c in policy.camera_names], axis=1))
-        obs, success = env.step(policy.act(views, env.state(obs)))
-        if success:
-            break
+    try:
+        for steps in range(1, job.max_steps + 1):
+            wanted = executor.needs_observation()
+            views = env.views() if job.record or wanted else None
+            if job.record:
+                frames.append(np.concatenate([views[c] for c in runtime.cameras], axis=1))
+            observation = Observation(views, env.state(obs), instruction) if wanted else None
+            obs, success = env.step(executor.act(observation))
+            if success:
+                break
+    finally:
+        executor.close()
     return {"task": job.task, "episode": job.episode, "success": success, "length": steps,
-            "frames": np.stack(frames) if frames else None}
+            "frames": np.stack(frames) if frames else None, "execution": executor.stats,
+            "cache": runtime.session("episode").cache.stats}
 
 
-def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, execute: int, max_steps: int, workers: int,
-             seed: int = 0, out: str | Path | None = None, video: bool = True, progress: bool = True) -> dict[str, Any]:
+def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, options: InferenceOptions, max_steps: int,
+             workers: int, seed: int = 0, out: str | Path | None = None, video: bool = True,
+             progress: bool = True) -> dict[str, Any]:
     """Evaluate a checkpoint; writes `report.json` (and `videos/<task>.mp4`) to `out` (default CKPT/eval)."""
     ckpt = Path(ckpt)
     tasks = parse_tasks(tasks)
-    Policy.load(ckpt, execute)  # fail fast, in this process, with a clear message
+    # fail fast, in this process, with a clear message (a bad checkpoint, execute, merge or cache option)
+    options.executor(options.runtime(ckpt), "check").close()
     out = Path(out) if out else ckpt / "eval"
     jobs = [Job(t, i, e, seed, max_steps, video and e == 0) for e in range(episodes) for i, t in enumerate(tasks)]
     results: list[dict] = []
     succeeded = 0
     t0 = time.perf_counter()
     ctx = mp.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(ckpt), execute, 1)) as pool, \
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(ckpt), options, 1)) as pool, \
             progress_bar(progress, "eval", len(jobs)) as advance:
         for res in pool.imap_unordered(run_episode, jobs):
             results.append(res)
             succeeded += res["success"]
             advance(f"success {succeeded}/{len(results)}")
     report = summarize(results, tasks)
-    report |= {"checkpoint": str(ckpt), "episodes_per_task": episodes, "execute": execute, "max_steps": max_steps,
-               "seed": seed, "seconds": round(time.perf_counter() - t0, 1)}
+    report |= {"checkpoint": str(ckpt), "episodes_per_task": episodes, "execute": options.execute,
+               "max_steps": max_steps, "seed": seed, "seconds": round(time.perf_counter() - t0, 1),
+               "inference": {"options": asdict(options), **inference_summary(results)}}
     out.mkdir(parents=True, exist_ok=True)
     if video:
         report["videos"] = _write_videos(results, out / "videos")
@@ -191,9 +170,25 @@ def summarize(results: list[dict], tasks: list[str]) -> dict[str, Any]:
     return {"tasks": per_task, "mean_success_rate": mean}
 
 
+def inference_summary(results: list[dict]) -> dict[str, Any]:
+    """Per-prediction latency p50/p99 (compute, as the robot clock counts it), cache totals and robot idle time
+    over all episodes."""
+    compute = [ms for r in results for ms in r["execution"].compute_ms]
+    moving = sum(r["execution"].steps * r["execution"].period_s for r in results)
+    idle = sum(r["execution"].idle_s for r in results)
+    caches = [r["cache"] for r in results]
+    totals = {k: sum(getattr(c, k) for c in caches) for k in ("frames", "exact_hits", "similar_hits", "encoded",
+                                                               "partial", "reused_tokens", "recomputed_tokens",
+                                                               "refreshes")}
+    return {"predictions": len(compute), **latency_summary(compute),
+            "idle_fraction": round(idle / (moving + idle), 4) if moving else 0.0,
+            "idle_steps": sum(r["execution"].idle_steps for r in results),
+            "startup_s_mean": round(float(np.mean([r["execution"].startup_s for r in results])), 4) if results else 0,
+            "cache": CacheStats(**totals).as_dict()}
+
+
 def _write_videos(results: list[dict], folder: Path) -> dict[str, str]:
     from vlaforge.data.video import VideoWriter
-    from vlaforge.data.metaworld import FPS
 
     written = {}
     for r in results:
@@ -216,6 +211,12 @@ def render_table(report: dict[str, Any]) -> str:
         lo, hi = v["ci95"]
         lines.append(f"{t:<28} {v['success_rate']:>8.0%} {f'[{lo:.0%}, {hi:.0%}]':>12} {v['mean_length']:>9.1f}")
     lines.append(f"{'mean':<28} {report['mean_success_rate']:>8.0%}")
+    inf = report.get("inference")
+    if inf:
+        o = inf["options"]
+        lines.append(f"inference: cache {o['cache']}, {'async' if o['asynchronous'] else 'sync'}, merge {o['merge']}, "
+                     f"latency +{o['latency_ms']:g} ms; per prediction p50 {inf['p50_ms']} ms, p99 {inf['p99_ms']} "
+                     f"ms; cache hit rate {inf['cache']['hit_rate']:.0%}; robot idle {inf['idle_fraction']:.1%}")
     return "\n".join(lines)
 
 
@@ -226,8 +227,8 @@ def during_training(cfg) -> Callable[[Path], dict[str, float]]:
     tasks, e = eval_tasks(cfg), cfg.eval
 
     def score(path: Path) -> dict[str, float]:
-        report = evaluate(path, tasks, e.train_episodes, execute=e.execute, max_steps=e.max_steps, workers=e.workers,
-                          seed=e.seed, video=False, progress=False)
+        report = evaluate(path, tasks, e.train_episodes, options=InferenceOptions(execute=e.execute),
+                          max_steps=e.max_steps, workers=e.workers, seed=e.seed, video=False, progress=False)
         out = {f"eval/success/{t}": v["success_rate"] for t, v in report["tasks"].items()}
         out["eval/success"] = report["mean_success_rate"]
         return out

@@ -33,10 +33,17 @@ class ActionHead(nn.Module):
         self.queries = nn.Parameter(torch.randn(chunk, llm_dim) * 0.02)  # (T, D)
         self.state_proj = nn.Linear(state_dim, hidden)
 
-    def forward(self, hidden: torch.Tensor, state: torch.Tensor,
-                actions: torch.Tensor | None = None) -> ActionHeadOutput | torch.Tensor:
-        """Training (actions given): an ActionHeadOutput. Inference: the predicted chunk (B, T, A)."""
+    def forward(self, hidden: torch.Tensor, state: torch.Tensor, actions: torch.Tensor | None = None,
+                prefix: torch.Tensor | None = None,
+                prefix_weight: torch.Tensor | None = None) -> ActionHeadOutput | torch.Tensor:
+        """Training (actions given): an ActionHeadOutput. Inference: the predicted chunk (B, T, A).
+
+        prefix (B, T, A) and prefix_weight (B, T) in [0, 1]: actions already committed for the chunk's first
+        steps, which a head that samples (flow matching) is guided to agree with (Real-Time Chunking); weight 0
+        leaves a step free. Heads that do not sample ignore them."""
         raise NotImplementedError
+
+    supports_prefix = False
 
 
 ACTION_HEADS: Registry[type[ActionHead]] = Registry("action head")
@@ -51,7 +58,7 @@ class RegressionHead(ActionHead):
         self.in_proj = nn.Linear(llm_dim, hidden)
         self.mlp = nn.Sequential(nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, action_dim))
 
-    def forward(self, hidden, state, actions=None):
+    def forward(self, hidden, state, actions=None, prefix=None, prefix_weight=None):
         x = self.in_proj(hidden) + self.state_proj(state)[:, None, :]  # (B, T, H)
         pred = self.mlp(x)  # (B, T, A)
         if actions is None:
@@ -94,10 +101,12 @@ class FlowMatchingHead(ActionHead):
         h = self.action_in(x_t) + cond + temb[:, None, :]
         return self.action_out(self.net(h))
 
-    def forward(self, hidden, state, actions=None):
+    supports_prefix = True
+
+    def forward(self, hidden, state, actions=None, prefix=None, prefix_weight=None):
         cond = self.cond_proj(hidden) + self.state_proj(state)[:, None, :]  # (B, T, H)
         if actions is None:
-            return self.sample(cond)
+            return self.sample(cond, prefix, prefix_weight)
         b = actions.shape[0]
         noise = torch.randn_like(actions)
         # pi0's time distribution: Beta(1.5, 1) leans towards noisy inputs, never exactly 0.
@@ -107,11 +116,25 @@ class FlowMatchingHead(ActionHead):
         v = self.velocity(x_t, t, cond)
         return ActionHeadOutput(prediction=v, target=noise - actions, actions=x_t - tt * v)
 
-    def sample(self, cond: torch.Tensor) -> torch.Tensor:
+    def sample(self, cond: torch.Tensor, prefix: torch.Tensor | None = None,
+               prefix_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Euler integration from noise (t = 1) to actions (t = 0).
+
+        With a committed `prefix`, each step is guided towards it by inpainting on the flow's own path: the
+        prefix noised to the step's time, x_t = t * noise + (1 - t) * prefix with the sample's starting noise,
+        is blended in with `prefix_weight` (1: the step ends exactly on the committed action; in between: a soft
+        pull, as Real-Time Chunking's soft mask). This is the guided-inpainting form of RTC, not its
+        vector-Jacobian guidance: no gradient through the velocity network is taken."""
         b = cond.shape[0]
-        x = torch.randn(b, self.chunk, self.action_dim, device=cond.device, dtype=cond.dtype)
+        noise = torch.randn(b, self.chunk, self.action_dim, device=cond.device, dtype=cond.dtype)
+        if prefix is not None:
+            prefix, w = prefix.to(cond.dtype), prefix_weight.to(cond.dtype)[..., None]  # (B, T, A), (B, T, 1)
+        x = noise
         dt = 1.0 / self.flow_steps
         for i in range(self.flow_steps):
             t = torch.full((b,), 1.0 - i * dt, device=cond.device)
             x = x - dt * self.velocity(x, t, cond)
+            if prefix is not None:
+                t_next = 1.0 - (i + 1) * dt
+                x = w * (t_next * noise + (1 - t_next) * prefix) + (1 - w) * x
         return x

@@ -61,11 +61,15 @@ class VLA(nn.Module):
         self.objective = objective
 
     # ---- token layout -------------------------------------------------------------------------------------
+    def encode_frames(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(N, C, H, W) frames -> projected patch tokens (N, P, D): the vision tower and the projector."""
+        out = self.vision(pixel_values=pixels, interpolate_pos_encoding=self.layout.interpolate_pos)
+        return self.projector(out.last_hidden_state)
+
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:
         """(B, F, C, H, W) -> projected patch tokens (B, F*P, D); frames are encoded independently."""
         b, f = images.shape[:2]
-        out = self.vision(pixel_values=images.flatten(0, 1), interpolate_pos_encoding=self.layout.interpolate_pos)
-        tokens = self.projector(out.last_hidden_state)  # (B*F, P, D)
+        tokens = self.encode_frames(images.flatten(0, 1))  # (B*F, P, D)
         return tokens.reshape(b, f * tokens.shape[1], tokens.shape[2])
 
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
@@ -180,9 +184,24 @@ class VLA(nn.Module):
         single = obs.images.dim() == 4
         if single:
             obs = Batch(obs.images[None], obs.state[None], obs.instruction_ids[None], obs.instruction_mask[None])
-        h = self.run_llm(obs, with_text=False)
-        actions = self.action_head(h["action_hidden"], obs.state)
+        actions = self.actions_from_tokens(self.embed_images(obs.images), obs.instruction_ids, obs.instruction_mask,
+                                           obs.state)
         return actions[0] if single else actions
+
+    def actions_from_tokens(self, vision_tokens: torch.Tensor, instruction_ids: torch.Tensor,
+                            instruction_mask: torch.Tensor, state: torch.Tensor, **head: torch.Tensor) -> torch.Tensor:
+        """The action chunk (B, T, A) from projected vision tokens (B, F*P, D): the LLM over the layout without
+        text targets (its final normed hidden states; no logits) and the action head. `head`: extra inference
+        inputs of the head (a flow-matching head's committed prefix)."""
+        instruction = self.embed_text(instruction_ids)
+        b, t = vision_tokens.shape[0], self.action_head.chunk
+        queries = self.action_head.queries.to(instruction.dtype).expand(b, -1, -1)
+        embeds = torch.cat([vision_tokens.to(instruction.dtype), instruction, queries], dim=1)
+        ones = lambda n: torch.ones(b, n, dtype=torch.bool, device=embeds.device)  # noqa: E731
+        mask = torch.cat([ones(vision_tokens.shape[1]), instruction_mask.bool(), ones(t)], dim=1)
+        out = self.llm.model(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids(mask),
+                             use_cache=False)
+        return self.action_head(out.last_hidden_state[:, -t:], state, **head)
 
     def reset(self) -> None:
         """Start of a new episode; the model keeps no state between calls (policy runtimes may)."""

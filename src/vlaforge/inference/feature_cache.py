@@ -1,0 +1,271 @@
+"""Frame-feature caches of a policy session: projected vision tokens reused across predictions.
+
+Modes (`CacheConfig.mode`):
+- `none`: every frame of the history is encoded at every prediction (the model's own `predict_actions`).
+- `exact`: each (camera, frame) of a session is encoded once and kept while it is in the frame history; a new
+  prediction encodes one new frame per camera instead of F. Outputs equal the uncached path's.
+- `frame`: on top of `exact`, a new frame whose similarity to a cached frame of the same camera (cosine of the
+  mean-centred model-space image) is >= `frame_threshold` reuses that frame's tokens; a cached frame is reused at
+  most `refresh_every` times before it is encoded again, and at most `max_frames` frames are kept (LRU).
+- `token`: VLA-Cache style reuse inside the vision tower. Per camera the last encoded frame's per-layer hidden
+  states and keys/values are kept; a new frame recomputes only the patches whose pixel cosine to the cached patch
+  is below `token_threshold`, plus the `token_refresh` share of patches that went longest without a recompute
+  (so none is stale for long), and every layer's attention of the recomputed patches reads the cached keys and
+  values of the static ones. Every `refresh_every` frames the whole frame is recomputed. This runs in the vision
+  tower, not in the LLM: the frame tokens' LLM keys and values depend on their position in the layout and on
+  every earlier token (the frame history shifts each step), so reusing them would be a second approximation;
+  a frame's vision features depend only on the frame.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from vlaforge.errors import VlaforgeError
+
+CacheMode = Literal["none", "exact", "frame", "token"]
+CACHE_MODES = ("none", "exact", "frame", "token")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How a runtime reuses vision features across a session's predictions (see the module docstring)."""
+
+    mode: CacheMode = "exact"
+    frame_threshold: float = 0.999
+    token_threshold: float = 0.996
+    token_refresh: float = 0.125  # share of a frame's patches always recomputed (the stalest first)
+    refresh_every: int = 8  # reuses of a cached frame (frame) / partial frames (token) before a full encode
+    max_frames: int = 100  # cached frames per session (frame mode's LRU bound)
+
+    def __post_init__(self):
+        if self.mode not in CACHE_MODES:
+            raise VlaforgeError(f"cache mode {self.mode!r} is not one of {', '.join(CACHE_MODES)}")
+        for name in ("frame_threshold", "token_threshold"):
+            if not -1.0 <= getattr(self, name) <= 1.0:
+                raise VlaforgeError(f"cache {name} = {getattr(self, name)} is not a cosine; give a value in [-1, 1]")
+        if not 0.0 <= self.token_refresh <= 1.0:
+            raise VlaforgeError(f"cache token_refresh = {self.token_refresh} is a share of patches; give 0..1")
+        if self.refresh_every < 1 or self.max_frames < 1:
+            raise VlaforgeError("cache refresh_every and max_frames must be at least 1")
+
+
+@dataclass
+class CacheStats:
+    """What a session's cache did: frames looked up / reused / encoded, tokens reused / recomputed, refreshes."""
+
+    frames: int = 0  # frame slots the predictions needed
+    exact_hits: int = 0  # the same frame, encoded before
+    similar_hits: int = 0  # frame mode: another, similar frame's tokens reused
+    encoded: int = 0  # frames that went through the vision tower in full
+    partial: int = 0  # token mode: frames recomputed only in part
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    refreshes: int = 0  # forced full encodes of a frame that could have been reused
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = asdict(self)
+        out["hit_rate"] = round((self.exact_hits + self.similar_hits) / self.frames, 4) if self.frames else 0.0
+        tokens = self.reused_tokens + self.recomputed_tokens
+        out["reused_token_share"] = round(self.reused_tokens / tokens, 4) if tokens else 0.0
+        return out
+
+
+def centred(pixels: torch.Tensor) -> torch.Tensor:
+    """A model-space frame (3, S, S) as a flat, mean-centred float vector (the frame-similarity measure's input)."""
+    v = pixels.float().flatten()
+    return v - v.mean()
+
+
+@dataclass
+class _Reference:
+    vector: torch.Tensor  # the centred frame
+    tokens: torch.Tensor
+    reuses: int = 0
+
+
+class SessionCache:
+    """One session's cached frame tokens. `entries`: the frames of the current history, keyed by (camera, frame
+    index) - the frame index is the session's count of observed frames, so a key always means the same pixels.
+    `references` (frame mode): encoded frames that later similar frames may reuse, LRU-bounded by max_frames."""
+
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.entries: dict[tuple[str, int], torch.Tensor] = {}
+        self.references: OrderedDict[tuple[str, int], _Reference] = OrderedDict()
+        self.patches: dict[str, PatchState] = {}
+        self.stats = CacheStats()
+
+    def lookup(self, cam: str, index: int, pixels: torch.Tensor | None) -> torch.Tensor | None:
+        """Cached tokens for this frame, or None if it must be encoded. `pixels` (model space) only in frame mode."""
+        mode = self.config.mode
+        self.stats.frames += 1
+        if mode == "none":
+            return None
+        hit = self.entries.get((cam, index))
+        if hit is not None:
+            self.stats.exact_hits += 1
+            return hit
+        if mode != "frame" or pixels is None:
+            return None
+        key, score = self._most_similar(cam, centred(pixels))
+        if key is None or score < self.config.frame_threshold:
+            return None
+        ref = self.references[key]
+        if ref.reuses >= self.config.refresh_every:
+            self.stats.refreshes += 1
+            return None
+        ref.reuses += 1
+        self.references.move_to_end(key)
+        self.stats.similar_hits += 1
+        self.entries[(cam, index)] = ref.tokens
+        return ref.tokens
+
+    def _most_similar(self, cam: str, vec: torch.Tensor) -> tuple[tuple[str, int] | None, float]:
+        keys = [k for k in self.references if k[0] == cam]
+        if not keys:
+            return None, -1.0
+        refs = torch.stack([self.references[k].vector for k in keys])
+        sims = F.cosine_similarity(refs, vec[None], dim=1, eps=1e-6)
+        i = int(sims.argmax())
+        return keys[i], float(sims[i])
+
+    def store(self, cam: str, index: int, pixels: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Keep a just-encoded frame's tokens."""
+        self.stats.encoded += 1
+        self.stats.recomputed_tokens += tokens.shape[0]
+        if self.config.mode == "none":
+            return
+        self.entries[(cam, index)] = tokens
+        if self.config.mode == "frame":
+            self.references[(cam, index)] = _Reference(centred(pixels), tokens)
+            while len(self.references) > self.config.max_frames:
+                self.references.popitem(last=False)
+
+    def remember(self, cam: str, index: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Keep the tokens token mode made for this frame (a copy: its patch state changes in place)."""
+        self.entries[(cam, index)] = tokens = tokens.clone()
+        return tokens
+
+    def retain(self, oldest: int) -> None:
+        """Forget the frames older than the history (frame mode's references stay, up to max_frames)."""
+        for key in [k for k in self.entries if k[1] < oldest]:
+            del self.entries[key]
+
+
+# ---- token mode: partial recomputation inside a SigLIP tower ------------------------------------------------
+
+@dataclass
+class PatchState:
+    """A camera's last encoded frame inside the vision tower."""
+
+    patches: torch.Tensor  # (P, 3*p*p) model-space pixels of each patch
+    hidden: list[torch.Tensor]  # L + 1 layer inputs (the last: the encoder's output), each (P, D)
+    keys: list[torch.Tensor]  # per layer (H, P, hd)
+    values: list[torch.Tensor]
+    tokens: torch.Tensor  # (P, D_llm) projected
+    age: torch.Tensor  # (P,) frames since each patch was recomputed
+    partial_frames: int = 0
+
+
+def patch_pixels(pixels: torch.Tensor, patch: int) -> torch.Tensor:
+    """(3, S, S) -> (P, 3*patch*patch), patches in the tower's row-major token order."""
+    c = pixels.shape[0]
+    grid = pixels.unfold(1, patch, patch).unfold(2, patch, patch)  # (3, g, g, p, p)
+    return grid.permute(1, 2, 0, 3, 4).reshape(-1, c * patch * patch)
+
+
+class TokenReuseEncoder:
+    """Encodes frames through a VLA's SigLIP tower and projector, recomputing only the patches that changed."""
+
+    def __init__(self, model: torch.nn.Module, config: CacheConfig):
+        vision = model.vision
+        if not all(hasattr(vision, a) for a in ("embeddings", "encoder", "post_layernorm")):
+            raise VlaforgeError(f"cache mode 'token' needs a SigLIP vision tower; this one is a "
+                                f"{type(vision).__name__}; use --cache exact or frame")
+        self.model, self.config = model, config
+        self.patch = vision.config.patch_size
+        self.layers = vision.encoder.layers
+
+    def encode(self, cache: SessionCache, cam: str, pixels: torch.Tensor) -> torch.Tensor:
+        """Tokens (P, D) of `pixels` (3, S, S); updates the camera's patch state and the cache's statistics."""
+        state = cache.patches.get(cam)
+        patches = patch_pixels(pixels, self.patch)
+        n = patches.shape[0]
+        if state is None or state.partial_frames >= self.config.refresh_every:
+            if state is not None:
+                cache.stats.refreshes += 1
+            cache.patches[cam] = self._full(pixels, patches)
+            cache.stats.encoded += 1
+            cache.stats.recomputed_tokens += n
+            return cache.patches[cam].tokens
+        changed = F.cosine_similarity(patches.float(), state.patches.float(), dim=1, eps=1e-6) \
+            < self.config.token_threshold
+        k = min(n, math.ceil(self.config.token_refresh * n))
+        if k:
+            changed[torch.topk(state.age.masked_fill(changed, -1), k).indices] = True
+        idx = changed.nonzero().flatten()
+        if len(idx) * 2 > n:  # most patches changed: one full pass costs the same
+            cache.patches[cam] = self._full(pixels, patches)
+            cache.stats.encoded += 1
+            cache.stats.recomputed_tokens += n
+            return cache.patches[cam].tokens
+        self._update(state, pixels, patches, idx)
+        cache.stats.partial += 1
+        cache.stats.recomputed_tokens += len(idx)
+        cache.stats.reused_tokens += n - len(idx)
+        return state.tokens
+
+    def _embeddings(self, pixels: torch.Tensor) -> torch.Tensor:
+        emb = self.model.vision.embeddings(pixels[None], interpolate_pos_encoding=self.model.layout.interpolate_pos)
+        return emb[0]  # (P, D)
+
+    def _full(self, pixels: torch.Tensor, patches: torch.Tensor) -> PatchState:
+        h = self._embeddings(pixels)
+        n = h.shape[0]
+        hidden, keys, values = [h], [], []
+        for layer in self.layers:
+            attn = layer.self_attn
+            shape = (attn.num_heads, n, attn.head_dim)
+            keys.append(h.new_empty(shape))
+            values.append(h.new_empty(shape))
+            h = self._layer(layer, h, slice(None), keys[-1], values[-1])
+            hidden.append(h)
+        tokens = self._project(h)
+        return PatchState(patches, hidden, keys, values, tokens, torch.zeros(n, dtype=torch.long))
+
+    def _update(self, state: PatchState, pixels: torch.Tensor, patches: torch.Tensor, idx: torch.Tensor) -> None:
+        h = self._embeddings(pixels)[idx]
+        state.hidden[0][idx] = h
+        for i, layer in enumerate(self.layers):
+            h = self._layer(layer, h, idx, state.keys[i], state.values[i])
+            state.hidden[i + 1][idx] = h
+        state.tokens[idx] = self._project(h)
+        state.patches[idx] = patches[idx]
+        state.age += 1
+        state.age[idx] = 0
+        state.partial_frames += 1
+
+    @staticmethod
+    def _layer(layer: torch.nn.Module, h: torch.Tensor, idx, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One SigLIP encoder layer for the rows `idx` of a frame (h: (n, D) those rows' inputs); their keys and
+        values are written into the frame's (H, P, hd) caches and their queries attend to all P positions."""
+        attn = layer.self_attn
+        n = h.shape[0]
+        x = layer.layer_norm1(h)
+        split = lambda t: t.view(n, attn.num_heads, attn.head_dim).transpose(0, 1)  # noqa: E731
+        keys[:, idx] = split(attn.k_proj(x))
+        values[:, idx] = split(attn.v_proj(x))
+        out = F.scaled_dot_product_attention(split(attn.q_proj(x))[None], keys[None], values[None],
+                                             scale=attn.scale)[0]
+        h = h + attn.out_proj(out.transpose(0, 1).reshape(n, -1))
+        return h + layer.mlp(layer.layer_norm2(h))
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.projector(self.model.vision.post_layernorm(h))

@@ -1,0 +1,330 @@
+"""`PolicyRuntime`: the one inference path of a trained VLA - `vlaforge eval`, the policy server, quantized
+checkpoints and exported packages all predict through it.
+
+A typed `Observation` (uint8 H x W x 3 image per camera, state, instruction) is checked against the
+checkpoint's `policy.json`, turned into model inputs exactly as the training dataset builds them (frame history,
+resizing, normalization, tokens), and the model runs as two regions: vision tower + projector (per frame, its
+output cached per session by `feature_cache`) and LLM + action head. Sessions keep their own frame history,
+tokenized instruction and cache; `predict_batch` runs many sessions in one forward of each region.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from vlaforge.data.transforms import ObservationSpec, to_model_images
+from vlaforge.errors import VlaforgeError
+from vlaforge.inference.feature_cache import CacheConfig, SessionCache, TokenReuseEncoder
+
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ObservationError(VlaforgeError):
+    """An observation that does not fit the policy; the message names the field."""
+
+
+@dataclass
+class Observation:
+    """One robot observation: images per camera name (uint8 H x W x 3, any size), state, instruction text."""
+
+    images: Mapping[str, Any]
+    state: Any
+    instruction: str
+
+
+@dataclass
+class Prediction:
+    """A denormalized action chunk (T, A) float32 and where the time went (milliseconds)."""
+
+    actions: np.ndarray
+    timings: dict[str, float]
+
+
+@dataclass
+class _Request:
+    session: "Session"
+    slots: list[tuple[str, int, torch.Tensor]]  # (camera, frame index, uint8 frame) in layout order
+    state: torch.Tensor
+    prefix: tuple[torch.Tensor, torch.Tensor] | None  # normalized (T, A) committed actions, (T,) weights
+
+
+@dataclass
+class Session:
+    """One robot episode's state: frame history, tokenized instruction, feature cache, latencies."""
+
+    name: str
+    cache: SessionCache
+    frames: dict[str, deque] = field(default_factory=dict)  # camera -> (index, uint8 frame)
+    count: int = 0  # frames observed this episode
+    instruction: str | None = None
+    tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    latencies_ms: list[float] = field(default_factory=list)
+
+    def report(self) -> dict[str, Any]:
+        """Per-session figures: predictions, latency p50/p99, cache statistics."""
+        lat = self.latencies_ms
+        return {"predictions": len(lat), **latency_summary(lat), "cache": self.cache.stats.as_dict()}
+
+
+def latency_summary(values_ms: Sequence[float]) -> dict[str, float | None]:
+    if not values_ms:
+        return {"p50_ms": None, "p99_ms": None}
+    return {"p50_ms": round(float(np.percentile(values_ms, 50)), 3),
+            "p99_ms": round(float(np.percentile(values_ms, 99)), 3)}
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise VlaforgeError(f"device {device!r} is not a torch device; use auto, cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise VlaforgeError(f"device {device!r} asked for but no CUDA device is present; use --device cpu")
+    return dev
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise VlaforgeError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class PolicyRuntime:
+    """A trained VLA behind one interface: `predict(obs, session)`, `predict_batch`, `reset(session)`."""
+
+    def __init__(self, model: torch.nn.Module, spec: ObservationSpec, tokenizer, *, device: str = "auto",
+                 dtype: str = "auto", compile: str = "off", cache: CacheConfig | str = "exact",
+                 source: str | None = None):
+        if compile not in COMPILE_MODES:
+            raise VlaforgeError(f"compile mode {compile!r} is not one of {', '.join(COMPILE_MODES)}")
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.cache_config = cache if isinstance(cache, CacheConfig) else CacheConfig(mode=cache)
+        self.model = model.eval().to(self.device, self.dtype)
+        self.spec, self.tokenizer, self.source = spec, tokenizer, source
+        self.cameras = [k.removeprefix("observation.images.") for k in spec.cameras]
+        self.depth = (spec.frames - 1) * spec.frame_stride + 1
+        self.sessions: dict[str, Session] = {}
+        self.compile_mode = compile
+        self._encode, self._act = model.encode_frames, model.actions_from_tokens
+        self._token_encoder = TokenReuseEncoder(model, self.cache_config) \
+            if self.cache_config.mode == "token" else None
+        self._norm = {k: torch.tensor(getattr(spec, k), device=self.device)
+                      for k in ("state_mean", "state_std", "action_mean", "action_std")}
+        self.compile_s = 0.0
+        if compile != "off":
+            self._encode = torch.compile(model.encode_frames, mode=None if compile == "default" else compile)
+            self._act = torch.compile(model.actions_from_tokens, mode=None if compile == "default" else compile)
+            t0 = time.perf_counter()
+            self.warm_up()
+            self.compile_s = round(time.perf_counter() - t0, 2)
+
+    @classmethod
+    def load(cls, checkpoint: str | Path, *, device: str = "auto", dtype: str = "auto", compile: str = "off",
+             cache: CacheConfig | str = "exact") -> "PolicyRuntime":
+        """Any checkpoint `vlaforge eval` takes (a run folder or a checkpoints/step_* folder; full or sharded)."""
+        from vlaforge.config.loading import load_config
+        from vlaforge.data.tokenizer import load_tokenizer
+        from vlaforge.models.build import build_vla
+        from vlaforge.training.checkpoint import CONFIG_FILE, load_weights, resolve_checkpoint
+
+        ckpt = resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT")
+        cfg = load_config(ckpt / CONFIG_FILE)
+        spec = ObservationSpec.load(ckpt)
+        tokenizer = load_tokenizer(ckpt, cfg.model.llm.pretrained)
+        model = build_vla(cfg.model, cfg.loss)
+        load_weights(ckpt, model)
+        return cls(model, spec, tokenizer, device=device, dtype=dtype, compile=compile, cache=cache,
+                   source=str(ckpt))
+
+    # ---- description -------------------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """What a client needs to build observations, and how this runtime runs."""
+        s = self.spec
+        return {"cameras": self.cameras, "image_size": s.image_size, "render_size": s.render_size,
+                "state_dim": len(s.state_mean), "action_dim": len(s.action_mean), "action_chunk": s.chunk,
+                "frames": s.frames, "frame_stride": s.frame_stride, "checkpoint": self.source,
+                "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "compile": self.compile_mode, "compile_s": self.compile_s, "cache": self.cache_config.mode}
+
+    # ---- sessions ----------------------------------------------------------------------------------------
+    def session(self, name: str = "default") -> Session:
+        if name not in self.sessions:
+            self.sessions[name] = Session(name, SessionCache(self.cache_config),
+                                          {c: deque(maxlen=self.depth) for c in self.cameras})
+        return self.sessions[name]
+
+    def reset(self, session: str = "default") -> None:
+        """Start a new episode in `session`: its frames, cache and instruction are forgotten."""
+        self.sessions.pop(session, None)
+
+    def close(self, session: str) -> None:
+        self.sessions.pop(session, None)
+
+    # ---- observations ------------------------------------------------------------------------------------
+    def check(self, obs: Observation) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The observation's frames (uint8 (H, W, 3) tensors per camera) and normalized state; raises
+        ObservationError naming the field that does not fit the policy."""
+        if not isinstance(obs.instruction, str) or not obs.instruction.strip():
+            raise ObservationError("instruction: must be a non-empty string (the task, e.g. 'open the door')")
+        frames = {}
+        for cam in self.cameras:
+            img = obs.images.get(cam, obs.images.get(f"observation.images.{cam}"))
+            if img is None:
+                raise ObservationError(f"images.{cam}: missing; the policy takes cameras {', '.join(self.cameras)}")
+            frames[cam] = check_image(img, f"images.{cam}")
+        state = np.asarray(obs.state)
+        want = len(self.spec.state_mean)
+        if state.dtype.kind not in "fiu" or state.ndim != 1 or state.shape[0] != want:
+            raise ObservationError(f"state: {state.dtype} of shape {tuple(state.shape)}; the policy takes {want} "
+                                   "numbers")
+        if not np.isfinite(state).all():
+            raise ObservationError("state: contains NaN or inf")
+        return frames, torch.as_tensor(state, dtype=torch.float32)
+
+    def observe(self, obs: Observation, session: str = "default") -> Session:
+        """Record an observation's frames in the session's history without predicting (a frame history needs every
+        control step's frame; a prediction needs only the latest state)."""
+        frames, _ = self.check(obs)
+        return self._record(self.session(session), frames, obs.instruction)
+
+    def _record(self, s: Session, frames: dict[str, torch.Tensor], instruction: str) -> Session:
+        if instruction != s.instruction:  # tokenized once per instruction, not per call
+            ids, mask = self.tokenizer.encode([instruction], self.spec.instruction_tokens)
+            s.tokens, s.instruction = (ids[0].to(self.device), mask[0].to(self.device)), instruction
+        for cam, frame in frames.items():
+            s.frames[cam].append((s.count, frame))
+        s.count += 1
+        return s
+
+    def request(self, obs: Observation, session: str = "default", prefix: np.ndarray | None = None,
+                prefix_weight: np.ndarray | None = None) -> _Request:
+        """Record `obs` and snapshot what its prediction needs (safe to run in another thread afterwards)."""
+        frames, state = self.check(obs)
+        s = self._record(self.session(session), frames, obs.instruction)
+        spec, n = self.spec, len(s.frames[self.cameras[0]])
+        rows = [n - 1 - min(n - 1, k * spec.frame_stride) for k in range(spec.frames - 1, -1, -1)]
+        slots = [(cam, *s.frames[cam][r]) for r in rows for cam in self.cameras]  # time-major, as training
+        pre = None
+        if prefix is not None:
+            if not self.model.action_head.supports_prefix:
+                raise VlaforgeError(f"a committed-action prefix (merge 'rtc') needs a flow-matching action head; this "
+                                    f"policy's is {type(self.model.action_head).__name__}")
+            t, a = spec.chunk, len(spec.action_mean)
+            full, w = torch.zeros(t, a), torch.zeros(t)
+            k = min(t, len(prefix))
+            full[:k] = torch.as_tensor(np.asarray(prefix[:k]), dtype=torch.float32)
+            w[:k] = torch.as_tensor(np.asarray(prefix_weight[:k]), dtype=torch.float32)
+            pre = (((full.to(self.device) - self._norm["action_mean"]) / self._norm["action_std"]), w.to(self.device))
+        return _Request(s, slots, state, pre)
+
+    # ---- prediction --------------------------------------------------------------------------------------
+    def predict(self, obs: Observation, session: str = "default", prefix: np.ndarray | None = None,
+                prefix_weight: np.ndarray | None = None) -> Prediction:
+        """The denormalized action chunk (T, A) for `obs` in `session` (its frame history and cache)."""
+        return self.run([self.request(obs, session, prefix, prefix_weight)])[0]
+
+    def predict_batch(self, observations: Sequence[Observation], sessions: Sequence[str]) -> list[Prediction]:
+        """One prediction per (observation, session), in one forward of each region; sessions must differ."""
+        if len(set(sessions)) != len(sessions) or len(sessions) != len(observations):
+            raise VlaforgeError("predict_batch takes one observation per session, each session once")
+        return self.run([self.request(o, s) for o, s in zip(observations, sessions)])
+
+    @torch.inference_mode()
+    def run(self, requests: list[_Request]) -> list[Prediction]:
+        t0 = time.perf_counter()
+        tokens: list[list[torch.Tensor | None]] = []
+        pending: list[tuple[int, int, torch.Tensor]] = []  # (request, slot, model-space pixels)
+        first: dict[tuple[int, str, int], int] = {}
+        repeats: list[tuple[int, int, int]] = []  # (request, slot, pending position)
+        encoded_before = [r.session.cache.stats.encoded for r in requests]
+        token_s = 0.0  # token mode encodes inside the lookup loop
+        for i, req in enumerate(requests):
+            cache = req.session.cache
+            row: list[torch.Tensor | None] = []
+            for j, (cam, index, frame) in enumerate(req.slots):
+                pixels = self._pixels(frame) if cache.config.mode == "frame" else None
+                hit = cache.lookup(cam, index, pixels)
+                if hit is None and self._token_encoder is not None:
+                    tv = time.perf_counter()
+                    hit = cache.remember(cam, index, self._token_encoder.encode(cache, cam, self._pixels(frame)))
+                    token_s += time.perf_counter() - tv
+                if hit is None:
+                    key = (i, cam, index)  # a frame repeated in one history (clamped at the episode start)
+                    if key not in first:
+                        first[key] = len(pending)
+                        pending.append((i, j, pixels if pixels is not None else self._pixels(frame)))
+                    repeats.append((i, j, first[key]))
+                row.append(hit)
+            tokens.append(row)
+        t1 = time.perf_counter()
+        if pending:
+            out = self._encode(torch.stack([p for _, _, p in pending]).to(self.dtype))
+            for (i, j, pixels), toks in zip(pending, out):
+                cam, index, _ = requests[i].slots[j]
+                requests[i].session.cache.store(cam, index, pixels, toks)
+            for i, j, k in repeats:
+                tokens[i][j] = out[k]
+        for req in requests:
+            req.session.cache.retain(min(index for _, index, _ in req.slots))
+        t2 = time.perf_counter()
+        vision = torch.stack([torch.cat(row, 0) for row in tokens])  # (B, F*V*P, D)
+        ids = torch.stack([r.session.tokens[0] for r in requests])
+        mask = torch.stack([r.session.tokens[1] for r in requests])
+        state = torch.stack([r.state for r in requests]).to(self.device)
+        state = ((state - self._norm["state_mean"]) / self._norm["state_std"]).to(self.dtype)
+        head = {}
+        if any(r.prefix is not None for r in requests):
+            zero = (torch.zeros_like(self._norm["action_mean"]).expand(self.spec.chunk, -1),
+                    torch.zeros(self.spec.chunk, device=self.device))
+            pre = [r.prefix or zero for r in requests]
+            head = {"prefix": torch.stack([p[0] for p in pre]), "prefix_weight": torch.stack([p[1] for p in pre])}
+        actions = self._act(vision, ids, mask, state, **head)
+        actions = (actions.float() * self._norm["action_std"] + self._norm["action_mean"]).cpu().numpy()
+        t3 = time.perf_counter()
+        ms = lambda a, b: round((b - a) * 1000, 3)  # noqa: E731
+        out = []
+        for k, req in enumerate(requests):
+            total = ms(t0, t3)
+            req.session.latencies_ms.append(total)
+            out.append(Prediction(actions[k], {
+                "total_ms": total, "prepare_ms": ms(t0 + token_s, t1), "vision_ms": ms(t1 - token_s, t2),
+                "llm_ms": ms(t2, t3),
+                "batch_size": len(requests),
+                "frames_encoded": req.session.cache.stats.encoded - encoded_before[k]}))
+        return out
+
+    def _pixels(self, frame: torch.Tensor) -> torch.Tensor:
+        """uint8 (H, W, 3) -> model-space (3, S, S) on the device, resized as training resizes."""
+        return to_model_images(frame[None].to(self.device), self.spec.image_size)[0]
+
+    def warm_up(self) -> None:
+        """One prediction on blank inputs (compiles the regions); leaves no session behind."""
+        blank = Observation({c: np.zeros((self.spec.render_size,) * 2 + (3,), np.uint8) for c in self.cameras},
+                            np.zeros(len(self.spec.state_mean), np.float32), "warm up")
+        self.predict(blank, session="__warm_up__")
+        self.close("__warm_up__")
+
+
+def check_image(img: Any, name: str) -> torch.Tensor:
+    """A camera image as a uint8 (H, W, 3) tensor, or ObservationError naming `name`."""
+    arr = img.numpy() if isinstance(img, torch.Tensor) else np.asarray(img)
+    if arr.dtype != np.uint8:
+        raise ObservationError(f"{name}: dtype {arr.dtype}; send uint8 RGB images (H x W x 3, values 0-255)")
+    if arr.ndim != 3 or arr.shape[2] != 3:
+        raise ObservationError(f"{name}: shape {tuple(arr.shape)}; send H x W x 3 RGB images")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ObservationError(f"{name}: empty image of shape {tuple(arr.shape)}")
+    return torch.from_numpy(np.ascontiguousarray(arr))
