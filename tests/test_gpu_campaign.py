@@ -22,7 +22,7 @@ def test_run_all_dry_run_writes_every_check(tmp_path):
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
-    checks = ("mfu", "planner_validation", "activation_memory", "ring_kernel", "precision")
+    checks = ("mfu", "planner_validation", "activation_memory", "ring_kernel", "precision", "inference")
     assert summary["dry_run"] is True and set(summary["checks"]) == set(checks)
     assert all(c["status"] == "ok" for c in summary["checks"].values()), summary
     for name in checks:
@@ -33,3 +33,7 @@ def test_run_all_dry_run_writes_every_check(tmp_path):
     for row in mfu["points"]:
         assert MFU_KEYS <= row.keys() and row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1, row
     assert all("speedup" in row and row["speedup"] > 0 for row in mfu["fp8"]), mfu["fp8"]
+    inference = json.loads((tmp_path / "inference.json").read_text())
+    row = inference["latency"][0]
+    assert row["model"] == "tiny" and all(row[k]["p50_ms"] > 0 for k in ("eager", "runtime", "exact", "token"))
+    assert inference["batch"]["tiny"]["2"]["predictions_per_s"] > 0

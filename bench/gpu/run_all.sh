@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU campaign in one call, in priority order, each check under its own time limit, each writing its JSON
 # into $OUT as soon as it finishes (a limit keeps what finished; a check that fails or times out leaves a JSON saying
-# so, and the next one runs). At most 9 minutes on an H200 in all (the limits add up to 535 s).
+# so, and the next one runs). At most 9.5 minutes on an H200 in all (the limits add up to 555 s).
 #
 #   bench/gpu/run_all.sh             on the device: from the repository root, with the wheels of prepare.sh
 #   bench/gpu/run_all.sh --dry-run   here, on the CPU: every check with tiny shapes and the same JSON keys
@@ -57,15 +57,17 @@ if [ "$dry" = 1 ]; then
     check activation_memory 240 "$py" bench/activation_memory.py --device cpu --seq 256 --repeats 1 --rounds 1
     check ring_kernel 60 "$py" bench/ring_kernel.py --device cpu --tokens 256 --repeats 1
     check precision 180 "$py" bench/precision.py --device cpu --flavors tiny --steps 2 --batch 2
+    check inference 180 "$py" bench/inference.py --models tiny --histories 1 --steps 2 --warm 1 --batches 1 2 \
+        --out "$out/inference.partial.json"
 else
-    check mfu 270 "$py" bench/mfu.py --gpu "${GPU:-h200-141}" --out "$out/mfu.partial.json"
+    check mfu 240 "$py" bench/mfu.py --gpu "${GPU:-h200-141}" --out "$out/mfu.partial.json"
     check planner_validation 100 "$py" bench/planner_validation.py --device cuda --flavor small \
         --gpu "${GPU:-h200-141}" --seq 1024 --steps 3
     check activation_memory 75 "$py" bench/activation_memory.py --device cuda --seq 1024 2048 --repeats 3
     check ring_kernel 40 "$py" bench/ring_kernel.py --device cuda --heads 16 --head-dim 128 --repeats 5
     check precision 50 "$py" bench/precision.py --device cuda --flavors small --steps 20 --batch 8
+    check inference 50 bash bench/gpu/inference.sh --out "$out/inference.partial.json"
 fi
-# the inference runtime's latency joins here once `inference/` exists (bench/inference.py)
 
 {
     echo "{\"dry_run\": $([ "$dry" = 1 ] && echo true || echo false), \"seconds\": $(( $(date +%s) - start )),"

@@ -103,6 +103,9 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
           cache: str = typer.Option("exact", help="frame-feature cache: none, exact (each frame encoded once; same "
                                                   "actions), frame (reuse a similar frame's features), token (recompute "
                                                   "only changed patches)"),
+          cache_threshold: Optional[float] = typer.Option(None, help="similarity at or above which the cache "
+                                                                      "reuses: frame mode's frame cosine (default "
+                                                                      "0.998), token mode's patch cosine (0.996)"),
           compile: str = typer.Option("off", help="torch.compile the two regions: off, default, reduce-overhead, "
                                                   "max-autotune"),
           dtype: str = typer.Option("auto", help="inference dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16"),
@@ -128,12 +131,20 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     pick = lambda v, d: d if v is None else v  # noqa: E731
     options = InferenceOptions(cache=cache, compile=compile, dtype=dtype, device=device,
                                execute=pick(execute, e.execute), asynchronous=asynchronous, merge=merge,
-                               latency_ms=latency_ms)
+                               latency_ms=latency_ms, cache_options=_cache_threshold(cache, cache_threshold))
     report = evaluate(ckpt, names, pick(episodes, e.episodes), options=options,
                       max_steps=pick(max_steps, e.max_steps), workers=pick(workers, e.workers),
                       seed=pick(seed, e.seed), out=out, video=pick(video, e.video), progress=progress)
     typer.echo(render_table(report))
     typer.echo(f"report: {report['report']}")
+
+
+def _cache_threshold(mode: str, value: float | None) -> dict:
+    if value is None:
+        return {}
+    if mode not in ("frame", "token"):
+        raise VlaforgeError(f"--cache-threshold applies to --cache frame or token, not {mode}")
+    return {f"{mode}_threshold": value}
 
 
 @app.command()

@@ -65,7 +65,7 @@ class Session:
     frames: dict[str, deque] = field(default_factory=dict)  # camera -> (index, uint8 frame)
     count: int = 0  # frames observed this episode
     instruction: str | None = None
-    tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    tokens: tuple[torch.Tensor, torch.Tensor, int] | None = None  # ids, mask, real length
     latencies_ms: list[float] = field(default_factory=list)
 
     def report(self) -> dict[str, Any]:
@@ -203,7 +203,8 @@ class PolicyRuntime:
     def _record(self, s: Session, frames: dict[str, torch.Tensor], instruction: str) -> Session:
         if instruction != s.instruction:  # tokenized once per instruction, not per call
             ids, mask = self.tokenizer.encode([instruction], self.spec.instruction_tokens)
-            s.tokens, s.instruction = (ids[0].to(self.device), mask[0].to(self.device)), instruction
+            s.tokens = (ids[0].to(self.device), mask[0].to(self.device), int(mask[0].sum()))
+            s.instruction = instruction
         for cam, frame in frames.items():
             s.frames[cam].append((s.count, frame))
         s.count += 1
@@ -281,8 +282,12 @@ class PolicyRuntime:
             req.session.cache.retain(min(index for _, index, _ in req.slots))
         t2 = time.perf_counter()
         vision = torch.stack([torch.cat(row, 0) for row in tokens])  # (B, F*V*P, D)
-        ids = torch.stack([r.session.tokens[0] for r in requests])
-        mask = torch.stack([r.session.tokens[1] for r in requests])
+        # Instruction padding is only ever masked out (positions skip it): dropping the columns no row uses gives
+        # the same actions, and attention runs without a mask when no row is padded.
+        lengths = [r.session.tokens[2] for r in requests]
+        keep = max(lengths)
+        ids = torch.stack([r.session.tokens[0][:keep] for r in requests])
+        mask = torch.stack([r.session.tokens[1][:keep] for r in requests]) if min(lengths) < keep else None
         state = torch.stack([r.state for r in requests]).to(self.device)
         state = ((state - self._norm["state_mean"]) / self._norm["state_std"]).to(self.dtype)
         head = {}

@@ -189,18 +189,25 @@ class VLA(nn.Module):
         return actions[0] if single else actions
 
     def actions_from_tokens(self, vision_tokens: torch.Tensor, instruction_ids: torch.Tensor,
-                            instruction_mask: torch.Tensor, state: torch.Tensor, **head: torch.Tensor) -> torch.Tensor:
+                            instruction_mask: torch.Tensor | None, state: torch.Tensor,
+                            **head: torch.Tensor) -> torch.Tensor:
         """The action chunk (B, T, A) from projected vision tokens (B, F*P, D): the LLM over the layout without
-        text targets (its final normed hidden states; no logits) and the action head. `head`: extra inference
-        inputs of the head (a flow-matching head's committed prefix)."""
+        text targets (its final normed hidden states; no logits) and the action head. `instruction_mask` None:
+        no instruction token is padding. `head`: extra inference inputs of the head (a flow-matching head's
+        committed prefix)."""
         instruction = self.embed_text(instruction_ids)
         b, t = vision_tokens.shape[0], self.action_head.chunk
         queries = self.action_head.queries.to(instruction.dtype).expand(b, -1, -1)
         embeds = torch.cat([vision_tokens.to(instruction.dtype), instruction, queries], dim=1)
         ones = lambda n: torch.ones(b, n, dtype=torch.bool, device=embeds.device)  # noqa: E731
-        mask = torch.cat([ones(vision_tokens.shape[1]), instruction_mask.bool(), ones(t)], dim=1)
-        out = self.llm.model(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids(mask),
-                             use_cache=False)
+        if instruction_mask is None:  # no padding: causal attention without a mask
+            n = embeds.shape[1]
+            out = self.llm.model(inputs_embeds=embeds, position_ids=torch.arange(n, device=embeds.device)[None],
+                                 use_cache=False)
+        else:
+            mask = torch.cat([ones(vision_tokens.shape[1]), instruction_mask.bool(), ones(t)], dim=1)
+            out = self.llm.model(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids(mask),
+                                 use_cache=False)
         return self.action_head(out.last_hidden_state[:, -t:], state, **head)
 
     def reset(self) -> None:

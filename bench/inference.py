@@ -1,0 +1,250 @@
+"""Inference latency of a policy, measured side by side in one run. Prints one JSON.
+
+For each model (the demo's tiny policy shape: 96 px, corner + top view; the `small` flavor: 224 px, one view;
+random weights - latency does not depend on them) and frame history (1 and 4), per-prediction p50/p99 of:
+- `eager`: what `vlaforge eval` did before the runtime: every prediction rebuilds the model input from all F frames
+  of the history and calls `VLA.predict_actions` under `no_grad` (the vision tower re-encodes every frame);
+- `runtime`: `PolicyRuntime` without a cache (inference_mode, no logits, two regions), then compiled;
+- `exact`, `frame`, `token`: the runtime with each frame-feature cache.
+Frames are a real recorded episode (`--data`, a LeRobot dataset) or, without one, a synthetic scene where one
+small square moves over a fixed background (a robot arm in a still scene). `predict_batch` throughput (predictions
+per second) at 1/8/32 sessions comes last.
+
+On a GPU (`--device cuda --dtype bf16`, bench/gpu/inference.sh) the models are `small` and `vla-7b-4l` (the
+vla-7b flavor's SigLIP-so400m and Llama-2-7B layer shapes, 4 blocks each, so it builds in seconds); attention runs
+through SDPA (the flash kernel where no padding mask is needed) and `--compile` compiles the two regions.
+
+    python bench/inference.py [--data data/metaworld_demo] [--models tiny small] [--steps 12] [--threads 2]
+    python bench/inference.py --device cuda --dtype bf16 --models small vla-7b-4l --batches 1 8 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+import torch
+
+
+def _register_7b_layers() -> None:
+    """`vla-7b-4l`: vla-7b's layer shapes, 4 vision and 4 LLM blocks."""
+    import dataclasses
+
+    from vlaforge.config.flavors import FLAVORS
+
+    if "vla-7b-4l" not in FLAVORS:
+        f = FLAVORS.get("vla-7b")
+        FLAVORS.add("vla-7b-4l", dataclasses.replace(f, description="vla-7b layer shapes, 4 + 4 blocks",
+                                                      vision=f.vision | {"num_hidden_layers": 4},
+                                                      llm=f.llm | {"num_hidden_layers": 4}))
+
+
+def _config(model: str, history: int):
+    from vlaforge.config import load_config
+    from vlaforge.config.loading import deep_merge
+
+    if model == "tiny":
+        m = {"flavor": "tiny", "image_size": 96, "cameras": ["corner", "topview"]}
+    else:
+        if model == "vla-7b-4l":
+            _register_7b_layers()
+        m = {"flavor": model, "cameras": ["corner"]}
+    m |= {"frames": history, "action_chunk": 8, "state_dim": 4, "action_dim": 4}
+    return load_config("recipes/tiny_synthetic.toml", deep_merge({"model": m}, {"data": {"max_instruction_tokens": 12}}))
+
+
+def _frames(data: str | None, cams: list[str], steps: int, size: int) -> list[dict[str, np.ndarray]]:
+    if data:
+        from vlaforge.data.lerobot_v3 import LeRobotDataset
+
+        d = LeRobotDataset(data)
+        e = d.episodes[0]
+        keys = [k for k in d.cameras][:len(cams)]
+        decoded = {c: d.decode(k, e) for c, k in zip(cams, keys)}
+        return [{c: decoded[c][min(t, e.length - 1)] for c in cams} for t in range(steps)]
+    g = np.random.default_rng(0)
+    base = {c: g.integers(0, 256, (size, size, 3), dtype=np.uint8) for c in cams}
+    out = []
+    for t in range(steps):
+        views = {}
+        for c in cams:
+            img = base[c].copy()
+            x = (4 + 3 * t) % (size - size // 8)
+            img[size // 3:size // 3 + size // 8, x:x + size // 8] = 255  # the moving "arm"
+            views[c] = img
+        out.append(views)
+    return out
+
+
+def _pct(values: list[float]) -> dict[str, float]:
+    return {"p50_ms": round(float(np.percentile(values, 50)), 2), "p99_ms": round(float(np.percentile(values, 99)), 2)}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _eager(model, spec, tokenizer, frames, state, instruction, device="cpu", dtype=torch.float32) -> list[float]:
+    """The pre-runtime path: all F frames of the history to model images, `predict_actions` under no_grad."""
+    from collections import deque
+
+    from vlaforge.data.batch import Batch
+    from vlaforge.data.transforms import to_model_images
+
+    cams = [c.removeprefix("observation.images.") for c in spec.cameras]
+    history = {c: deque(maxlen=spec.frames) for c in cams}
+    times = []
+    for views in frames:
+        t0 = time.perf_counter()
+        for c in cams:
+            history[c].append(torch.from_numpy(views[c]))
+        n = len(history[cams[0]])
+        rows = [n - 1 - min(n - 1, k) for k in range(spec.frames - 1, -1, -1)]
+        imgs = torch.stack([to_model_images(torch.stack([history[c][r] for r in rows]), spec.image_size)
+                            for c in cams]).transpose(0, 1).flatten(0, 1)
+        ids, mask = tokenizer.encode([instruction], spec.instruction_tokens)  # per call, as before
+        batch = Batch(imgs.to(device, dtype), spec.normalize_state(state).to(device, dtype), ids[0].to(device),
+                      mask[0].to(device))
+        with torch.no_grad():
+            actions = model.predict_actions(batch)
+        spec.denormalize_action(actions.cpu()).numpy()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1000)
+    return times
+
+
+def _measure(runtime, frames, state, instruction, session="s") -> tuple[list[float], dict]:
+    from vlaforge.inference.runtime import Observation
+
+    times = [runtime.predict(Observation(v, state, instruction), session).timings["total_ms"] for v in frames]
+    return times, runtime.session(session).report()["cache"]
+
+
+def bench_model(name: str, history: int, data: str | None, steps: int, warm: int, compile_mode: str,
+                device: str = "cpu", dtype: str = "fp32") -> dict:
+    from vlaforge.data.tokenizer import train_bpe
+    from vlaforge.data.transforms import ObservationSpec
+    from vlaforge.inference.feature_cache import CacheConfig
+    from vlaforge.inference.runtime import PolicyRuntime
+    from vlaforge.models.build import build_vla
+
+    cfg = _config(name, history)
+    torch.manual_seed(0)
+    model = build_vla(cfg.model, cfg.loss).eval()
+    cams = list(cfg.model.cameras)
+    size = model.layout.image_size
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    model.to(device, torch_dtype)
+    spec = ObservationSpec(cameras=[f"observation.images.{c}" for c in cams], frames=history, frame_stride=1,
+                           image_size=size, render_size=size, instruction_tokens=12, text_tokens=0, chunk=8,
+                           state_mean=[0.0] * 4, state_std=[1.0] * 4, action_mean=[0.0] * 4, action_std=[1.0] * 4)
+    tokenizer = train_bpe(["press the button from the top", "reach the goal"], 300)
+    frames = _frames(data, cams, warm + steps, size)
+    state, instruction = np.zeros(4, np.float32), "press the button from the top"
+    out: dict = {"model": name, "device": device, "dtype": dtype, "history": history, "cameras": len(cams), "image_size": size,
+                 "vision_tokens": history * len(cams) * model.layout.patches_per_frame}
+    eager = _eager(model, spec, tokenizer, frames, state, instruction, device, torch_dtype)[warm:]
+    out["eager"] = _pct(eager)
+    variants = {"runtime": ("none", "off"), f"runtime_compiled_{compile_mode}": ("none", compile_mode),
+                "exact": ("exact", "off"), "frame": ("frame", "off"), "token": ("token", "off")}
+    for label, (mode, comp) in variants.items():
+        t0 = time.perf_counter()
+        rt = PolicyRuntime(model, spec, tokenizer, device=device, dtype=dtype, compile=comp,
+                           cache=CacheConfig(mode=mode))
+        load_s = time.perf_counter() - t0
+        times, cache = _measure(rt, frames, state, instruction)
+        out[label] = _pct(times[warm:]) | {"hit_rate": cache["hit_rate"],
+                                          "reused_token_share": cache["reused_token_share"]}
+        if comp != "off":
+            out[label]["compile_s"] = round(load_s, 1)
+    base = out["eager"]["p50_ms"]
+    out["speedup_vs_eager_p50"] = {k: round(base / v["p50_ms"], 2) for k, v in out.items()
+                                   if isinstance(v, dict) and "p50_ms" in v and k != "eager"}
+    out["exact_vs_runtime_p50"] = round(out["runtime"]["p50_ms"] / out["exact"]["p50_ms"], 2)
+    return out
+
+
+def bench_batch(name: str, sizes: list[int], repeats: int, device: str = "cpu", dtype: str = "fp32",
+                compile_mode: str = "off") -> dict:
+    from vlaforge.data.tokenizer import train_bpe
+    from vlaforge.data.transforms import ObservationSpec
+    from vlaforge.inference.runtime import Observation, PolicyRuntime
+    from vlaforge.models.build import build_vla
+
+    cfg = _config(name, 1)
+    model = build_vla(cfg.model, cfg.loss).eval()
+    cams = list(cfg.model.cameras)
+    size = model.layout.image_size
+    spec = ObservationSpec(cameras=[f"observation.images.{c}" for c in cams], frames=1, frame_stride=1,
+                           image_size=size, render_size=size, instruction_tokens=12, text_tokens=0, chunk=8,
+                           state_mean=[0.0] * 4, state_std=[1.0] * 4, action_mean=[0.0] * 4, action_std=[1.0] * 4)
+    rt = PolicyRuntime(model, spec, train_bpe(["reach the goal", "open the door"], 300), device=device, dtype=dtype,
+                       compile=compile_mode, cache="exact")
+    g = np.random.default_rng(0)
+    out: dict = {"model": name, "device": device, "dtype": dtype, "compile": compile_mode}
+    for n in sizes:
+        sessions = [f"s{i}" for i in range(n)]
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first call warms up
+            obs = [Observation({c: g.integers(0, 256, (size, size, 3), dtype=np.uint8) for c in cams},
+                               np.zeros(4, np.float32), "reach the goal" if i % 2 else "open the door")
+                   for i in range(n)]
+            t0 = time.perf_counter()
+            rt.predict_batch(obs, sessions)
+            _sync(device)
+            best = min(best, time.perf_counter() - t0) if _ else best
+        out[str(n)] = {"predictions_per_s": round(n / best, 1), "ms_per_call": round(best * 1000, 1)}
+    first = out[str(sizes[0])]["predictions_per_s"]
+    out["throughput_vs_batch_1"] = {str(n): round(out[str(n)]["predictions_per_s"] / first, 2) for n in sizes}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=None, help="a LeRobot dataset whose first episode gives the frames")
+    ap.add_argument("--models", nargs="+", default=["tiny", "small"])
+    ap.add_argument("--histories", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--steps", type=int, default=12, help="timed predictions per variant")
+    ap.add_argument("--warm", type=int, default=2, help="untimed predictions first")
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--compile", default="default", help="torch.compile mode of the compiled variant")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--out", default=None, help="also rewrite this JSON file after every measurement (a time "
+                                                "limit keeps what finished)")
+    ap.add_argument("--big-batches", action="store_true", help="all --batches for every model (else <= 8 past tiny)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    result = {"host": platform.processor() or platform.machine(), "threads": args.threads,
+              "torch": torch.__version__, "frames": args.data or "synthetic moving square", "latency": [],
+              "batch": {}}
+    for name in args.models:
+        for h in args.histories:
+            result["latency"].append(bench_model(name, h, args.data, args.steps, args.warm, args.compile,
+                                                 args.device, args.dtype))
+            print(json.dumps(result["latency"][-1]), file=sys.stderr, flush=True)
+            _save(args.out, result)
+        sizes = args.batches if name == "tiny" or args.big_batches else [b for b in args.batches if b <= 8]
+        result["batch"][name] = bench_batch(name, sizes, 2 if name == "tiny" else 1, args.device, args.dtype)
+        if args.device != "cpu" and args.compile != "off":
+            result["batch"][f"{name}_compiled"] = bench_batch(name, sizes, 2, args.device, args.dtype, args.compile)
+        _save(args.out, result)
+    print(json.dumps(result, indent=1))
+
+
+def _save(path: str | None, result: dict) -> None:
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main()
