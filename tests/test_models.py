@@ -133,3 +133,20 @@ def test_model_summary_cli_vla_70b():
     assert abs(rows["vision"]["params"] / 3e9 - 1) < 0.02
     assert rows["total"]["params"] == sum(rows[c]["params"] for c in COMPONENTS)
     assert rows["total"]["bf16_bytes"] == 2 * rows["total"]["params"]
+
+
+def test_prediction_path_equals_the_training_forward(tmp_path):
+    """`predict_actions` (vision tokens -> LLM body -> head; padding trimmed, no logits) gives the actions the
+    training forward's LLM pass gives to the head, with and without instruction padding."""
+    cfg = tiny_config(tmp_path, model={"frames": 2})
+    model = build_vla(cfg.model, cfg.loss).eval()
+    batch = make_batch(cfg, model, size=3)
+    batch.instruction_mask[1, 5:] = 0  # one row padded
+    with torch.no_grad():
+        want = model.action_head(model.run_llm(batch, with_text=False)["action_hidden"], batch.state)
+        torch.testing.assert_close(model.predict_actions(batch), want, atol=1e-5, rtol=1e-5)
+        full = batch.instruction_mask.clone().fill_(1)
+        tokens = model.embed_images(batch.images)
+        no_mask = model.actions_from_tokens(tokens, batch.instruction_ids, None, batch.state)
+        torch.testing.assert_close(no_mask, model.actions_from_tokens(tokens, batch.instruction_ids, full,
+                                                                      batch.state), atol=1e-5, rtol=1e-5)

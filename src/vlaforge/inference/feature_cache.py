@@ -6,7 +6,8 @@ Modes (`CacheConfig.mode`):
   prediction encodes one new frame per camera instead of F. Outputs equal the uncached path's.
 - `frame`: on top of `exact`, a new frame whose similarity to a cached frame of the same camera (cosine of the
   mean-centred model-space image) is >= `frame_threshold` reuses that frame's tokens; a cached frame is reused at
-  most `refresh_every` times before it is encoded again, and at most `max_frames` frames are kept (LRU).
+  most `refresh_every` times before it is encoded again, and at most `max_frames` frames per camera are kept
+  (least recently used first out).
 - `token`: VLA-Cache style reuse inside the vision tower. Per camera the last encoded frame's per-layer hidden
   states and keys/values are kept; a new frame recomputes only the patches whose pixel cosine to the cached patch
   is below `token_threshold`, plus the `token_refresh` share of patches that went longest without a recompute
@@ -20,7 +21,6 @@ Modes (`CacheConfig.mode`):
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -42,7 +42,7 @@ class CacheConfig:
     token_threshold: float = 0.996
     token_refresh: float = 0.125  # share of a frame's patches always recomputed (the stalest first)
     refresh_every: int = 8  # reuses of a cached frame (frame) / partial frames (token) before a full encode
-    max_frames: int = 100  # cached frames per session (frame mode's LRU bound)
+    max_frames: int = 100  # reference frames per camera and session (frame mode's LRU bound)
 
     def __post_init__(self):
         if self.mode not in CACHE_MODES:
@@ -83,22 +83,55 @@ def centred(pixels: torch.Tensor) -> torch.Tensor:
     return v - v.mean()
 
 
-@dataclass
-class _Reference:
-    vector: torch.Tensor  # the centred frame
-    tokens: torch.Tensor
-    reuses: int = 0
+class _Bank:
+    """Frame mode's reference frames of one camera: unit-norm centred frames in one (capacity, D) matrix, so a
+    lookup is one matrix-vector product; the least recently used slot is overwritten when full."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.n, self.clock = capacity, 0, 0
+        self.vectors: torch.Tensor | None = None
+        self.tokens: list[torch.Tensor] = []
+        self.reuses: list[int] = []
+        self.used: list[int] = []
+
+    def best(self, unit: torch.Tensor) -> tuple[int, float]:
+        if self.n == 0:
+            return -1, -1.0
+        sims = self.vectors[:self.n] @ unit
+        i = int(sims.argmax())
+        return i, float(sims[i])
+
+    def touch(self, i: int) -> None:
+        self.clock += 1
+        self.used[i] = self.clock
+
+    def add(self, unit: torch.Tensor, tokens: torch.Tensor) -> None:
+        if self.vectors is None:
+            self.vectors = unit.new_zeros(self.capacity, unit.numel())
+        if self.n < self.capacity:
+            i, self.n = self.n, self.n + 1
+            self.tokens.append(tokens), self.reuses.append(0), self.used.append(0)
+        else:
+            i = min(range(self.n), key=self.used.__getitem__)
+            self.tokens[i], self.reuses[i] = tokens, 0
+        self.vectors[i] = unit
+        self.touch(i)
+
+
+def unit_vector(pixels: torch.Tensor) -> torch.Tensor:
+    v = centred(pixels)
+    return v / v.norm().clamp_min(1e-6)
 
 
 class SessionCache:
     """One session's cached frame tokens. `entries`: the frames of the current history, keyed by (camera, frame
     index) - the frame index is the session's count of observed frames, so a key always means the same pixels.
-    `references` (frame mode): encoded frames that later similar frames may reuse, LRU-bounded by max_frames."""
+    `banks` (frame mode): per camera, encoded frames that later similar frames may reuse, at most max_frames."""
 
     def __init__(self, config: CacheConfig):
         self.config = config
         self.entries: dict[tuple[str, int], torch.Tensor] = {}
-        self.references: OrderedDict[tuple[str, int], _Reference] = OrderedDict()
+        self.banks: dict[str, _Bank] = {}
         self.patches: dict[str, PatchState] = {}
         self.stats = CacheStats()
 
@@ -114,27 +147,20 @@ class SessionCache:
             return hit
         if mode != "frame" or pixels is None:
             return None
-        key, score = self._most_similar(cam, centred(pixels))
-        if key is None or score < self.config.frame_threshold:
+        bank = self.banks.get(cam)
+        if bank is None:
             return None
-        ref = self.references[key]
-        if ref.reuses >= self.config.refresh_every:
+        i, score = bank.best(unit_vector(pixels))
+        if score < self.config.frame_threshold:
+            return None
+        if bank.reuses[i] >= self.config.refresh_every:
             self.stats.refreshes += 1
             return None
-        ref.reuses += 1
-        self.references.move_to_end(key)
+        bank.reuses[i] += 1
+        bank.touch(i)
         self.stats.similar_hits += 1
-        self.entries[(cam, index)] = ref.tokens
-        return ref.tokens
-
-    def _most_similar(self, cam: str, vec: torch.Tensor) -> tuple[tuple[str, int] | None, float]:
-        keys = [k for k in self.references if k[0] == cam]
-        if not keys:
-            return None, -1.0
-        refs = torch.stack([self.references[k].vector for k in keys])
-        sims = F.cosine_similarity(refs, vec[None], dim=1, eps=1e-6)
-        i = int(sims.argmax())
-        return keys[i], float(sims[i])
+        self.entries[(cam, index)] = bank.tokens[i]
+        return bank.tokens[i]
 
     def store(self, cam: str, index: int, pixels: torch.Tensor, tokens: torch.Tensor) -> None:
         """Keep a just-encoded frame's tokens."""
@@ -144,9 +170,7 @@ class SessionCache:
             return
         self.entries[(cam, index)] = tokens
         if self.config.mode == "frame":
-            self.references[(cam, index)] = _Reference(centred(pixels), tokens)
-            while len(self.references) > self.config.max_frames:
-                self.references.popitem(last=False)
+            self.banks.setdefault(cam, _Bank(self.config.max_frames)).add(unit_vector(pixels), tokens)
 
     def remember(self, cam: str, index: int, tokens: torch.Tensor) -> torch.Tensor:
         """Keep the tokens token mode made for this frame (a copy: its patch state changes in place)."""

@@ -167,10 +167,7 @@ class PolicyRuntime:
         return self.sessions[name]
 
     def reset(self, session: str = "default") -> None:
-        """Start a new episode in `session`: its frames, cache and instruction are forgotten."""
-        self.sessions.pop(session, None)
-
-    def close(self, session: str) -> None:
+        """Start a new episode in `session` (or end it): its frames, cache and instruction are forgotten."""
         self.sessions.pop(session, None)
 
     # ---- observations ------------------------------------------------------------------------------------
@@ -320,7 +317,7 @@ class PolicyRuntime:
         blank = Observation({c: np.zeros((self.spec.render_size,) * 2 + (3,), np.uint8) for c in self.cameras},
                             np.zeros(len(self.spec.state_mean), np.float32), "warm up")
         self.predict(blank, session="__warm_up__")
-        self.close("__warm_up__")
+        self.reset("__warm_up__")
 
 
 def check_image(img: Any, name: str) -> torch.Tensor:
