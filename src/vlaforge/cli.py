@@ -116,6 +116,9 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                                                     "(real-time chunking; flow-matching heads)"),
           latency_ms: float = typer.Option(0.0, min=0.0, help="simulated inference delay added to each prediction "
                                                               "(robot clock)"),
+          server: Optional[str] = typer.Option(None, help="ws://HOST:PORT: predict through a running vlaforge serve "
+                                                          "(of this checkpoint) instead of in this process"),
+          api_key: Optional[str] = typer.Option(None, envvar="VLAFORGE_API_KEY", help="the server's API key"),
           progress: bool = typer.Option(True, help="show a progress bar")):
     """Closed-loop success rate per task in Meta-World, with Wilson 95% intervals; writes report.json with the
     inference options and figures (latency p50/p99 per prediction, cache hit rates, robot idle fraction)."""
@@ -131,12 +134,69 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     pick = lambda v, d: d if v is None else v  # noqa: E731
     options = InferenceOptions(cache=cache, compile=compile, dtype=dtype, device=device,
                                execute=pick(execute, e.execute), asynchronous=asynchronous, merge=merge,
-                               latency_ms=latency_ms, cache_options=_cache_threshold(cache, cache_threshold))
+                               latency_ms=latency_ms, cache_options=_cache_threshold(cache, cache_threshold),
+                               server=server, api_key=api_key)
     report = evaluate(ckpt, names, pick(episodes, e.episodes), options=options,
                       max_steps=pick(max_steps, e.max_steps), workers=pick(workers, e.workers),
                       seed=pick(seed, e.seed), out=out, video=pick(video, e.video), progress=progress)
     typer.echo(render_table(report))
     typer.echo(f"report: {report['report']}")
+
+
+@app.command()
+def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint) or a checkpoints/step_* "
+                                                      "folder"),
+          host: str = typer.Option("127.0.0.1", help="interface to bind; anything but loopback should have an API key"),
+          port: int = typer.Option(8000, min=0, max=65535, help="websocket port (openpi protocol; also GET /healthz, "
+                                                                "/metrics)"),
+          http_port: Optional[int] = typer.Option(None, min=0, max=65535, help="HTTP port for POST /act (default: "
+                                                                               "port + 1; 0: none)"),
+          max_batch: int = typer.Option(8, min=1, max=256, help="predictions per batched forward"),
+          max_wait_ms: float = typer.Option(5.0, min=0.0, max=1000.0, help="longest wait to fill a batch"),
+          api_key: Optional[str] = typer.Option(None, envvar="VLAFORGE_API_KEY",
+                                                help="required key (header 'Authorization: Api-Key KEY')"),
+          max_message_mb: float = typer.Option(16.0, min=0.01, max=1024.0, help="largest request"),
+          max_connections: int = typer.Option(64, min=1, help="open connections at most"),
+          idle_timeout_s: float = typer.Option(300.0, min=1.0, help="close a connection silent this long"),
+          cache: str = typer.Option("exact", help="frame-feature cache: none, exact, frame, token"),
+          compile: str = typer.Option("off", help="torch.compile: off, default, reduce-overhead, max-autotune"),
+          dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16"),
+          device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N")):
+    """Serve a policy to robot clients: openpi's websocket protocol (msgpack), dynamic batching across connections,
+    HTTP POST /act, Prometheus GET /metrics. Stops cleanly on SIGTERM / Ctrl-C."""
+    from vlaforge.inference.runtime import PolicyRuntime
+    from vlaforge.serving.server import PolicyServer, ServeOptions
+
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        typer.echo(f"warning: serving on {host} without an API key: anyone who reaches the port can drive the "
+                   "policy; set --api-key or VLAFORGE_API_KEY", err=True)
+    runtime = PolicyRuntime.load(checkpoint, device=device, dtype=dtype, compile=compile, cache=cache)
+    options = ServeOptions(host=host, port=port, http_port=http_port, max_batch=max_batch, max_wait_ms=max_wait_ms,
+                           api_key=api_key, max_message_bytes=int(max_message_mb * 2**20),
+                           max_connections=max_connections, idle_timeout_s=idle_timeout_s)
+    try:
+        PolicyServer(runtime, options, metadata=_serve_metadata(runtime),
+                     log=lambda m: typer.echo(m, err=True)).run()
+    except OSError as exc:
+        raise VlaforgeError(f"cannot serve on {host}:{port} ({exc.strerror or exc}); choose another --port") from None
+
+
+def _serve_metadata(runtime) -> dict:
+    """What a client is told on connect beyond the runtime's description: an instruction example, versions."""
+    from vlaforge import __version__
+    from vlaforge.config import load_config
+    from vlaforge.training.checkpoint import CONFIG_FILE
+
+    from vlaforge.data.metaworld import TASKS
+    from vlaforge.evaluation.closed_loop import eval_tasks
+
+    cfg = load_config(Path(runtime.source) / CONFIG_FILE)
+    try:
+        tasks = eval_tasks(cfg)  # the config's eval.tasks, else its dataset's (when that is on this machine)
+    except VlaforgeError:
+        tasks = []
+    example = TASKS.get(tasks[0]).instructions[0] if tasks else None
+    return {"model_id": str(runtime.source), "instruction_example": example, "vlaforge_version": __version__}
 
 
 def _cache_threshold(mode: str, value: float | None) -> dict:

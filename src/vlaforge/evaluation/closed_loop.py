@@ -27,6 +27,7 @@ from vlaforge.inference.chunking import ChunkExecutor
 from vlaforge.inference.feature_cache import CacheConfig, CacheStats
 from vlaforge.inference.runtime import Observation, PolicyRuntime, latency_summary
 from vlaforge.progress import progress_bar
+from vlaforge.serving.client import PolicyClient, RemoteRuntime
 
 
 def eval_tasks(cfg) -> list[str]:
@@ -67,8 +68,12 @@ class InferenceOptions:
     merge: str = "replace"
     latency_ms: float = 0.0
     cache_options: dict = field(default_factory=dict)
+    server: str | None = None  # ws://HOST:PORT: predict through a running `vlaforge serve` instead
+    api_key: str | None = None
 
-    def runtime(self, ckpt: Path) -> PolicyRuntime:
+    def runtime(self, ckpt: Path) -> PolicyRuntime | RemoteRuntime:
+        if self.server:
+            return RemoteRuntime(PolicyClient(self.server, self.api_key))
         return PolicyRuntime.load(ckpt, device=self.device, dtype=self.dtype, compile=self.compile,
                                   cache=CacheConfig(mode=self.cache, **self.cache_options))
 
@@ -130,7 +135,10 @@ def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, options: Infe
     ckpt = Path(ckpt)
     tasks = parse_tasks(tasks)
     # fail fast, in this process, with a clear message (a bad checkpoint, execute, merge or cache option)
-    options.executor(options.runtime(ckpt), "check").close()
+    runtime = options.runtime(ckpt)
+    options.executor(runtime, "check").close()
+    if isinstance(runtime, RemoteRuntime):
+        runtime.client.close()
     out = Path(out) if out else ckpt / "eval"
     jobs = [Job(t, i, e, seed, max_steps, video and e == 0) for e in range(episodes) for i, t in enumerate(tasks)]
     results: list[dict] = []

@@ -189,7 +189,7 @@ class PolicyRuntime:
                                    "numbers")
         if not np.isfinite(state).all():
             raise ObservationError("state: contains NaN or inf")
-        return frames, torch.as_tensor(state, dtype=torch.float32)
+        return frames, torch.tensor(state, dtype=torch.float32)  # a copy: decoded messages are read-only
 
     def observe(self, obs: Observation, session: str = "default") -> Session:
         """Record an observation's frames in the session's history without predicting (a frame history needs every
@@ -329,4 +329,5 @@ def check_image(img: Any, name: str) -> torch.Tensor:
         raise ObservationError(f"{name}: shape {tuple(arr.shape)}; send H x W x 3 RGB images")
     if arr.shape[0] == 0 or arr.shape[1] == 0:
         raise ObservationError(f"{name}: empty image of shape {tuple(arr.shape)}")
-    return torch.from_numpy(np.ascontiguousarray(arr))
+    arr = np.ascontiguousarray(arr)
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # decoded messages are read-only views
