@@ -3,7 +3,8 @@
 For each model (the demo's tiny policy shape: 96 px, corner + top view; the `small` flavor: 224 px, one view;
 random weights - latency does not depend on them) and frame history (1 and 4), per-prediction p50/p99 of:
 - `eager`: what `vlaforge eval` did before the runtime: every prediction rebuilds the model input from all F frames
-  of the history and calls `VLA.predict_actions` under `no_grad` (the vision tower re-encodes every frame);
+  of the history, tokenizes the instruction, and runs the training forward's LLM pass (padding mask, all hidden
+  states, one logit row) and the head under `no_grad` (the vision tower re-encodes every frame);
 - `runtime`: `PolicyRuntime` without a cache (inference_mode, no logits, two regions), then compiled;
 - `exact`, `frame`, `token`: the runtime with each frame-feature cache.
 Frames are a real recorded episode (`--data`, a LeRobot dataset) or, without one, a synthetic scene where one
@@ -111,8 +112,9 @@ def _eager(model, spec, tokenizer, frames, state, instruction, device="cpu", dty
         ids, mask = tokenizer.encode([instruction], spec.instruction_tokens)  # per call, as before
         batch = Batch(imgs.to(device, dtype), spec.normalize_state(state).to(device, dtype), ids[0].to(device),
                       mask[0].to(device))
-        with torch.no_grad():
-            actions = model.predict_actions(batch)
+        with torch.no_grad():  # the pre-runtime `predict_actions`: the training forward's LLM pass, then the head
+            b = Batch(batch.images[None], batch.state[None], batch.instruction_ids[None], batch.instruction_mask[None])
+            actions = model.action_head(model.run_llm(b, with_text=False)["action_hidden"], b.state)[0]
         spec.denormalize_action(actions.cpu()).numpy()
         _sync(device)
         times.append((time.perf_counter() - t0) * 1000)

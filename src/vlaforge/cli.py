@@ -105,7 +105,7 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                                                   "only changed patches)"),
           cache_threshold: Optional[float] = typer.Option(None, help="similarity at or above which the cache "
                                                                       "reuses: frame mode's frame cosine (default "
-                                                                      "0.998), token mode's patch cosine (0.996)"),
+                                                                      "0.99), token mode's patch cosine (0.996)"),
           compile: str = typer.Option("off", help="torch.compile the two regions: off, default, reduce-overhead, "
                                                   "max-autotune"),
           dtype: str = typer.Option("auto", help="inference dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16"),

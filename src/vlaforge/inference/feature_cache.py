@@ -38,7 +38,7 @@ class CacheConfig:
     """How a runtime reuses vision features across a session's predictions (see the module docstring)."""
 
     mode: CacheMode = "exact"
-    frame_threshold: float = 0.998  # docs/inference.md: 0.9 reuses nearly every frame of a moving arm
+    frame_threshold: float = 0.99  # docs/inference.md: closed loop at 0.9 / 0.99 / 0.998
     token_threshold: float = 0.996
     token_refresh: float = 0.125  # share of a frame's patches always recomputed (the stalest first)
     refresh_every: int = 8  # reuses of a cached frame (frame) / partial frames (token) before a full encode
