@@ -64,7 +64,7 @@ def _start(flavor: str, max_batch: int, max_wait_ms: float) -> tuple[subprocess.
 def _client(uri: str, requests: int, seed: int) -> list[dict]:
     from vlaforge.serving.client import PolicyClient
 
-    c = PolicyClient(uri)
+    c = PolicyClient(uri, timeout_s=900)  # 32 clients queue behind batches of seconds on a CPU
     size = int(c.metadata["image_size"])
     g = np.random.default_rng(seed)
     out = []
