@@ -137,8 +137,7 @@ class ChunkExecutor:
         self.last_ask = self.step
         self.stats.predictions += 1
         if self.pool is None:
-            future: Future = Future()
-            future.set_result(self.runtime.run([request])[0])
+            future = _done(self.runtime.run([request])[0])
         else:
             future = self.pool.submit(lambda: self.runtime.run([request])[0])
         self.pending = _Pending(self.step, self.now, future)
@@ -178,7 +177,6 @@ class ChunkExecutor:
         self.stats.compute_ms.append(compute)
         p.arrival = p.asked_at + compute / 1000 + self.latency_s
         self._delay_steps = math.ceil((compute / 1000 + self.latency_s) / self.period_s - 1e-9)
-        p.future = _done(pred)
 
     def _merge(self, p: _Pending) -> None:
         chunk = _Chunk(p.start, p.future.result().actions)

@@ -225,10 +225,7 @@ class TokenReuseEncoder:
         if state is None or state.partial_frames >= self.config.refresh_every:
             if state is not None:
                 cache.stats.refreshes += 1
-            cache.patches[cam] = self._full(pixels, patches)
-            cache.stats.encoded += 1
-            cache.stats.recomputed_tokens += n
-            return cache.patches[cam].tokens
+            return self._full(cache, cam, pixels, patches)
         changed = F.cosine_similarity(patches.float(), state.patches.float(), dim=1, eps=1e-6) \
             < self.config.token_threshold
         k = min(n, math.ceil(self.config.token_refresh * n))
@@ -236,10 +233,7 @@ class TokenReuseEncoder:
             changed[torch.topk(state.age.masked_fill(changed, -1), k).indices] = True
         idx = changed.nonzero().flatten()
         if len(idx) * 2 > n:  # most patches changed: one full pass costs the same
-            cache.patches[cam] = self._full(pixels, patches)
-            cache.stats.encoded += 1
-            cache.stats.recomputed_tokens += n
-            return cache.patches[cam].tokens
+            return self._full(cache, cam, pixels, patches)
         self._update(state, pixels, patches, idx)
         cache.stats.partial += 1
         cache.stats.recomputed_tokens += len(idx)
@@ -250,7 +244,8 @@ class TokenReuseEncoder:
         emb = self.model.vision.embeddings(pixels[None], interpolate_pos_encoding=self.model.layout.interpolate_pos)
         return emb[0]  # (P, D)
 
-    def _full(self, pixels: torch.Tensor, patches: torch.Tensor) -> PatchState:
+    def _full(self, cache: SessionCache, cam: str, pixels: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+        """Every patch through the tower; the camera's patch state starts over."""
         h = self._embeddings(pixels)
         n = h.shape[0]
         hidden, keys, values = [h], [], []
@@ -261,8 +256,11 @@ class TokenReuseEncoder:
             values.append(h.new_empty(shape))
             h = self._layer(layer, h, slice(None), keys[-1], values[-1])
             hidden.append(h)
-        tokens = self._project(h)
-        return PatchState(patches, hidden, keys, values, tokens, torch.zeros(n, dtype=torch.long))
+        cache.patches[cam] = PatchState(patches, hidden, keys, values, self._project(h),
+                                        torch.zeros(n, dtype=torch.long))
+        cache.stats.encoded += 1
+        cache.stats.recomputed_tokens += n
+        return cache.patches[cam].tokens
 
     def _update(self, state: PatchState, pixels: torch.Tensor, patches: torch.Tensor, idx: torch.Tensor) -> None:
         h = self._embeddings(pixels)[idx]

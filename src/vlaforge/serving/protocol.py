@@ -31,8 +31,8 @@ class RequestError(VlaforgeError):
 
 
 def _decode_array(obj: dict) -> Any:
-    if b"__ndarray__" in obj or "__ndarray__" in obj:
-        get = lambda k: obj.get(k.encode(), obj.get(k))  # noqa: E731 - openpi packs bytes keys
+    get = lambda k: obj.get(k.encode(), obj.get(k))  # noqa: E731 - openpi packs bytes keys
+    if get("__ndarray__") is not None:
         data, dtype, shape = get("data"), get("dtype"), get("shape")
         if not isinstance(data, bytes) or not isinstance(dtype, (str, bytes)) or not isinstance(shape, (list, tuple)):
             raise RequestError("an __ndarray__ needs bytes 'data', a 'dtype' string and a 'shape' list")
@@ -46,8 +46,7 @@ def _decode_array(obj: dict) -> Any:
             raise RequestError(f"array of shape {list(shape)} and dtype {dtype} needs {want} bytes, the message has "
                                f"{len(data)}")
         return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
-    if b"__npgeneric__" in obj or "__npgeneric__" in obj:
-        get = lambda k: obj.get(k.encode(), obj.get(k))  # noqa: E731
+    if get("__npgeneric__") is not None:
         dtype = get("dtype")
         dtype = dtype.decode() if isinstance(dtype, bytes) else dtype
         if dtype not in DTYPES or not isinstance(get("data"), (int, float, bool)):
