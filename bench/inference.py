@@ -105,8 +105,7 @@ def _eager(model, spec, tokenizer, frames, state, instruction, device="cpu", dty
         t0 = time.perf_counter()
         for c in cams:
             history[c].append(torch.from_numpy(views[c]))
-        n = len(history[cams[0]])
-        rows = [n - 1 - min(n - 1, k) for k in range(spec.frames - 1, -1, -1)]
+        rows = spec.history(len(history[cams[0]]) - 1)
         imgs = torch.stack([to_model_images(torch.stack([history[c][r] for r in rows]), spec.image_size)
                             for c in cams]).transpose(0, 1).flatten(0, 1)
         ids, mask = tokenizer.encode([instruction], spec.instruction_tokens)  # per call, as before

@@ -212,8 +212,8 @@ class PolicyRuntime:
         """Record `obs` and snapshot what its prediction needs (safe to run in another thread afterwards)."""
         frames, state = self.check(obs)
         s = self._record(self.session(session), frames, obs.instruction)
-        spec, n = self.spec, len(s.frames[self.cameras[0]])
-        rows = [n - 1 - min(n - 1, k * spec.frame_stride) for k in range(spec.frames - 1, -1, -1)]
+        spec = self.spec
+        rows = spec.history(len(s.frames[self.cameras[0]]) - 1)  # positions in the deque, as the dataset picks
         slots = [(cam, *s.frames[cam][r]) for r in rows for cam in self.cameras]  # time-major, as training
         pre = None
         if prefix is not None:
