@@ -206,6 +206,58 @@ def bench_batch(name: str, sizes: list[int], repeats: int, device: str = "cpu", 
     return out
 
 
+def bench_quantized(name: str, layouts: list[str], steps: int, warm: int, device: str = "cpu",
+                    dtype: str = "fp32") -> dict:
+    """Per-prediction latency, weight bytes and action cosine of quantized copies of the model (`vlaforge quantize`
+    layouts, e.g. vision=int8,projector=fp16,llm=int4) next to the unquantized one, in one process."""
+    import copy
+
+    from vlaforge.data.tokenizer import train_bpe
+    from vlaforge.data.transforms import ObservationSpec
+    from vlaforge.inference.runtime import Observation, PolicyRuntime
+    from vlaforge.models.build import build_vla
+    from vlaforge.techniques.quantize import QuantPolicy, apply_quantization
+    from vlaforge.techniques.quantized_format import resident_bytes
+
+    cfg = _config(name, 1)
+    torch.manual_seed(0)
+    model = build_vla(cfg.model, cfg.loss).eval()
+    cams, size = list(cfg.model.cameras), model.layout.image_size
+    spec = ObservationSpec(cameras=[f"observation.images.{c}" for c in cams], frames=1, frame_stride=1,
+                           image_size=size, render_size=size, instruction_tokens=12, text_tokens=0, chunk=8,
+                           state_mean=[0.0] * 4, state_std=[1.0] * 4, action_mean=[0.0] * 4, action_std=[1.0] * 4)
+    tokenizer = train_bpe(["press the button from the top", "reach the goal"], 300)
+    frames = _frames(None, cams, warm + steps, size)
+    state, instruction = np.full(4, 0.5, np.float32), "press the button from the top"
+
+    def run(m) -> tuple[dict, np.ndarray]:
+        rt = PolicyRuntime(m, spec, tokenizer, device=device, dtype=dtype, cache="none")
+        times, chunks = [], []
+        for v in frames:
+            p = rt.predict(Observation(v, state, instruction), "s")
+            times.append(p.timings["total_ms"])
+            chunks.append(p.actions)
+        held = resident_bytes(rt.model)
+        return _pct(times[warm:]) | {"weight_bytes": sum(held.values()), "per_component": held}, np.stack(chunks)
+
+    base, ref = run(copy.deepcopy(model))
+    out = {"model": name, "device": device, "dtype": dtype, "base": base}
+    for text in layouts:
+        modes = dict(part.split("=", 1) for part in text.split(","))
+        q = copy.deepcopy(model)
+        apply_quantization(q, {c: QuantPolicy(m) for c, m in modes.items()}, device,
+                           allow_action_head="action_head" in modes)
+        row, chunks = run(q)
+        a, b = ref.reshape(len(ref), -1), chunks.reshape(len(chunks), -1)
+        row["action_cosine_min"] = round(float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) *
+                                                                  np.linalg.norm(b, axis=1))).min()), 5)
+        row["latency_vs_base_p50"] = round(row["p50_ms"] / base["p50_ms"], 3)
+        row["bytes_vs_base"] = round(row["weight_bytes"] / base["weight_bytes"], 3)
+        out[text] = row
+        print(json.dumps({text: {k: v for k, v in row.items() if k != "per_component"}}), file=sys.stderr, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=None, help="a LeRobot dataset whose first episode gives the frames")
@@ -220,13 +272,20 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--out", default=None, help="also rewrite this JSON file after every measurement (a time "
                                                 "limit keeps what finished)")
+    ap.add_argument("--quantize", nargs="*", default=[], help="also measure these quantization layouts (e.g. "
+                                                              "vision=int8,projector=fp16,llm=int4)")
+    ap.add_argument("--quantize-only", action="store_true", help="only the --quantize measurement")
     ap.add_argument("--big-batches", action="store_true", help="all --batches for every model (else <= 8 past tiny)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     result = {"host": platform.processor() or platform.machine(), "threads": args.threads,
               "torch": torch.__version__, "frames": args.data or "synthetic moving square", "latency": [],
               "batch": {}}
-    for name in args.models:
+    for name in args.models if args.quantize else []:
+        result.setdefault("quantized", {})[name] = bench_quantized(name, args.quantize, args.steps, args.warm,
+                                                                   args.device, args.dtype)
+        _save(args.out, result)
+    for name in args.models if not args.quantize_only else []:
         for h in args.histories:
             result["latency"].append(bench_model(name, h, args.data, args.steps, args.warm, args.compile,
                                                  args.device, args.dtype))

@@ -88,8 +88,8 @@ def train(ctx: typer.Context,
 
 
 @app.command("eval")
-def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint) or a checkpoints/step_* "
-                                                      "folder"),
+def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint), a checkpoints/step_* "
+                                                      "folder or a `vlaforge quantize` folder"),
           tasks: Optional[str] = typer.Option(None, help="comma-separated Meta-World tasks; default: eval.tasks of "
                                                          "the checkpoint's config, else the dataset's tasks"),
           episodes: Optional[int] = typer.Option(None, min=1, help="held-out episodes per task" + _DEFAULT),
@@ -144,8 +144,8 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
 
 
 @app.command()
-def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint) or a checkpoints/step_* "
-                                                      "folder"),
+def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint), a checkpoints/step_* "
+                                                      "folder or a `vlaforge quantize` folder"),
           host: str = typer.Option("127.0.0.1", help="interface to bind; anything but loopback should have an API key"),
           port: int = typer.Option(8000, min=0, max=65535, help="websocket port (openpi protocol; also GET /healthz, "
                                                                 "/metrics)"),
@@ -218,6 +218,47 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
 
     path = export_weights(resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT"), out)
     typer.echo(f"wrote {path}")
+
+
+_MODE = "none, fp16, bf16, int8, int8_dynamic, int4, int3, int2"
+
+
+@app.command()
+def quantize(checkpoint: Path = typer.Argument(..., help="a float run folder (its latest checkpoint) or a "
+                                                         "checkpoints/step_* folder"),
+             out: Path = typer.Option(..., help="the quantized checkpoint folder to write (eval / serve load it)"),
+             vision: Optional[str] = typer.Option(None, help=f"vision tower: {_MODE}; default: the run's "
+                                                             "components.vision.qat, else none"),
+             projector: Optional[str] = typer.Option(None, help="projector; default as --vision"),
+             llm: Optional[str] = typer.Option(None, help="language model; default as --vision"),
+             action_head: Optional[str] = typer.Option(None, help="action head; anything but none needs "
+                                                                  "--allow-action-head"),
+             group_size: int = typer.Option(32, min=2, help="weights per scale of int4 / int3 / int2"),
+             algorithm: str = typer.Option("affine", help="int4/3/2 scales: affine (min-max) or hqq (HQQ "
+                                                          "scale-only)"),
+             calibrate: int = typer.Option(0, min=0, help="calibration frames: pick each intx component's scale "
+                                                          "algorithm by action error on them (0: off)"),
+             frames: int = typer.Option(64, min=1, help="dataset frames the action error and latency are measured "
+                                                        "on"),
+             data: Optional[str] = typer.Option(None, help="dataset of those frames (a held-out one; default the "
+                                                           "run's data.path)"),
+             allow_action_head: bool = typer.Option(False, help="permit quantizing the action head"),
+             eval_: bool = typer.Option(False, "--eval", help="closed-loop success per task, float and quantized"),
+             episodes: int = typer.Option(50, min=1, help="--eval: episodes per task"),
+             workers: int = typer.Option(2, min=1, help="--eval: rollout processes"),
+             progress: bool = typer.Option(True, help="show a progress bar")):
+    """Quantize a trained policy per component with torchao (e.g. --vision int8 --projector fp16 --llm int4) into a
+    checkpoint folder that eval, serve and PolicyRuntime load; writes quantize.json (bytes per component, latency,
+    action error against the float policy, with --eval closed-loop success of both)."""
+    from vlaforge.evaluation.quantization import QuantizeOptions, quantize_run, render
+
+    modes = {"vision": vision, "projector": projector, "llm": llm, "action_head": action_head}
+    report = quantize_run(checkpoint, out, QuantizeOptions(
+        modes, group_size=group_size, algorithm=algorithm, calibrate=calibrate, frames=frames, data=data,
+        allow_action_head=allow_action_head, eval_episodes=episodes if eval_ else 0, eval_workers=workers,
+        progress=progress))
+    typer.echo(render(report))
+    typer.echo(f"wrote {out} (report: {report['report']})")
 
 
 @app.command(context_settings=OVERRIDES)

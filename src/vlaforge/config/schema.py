@@ -147,12 +147,26 @@ class ComponentConfig(Section):
     offload_fraction: float = Field(1.0, gt=0, le=1, description="share of blocks offloaded, earliest first "
                                                                  "(non-block parts only at 1.0)")
     offload_path: str | None = Field(None, description="nvme: folder for the files (None: the system temp dir)")
+    qat: Literal["none", "int4", "int3", "int2"] = Field(
+        "none", description="quantization-aware training: torchao fake quantization of the component's linears (and "
+                            "the LLM's token embedding) at this width; `vlaforge quantize` converts the trained "
+                            "weights to exactly that forward")
+    qat_group_size: int = Field(32, ge=2, description="qat: weights per scale (a power of two)")
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     trainable: bool = True
     unfreeze_at_step: int | None = Field(None, ge=0, description="a frozen component starts training here")
     unfreeze_last_blocks: int | None = Field(None, ge=1, description="at unfreeze_at_step, train only the last K "
                                                                       "blocks (and what follows them)")
+
+    @model_validator(mode="after")
+    def _qat_fits(self) -> "ComponentConfig":
+        if self.qat_group_size & (self.qat_group_size - 1):
+            raise ValueError(f"qat_group_size = {self.qat_group_size} must be a power of two (e.g. 32)")
+        if self.qat != "none" and self.precision == "fp8":
+            raise ValueError(f"qat = {self.qat!r} with precision = 'fp8': both replace the linears; train with "
+                             "precision = 'bf16' and qat")
+        return self
 
     @model_validator(mode="after")
     def _freeze_schedule(self) -> "ComponentConfig":
@@ -405,6 +419,10 @@ class TrainConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     output_dir: str = "runs/default"
     resume: str | None = Field(None, description="'latest' (in output_dir), a run folder or a checkpoint folder")
+    init_from: str | None = Field(None, description="start from the model weights of a run folder or checkpoint "
+                                                    "folder with the same model config (fine-tuning, e.g. "
+                                                    "quantization-aware from a float policy); optimizer, schedule "
+                                                    "and step start fresh; ignored when resuming")
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
     keep_checkpoints: int = Field(2, ge=1)

@@ -17,6 +17,7 @@ from vlaforge.techniques.checkpointing import apply_checkpointing
 from vlaforge.techniques.compile import compile_blocks
 from vlaforge.techniques.offload import apply_offload
 from vlaforge.techniques.precision import PrecisionSetup, apply_precision
+from vlaforge.techniques.quantize import prepare_qat
 
 if TYPE_CHECKING:
     from vlaforge.distributed.parallel_dims import ParallelDims
@@ -31,6 +32,7 @@ class Applied:
     stage: StageModule | None = None  # this rank's pipeline stage (pp > 1): the module its schedule runs
     stage_plan: StagePlan | None = None
     sequence_parallel: SequenceParallel | None = None
+    qat: dict[str, list[str]] | None = None  # component -> fake-quantized layers
 
 
 def apply_techniques(model: nn.Module, cfg, device: torch.device, dims: "ParallelDims | None" = None, mesh=None,
@@ -40,9 +42,12 @@ def apply_techniques(model: nn.Module, cfg, device: torch.device, dims: "Paralle
     techniques run. `tokens`: the LLM sequence of one sample (context parallel's `auto` method)."""
     policies = dict(cfg.components.items())
     # 1. freezing is a schedule: the loop applies it at each step where it changes (techniques/freezing.py)
-    # 2. converters: fp8 linears (inside each component's autocast region)
+    # 2. converters: fake quantization (QAT), fp8 linears (inside each component's autocast region)
     # NOTE: before tensor parallel, so the TP plan shards the converted Float8Linear modules
-    applied = Applied(apply_precision(model, policies, device, cfg.train.precision_master))
+    # NOTE: fake quantization (QAT) before precision: fp8 is refused beside it, and the master-dtype cast then
+    # applies to the fake-quantized linears like any other
+    qat = prepare_qat(model, policies)
+    applied = Applied(apply_precision(model, policies, device, cfg.train.precision_master), qat=qat)
     layout = dims is not None and dims.distributed and dims.backend != "deepspeed"
     if layout and dims.pp > 1:
         # NOTE: the pipeline split comes first among the layouts: every later step applies to the modules this

@@ -241,7 +241,9 @@ class TokenReuseEncoder:
         return state.tokens
 
     def _embeddings(self, pixels: torch.Tensor) -> torch.Tensor:
-        emb = self.model.vision.embeddings(pixels[None], interpolate_pos_encoding=self.model.layout.interpolate_pos)
+        embeddings = self.model.vision.embeddings
+        pixels = pixels.to(embeddings.patch_embedding.weight.dtype)  # a vision tower cast by `vlaforge quantize`
+        emb = embeddings(pixels[None], interpolate_pos_encoding=self.model.layout.interpolate_pos)
         return emb[0]  # (P, D)
 
     def _full(self, cache: SessionCache, cam: str, pixels: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from vlaforge import COMPONENTS
 from vlaforge.data.transforms import ObservationSpec, to_model_images
 from vlaforge.errors import VlaforgeError
 from vlaforge.inference.feature_cache import CacheConfig, SessionCache, TokenReuseEncoder
@@ -101,6 +102,19 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def place(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` on `device` in `dtype`; the components of a quantized model (`vlaforge quantize`) that are quantized or
+    cast keep their own dtype (each computes behind its dtype boundary, techniques/quantize.py)."""
+    layout = getattr(model, "quantization", None)
+    if layout is None:
+        return model.to(device, dtype)
+    model.to(device)
+    for name in COMPONENTS:
+        if layout.mode(name) == "none":
+            getattr(model, name).to(dtype)
+    return model
+
+
 class PolicyRuntime:
     """A trained VLA behind one interface: `predict(obs, session)`, `predict_batch`, `reset(session)`."""
 
@@ -112,7 +126,7 @@ class PolicyRuntime:
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.cache_config = cache if isinstance(cache, CacheConfig) else CacheConfig(mode=cache)
-        self.model = model.eval().to(self.device, self.dtype)
+        self.model = place(model.eval(), self.device, self.dtype)
         self.spec, self.tokenizer, self.source = spec, tokenizer, source
         self.cameras = [k.removeprefix("observation.images.") for k in spec.cameras]
         self.depth = (spec.frames - 1) * spec.frame_stride + 1
@@ -138,6 +152,7 @@ class PolicyRuntime:
         from vlaforge.config.loading import load_config
         from vlaforge.data.tokenizer import load_tokenizer
         from vlaforge.models.build import build_vla
+        from vlaforge.techniques.quantized_format import is_quantized, load_quantized
         from vlaforge.training.checkpoint import CONFIG_FILE, load_weights, resolve_checkpoint
 
         ckpt = resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT")
@@ -145,7 +160,10 @@ class PolicyRuntime:
         spec = ObservationSpec.load(ckpt)
         tokenizer = load_tokenizer(ckpt, cfg.model.llm.pretrained)
         model = build_vla(cfg.model, cfg.loss)
-        load_weights(ckpt, model)
+        if is_quantized(ckpt):
+            load_quantized(ckpt, model, pick_device(device))
+        else:
+            load_weights(ckpt, model)
         return cls(model, spec, tokenizer, device=device, dtype=dtype, compile=compile, cache=cache,
                    source=str(ckpt))
 
@@ -157,7 +175,8 @@ class PolicyRuntime:
                 "state_dim": len(s.state_mean), "action_dim": len(s.action_mean), "action_chunk": s.chunk,
                 "frames": s.frames, "frame_stride": s.frame_stride, "checkpoint": self.source,
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "compile": self.compile_mode, "compile_s": self.compile_s, "cache": self.cache_config.mode}
+                "compile": self.compile_mode, "compile_s": self.compile_s, "cache": self.cache_config.mode,
+                "quantization": layout.summary() if (layout := getattr(self.model, "quantization", None)) else None}
 
     # ---- sessions ----------------------------------------------------------------------------------------
     def session(self, name: str = "default") -> Session:

@@ -104,18 +104,24 @@ class _AutocastRegion:
         ctx.__enter__()
         self.stack.append(ctx)
         if not enabled:
-            args, kwargs = _to_fp32(args), _to_fp32(kwargs)
+            args, kwargs = cast_floating(args, torch.float32), cast_floating(kwargs, torch.float32)
         return args, kwargs
 
     def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.stack.pop().__exit__(None, None, None)
 
 
-def _to_fp32(obj: Any) -> Any:
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """`obj` with every floating tensor in it (tensors, tuples, lists, dicts, ModelOutputs) cast to `dtype`."""
     if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.is_floating_point() and obj.dtype != torch.float32 else obj
-    if isinstance(obj, tuple):
-        return tuple(_to_fp32(o) for o in obj)
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if hasattr(obj, "to_tuple"):  # a transformers ModelOutput: its fields are its items, set in place
+        for k, v in obj.items():
+            obj[k] = cast_floating(v, dtype)
+        return obj
     if isinstance(obj, dict):
-        return {k: _to_fp32(v) for k, v in obj.items()}
+        return {k: cast_floating(v, dtype) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        items = [cast_floating(o, dtype) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj

@@ -250,8 +250,13 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
     """Load model.safetensors (or a sharded checkpoint's model shards) into `model` (strict).
 
     Raises:
-        VlaforgeError: the file is missing, truncated or does not match the model.
+        VlaforgeError: the file is missing, truncated or does not match the model, or the checkpoint is quantized.
     """
+    from vlaforge.techniques.quantized_format import is_quantized
+
+    if is_quantized(ckpt):
+        raise VlaforgeError(f"checkpoint {ckpt} is quantized (`vlaforge quantize`): it runs for inference only "
+                            "(vlaforge eval / serve, PolicyRuntime); train or export from the float run it came from")
     if is_sharded(ckpt) and not (ckpt / MODEL_FILE).is_file():
         from vlaforge.distributed.state import load_sharded
 

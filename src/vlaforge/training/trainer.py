@@ -132,6 +132,8 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
         torch.distributed.barrier()  # NOTE: every rank has checked the folder before rank 0 writes into it
     seed_everything(cfg.train.seed)  # the same on every rank: identical initial weights before sharding
     model = build_bare(cfg, device)
+    if cfg.train.init_from and resume_from is None:
+        ckpt.load_weights(ckpt.resolve_checkpoint(cfg.train.init_from, ".", what="train.init_from"), model)
     tps = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
     check_memory(cfg, model, device, tps)
     try:
@@ -168,6 +170,9 @@ def describe_layout(applied: Applied, dims: ParallelDims) -> None:
     """Rank 0's lines on what the layout chose: the pipeline's stage split, the context-parallel method."""
     if applied.stage_plan is not None:
         print(f"pipeline: {applied.stage_plan.summary()}", flush=True)
+    if applied.qat:
+        print("quantization-aware training: " + ", ".join(f"{c} {len(layers)} layers fake-quantized"
+                                                          for c, layers in applied.qat.items()), flush=True)
     if applied.sequence_parallel is not None:
         sp = applied.sequence_parallel
         print(f"context parallel: cp = {dims.cp}, {sp.method} ({sp.why})", flush=True)
