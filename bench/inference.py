@@ -231,6 +231,9 @@ def bench_quantized(name: str, layouts: list[str], steps: int, warm: int, device
     state, instruction = np.full(4, 0.5, np.float32), "press the button from the top"
 
     def run(m) -> tuple[dict, np.ndarray]:
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         rt = PolicyRuntime(m, spec, tokenizer, device=device, dtype=dtype, cache="none")
         times, chunks = [], []
         for v in frames:
@@ -238,8 +241,13 @@ def bench_quantized(name: str, layouts: list[str], steps: int, warm: int, device
             times.append(p.timings["total_ms"])
             chunks.append(p.actions)
         held = resident_bytes(rt.model)
-        return _pct(times[warm:]) | {"weight_bytes": sum(held.values()), "per_component": held}, np.stack(chunks)
+        row = _pct(times[warm:]) | {"weight_bytes": sum(held.values()), "per_component": held}
+        if device.startswith("cuda"):
+            row["peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        return row, np.stack(chunks)
 
+    model.to({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])  # quantized from the
+    # runtime's dtype, so its int8 components compute in it as the unquantized one does
     base, ref = run(copy.deepcopy(model))
     out = {"model": name, "device": device, "dtype": dtype, "base": base}
     for text in layouts:
@@ -275,13 +283,15 @@ def main() -> None:
     ap.add_argument("--quantize", nargs="*", default=[], help="also measure these quantization layouts (e.g. "
                                                               "vision=int8,projector=fp16,llm=int4)")
     ap.add_argument("--quantize-only", action="store_true", help="only the --quantize measurement")
+    ap.add_argument("--quantize-models", nargs="+", default=None, help="models of the --quantize measurement "
+                                                                       "(default: --models)")
     ap.add_argument("--big-batches", action="store_true", help="all --batches for every model (else <= 8 past tiny)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     result = {"host": platform.processor() or platform.machine(), "threads": args.threads,
               "torch": torch.__version__, "frames": args.data or "synthetic moving square", "latency": [],
               "batch": {}}
-    for name in args.models if args.quantize else []:
+    for name in (args.quantize_models or args.models) if args.quantize else []:
         result.setdefault("quantized", {})[name] = bench_quantized(name, args.quantize, args.steps, args.warm,
                                                                    args.device, args.dtype)
         _save(args.out, result)

@@ -37,3 +37,7 @@ def test_run_all_dry_run_writes_every_check(tmp_path):
     row = inference["latency"][0]
     assert row["model"] == "tiny" and all(row[k]["p50_ms"] > 0 for k in ("eager", "runtime", "exact", "token"))
     assert inference["batch"]["tiny"]["2"]["predictions_per_s"] > 0
+    quantized = inference["quantized"]["tiny"]
+    assert quantized["base"]["p50_ms"] > 0
+    mixed = quantized["vision=int8,projector=fp16,llm=int4"]
+    assert mixed["bytes_vs_base"] < 0.6 and mixed["action_cosine_min"] > 0.9

@@ -26,6 +26,8 @@ if [ "$dry" = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
 fi
 start=$(date +%s)
 statuses=()
+# the quantization layouts the inference check also measures (bench/gpu/quantization.sh alone runs the same)
+QUANT_LAYOUTS="vision=int8,projector=fp16,llm=int4 llm=int4 llm=int8 vision=int8,llm=int8_dynamic"
 
 # check NAME SECONDS COMMAND...: run COMMAND (which prints one JSON on stdout) under a limit into $out/NAME.json
 check() {
@@ -58,15 +60,16 @@ if [ "$dry" = 1 ]; then
     check ring_kernel 60 "$py" bench/ring_kernel.py --device cpu --tokens 256 --repeats 1
     check precision 180 "$py" bench/precision.py --device cpu --flavors tiny --steps 2 --batch 2
     check inference 180 "$py" bench/inference.py --models tiny --histories 1 --steps 2 --warm 1 --batches 1 2 \
-        --out "$out/inference.partial.json"
+        --quantize vision=int8,projector=fp16,llm=int4 llm=int8_dynamic --out "$out/inference.partial.json"
 else
-    check mfu 240 "$py" bench/mfu.py --gpu "${GPU:-h200-141}" --out "$out/mfu.partial.json"
+    check mfu 220 "$py" bench/mfu.py --gpu "${GPU:-h200-141}" --out "$out/mfu.partial.json"
     check planner_validation 100 "$py" bench/planner_validation.py --device cuda --flavor small \
         --gpu "${GPU:-h200-141}" --seq 1024 --steps 3
     check activation_memory 75 "$py" bench/activation_memory.py --device cuda --seq 1024 2048 --repeats 3
     check ring_kernel 40 "$py" bench/ring_kernel.py --device cuda --heads 16 --head-dim 128 --repeats 5
     check precision 50 "$py" bench/precision.py --device cuda --flavors small --steps 20 --batch 8
-    check inference 50 bash bench/gpu/inference.sh --out "$out/inference.partial.json"
+    check inference 70 bash bench/gpu/inference.sh --quantize-models small --quantize $QUANT_LAYOUTS \
+        --out "$out/inference.partial.json"
 fi
 
 {

@@ -142,13 +142,16 @@ def load_quantized(folder: Path, model: nn.Module, device: torch.device | str = 
     if layout.device == "cuda" and device.type != "cuda":
         raise VlaforgeError(f"{folder} was quantized for CUDA (int4 tinygemm layout) and cannot run on "
                             f"{device.type}; quantize the float run again without --device cuda")
-    apply_quantization(model, layout.policies(), device, allow_action_head=True)
-    state = _read_state(folder / manifest.get("weights", WEIGHTS), device)
+    # NOTE: the tensor classes follow the device the layout was made for (a CPU layout's int4 is torchao's portable
+    # IntxUnpackedToInt8Tensor, which also runs on CUDA); the weights then move to `device`
+    apply_quantization(model, layout.policies(), layout.device, allow_action_head=True)
+    state = _read_state(folder / manifest.get("weights", WEIGHTS), torch.device(layout.device))
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except (RuntimeError, ValueError) as exc:
         raise VlaforgeError(f"{folder / WEIGHTS} does not fit the model its config.toml builds "
                             f"({first_line(exc, 160)}); re-run `vlaforge quantize` on the run") from None
+    model.to(device)
     model.quantization = layout
     return layout
 
