@@ -4,7 +4,8 @@ with AdamW. Prints JSON with each configuration's predicted and measured figures
 
 On a GPU (`--device cuda`, the issue's check: the `small` flavor, peak within 10 %, step time within 25 %), the
 measured peak is `torch.cuda.max_memory_allocated` over a step after warm-up, and the planner is given the GPU
-named by `--gpu` (one GPU, no parallelism). The suggested efficiency is the matmul efficiency that would make the
+named by `--gpu` (one GPU, no parallelism). `calibration` is `vlaforge plan --calibrate`'s fit on the micro-batch-2
+configurations, with the error on the micro-batch-4 ones before and after. The suggested efficiency is the matmul efficiency that would make the
 predicted compute time equal the measured step time (median over the configurations): the figure to calibrate
 `planner.estimate.Assumptions` with. On CPU it runs as a dry run of the script (memory is not measured; the step
 times compare against a GPU model and mean nothing).
@@ -89,12 +90,15 @@ def main() -> None:
     from vlaforge.planner.estimate import GB, Assumptions, Cluster, PlanModel, estimate
     from vlaforge.planner.hardware import get_gpu
 
+    from vlaforge.planner.calibrate import MeasuredRun, fit, predict, terms
+
     cluster = Cluster(get_gpu(args.gpu), gpus_per_node=1, nodes=1)
-    rows = []
+    rows, measured = [], []
     for ck, batch in CONFIGS:
         cfg = config(flavor, ck, batch, args.seq)
         predicted = estimate(PlanModel(cfg), cfg, cluster)
         got = measure(cfg, device, args.steps)
+        measured.append(MeasuredRun(f"{ck}/mb{batch}", cfg, got["step_s"], 1))
         row = {"checkpointing": ck, "micro_batch": batch, "predicted_gb": _sig(predicted.memory["total"]),
                "predicted_step_s": _sig(predicted.step_time_s), "measured_step_s": _sig(got["step_s"]),
                "predicted_compute_s": _sig(predicted.time_s["compute"])}
@@ -105,8 +109,19 @@ def main() -> None:
         rows.append(row)
     base = Assumptions().matmul_efficiency
     eff = statistics.median(base * r["predicted_compute_s"] / r["measured_step_s"] for r in rows)
+    # `vlaforge plan --calibrate`'s fit: the micro-batch-2 configurations fitted, the micro-batch-4 ones held out
+    x = [terms(m, cluster.gpu, Assumptions()) for m in measured]
+    fitted_idx = [i for i, (_, b) in enumerate(CONFIGS) if b == 2]
+    fitted = fit([x[i] for i in fitted_idx], [measured[i].step_s for i in fitted_idx], Assumptions())
+    err = lambda i, a: abs(predict(x[i], a) / measured[i].step_s - 1)  # noqa: E731
+    held = [i for i in range(len(CONFIGS)) if i not in fitted_idx]
+    calibration = {"fitted": {k: _sig(getattr(fitted, k)) for k in ("matmul_efficiency", "attention_efficiency",
+                                                                     "elementwise_passes", "micro_overhead_s")},
+                   "held_out_mean_abs_error_before": _sig(statistics.mean(err(i, Assumptions()) for i in held)),
+                   "held_out_mean_abs_error_after": _sig(statistics.mean(err(i, fitted) for i in held))}
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "flavor": flavor,
            "planner_gpu": cluster.gpu.name, "rows": rows, "suggested_matmul_efficiency": _sig(eff),
+           "calibration": calibration,
            "targets": "memory_ratio within 0.9-1.1, time_ratio within 0.75-1.25 (GPU only)"}
     if device.type == "cuda":
         out["within_targets"] = all(0.9 <= r["memory_ratio"] <= 1.1 and 0.75 <= r["time_ratio"] <= 1.25

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 import sys
 from pathlib import Path
 from typing import Optional
@@ -287,7 +288,7 @@ def profile(ctx: typer.Context,
 def plan(model: str = typer.Option("vla-7b", help="a flavor (tiny | small | vla-7b | vla-30b | vla-70b) or a TOML "
                                                    "recipe whose model, data and components sections are the base"),
          gpu: str = typer.Option("h100-80", help="catalog GPU: a100-40 | a100-80 | h100-80 | h100-pcie | h200-141 | "
-                                                 "b200 | l40s | rtx-4090 (or one from --catalog)"),
+                                                 "b200 | l40s | rtx-4090 | cpu (or one from --catalog)"),
          gpus_per_node: int = typer.Option(8, min=1, help="GPUs per node"),
          nodes: int = typer.Option(1, min=1, help="nodes"),
          cpu_mem_gb: float = typer.Option(1024.0, min=0, help="host memory per node for offload, GB"),
@@ -305,7 +306,16 @@ def plan(model: str = typer.Option("vla-7b", help="a flavor (tiny | small | vla-
                                                 "parallel.tp=1 --fix components.llm.checkpointing=none"),
          top: int = typer.Option(5, min=1, help="candidates shown / in --json"),
          matmul_efficiency: Optional[float] = typer.Option(None, min=0.01, max=1, help="share of the dense peak "
-                                                                                       "matmuls reach (default 0.6)"),
+                                                                                       "matmuls reach (default 0.6, "
+                                                                                       "or the calibrated one)"),
+         calibrate: list[Path] = typer.Option([], help="a run folder (repeatable): fit the step-time efficiencies of "
+                                                       "--gpu to these measured runs, write them to --calibration, "
+                                                       "report predicted vs measured, and exit"),
+         held_out: list[Path] = typer.Option([], help="with --calibrate: a run folder (repeatable) reported, not "
+                                                      "fitted"),
+         calibration: Optional[Path] = typer.Option(None, help="TOML of fitted efficiencies per GPU: --calibrate "
+                                                               "writes it (default calibration.toml), a plan reads "
+                                                               "it"),
          as_json: bool = typer.Option(False, "--json", help="print JSON"),
          measure: bool = typer.Option(False, help="also run the best (or the fixed) configuration's model under fake "
                                                   "tensors and print analytic vs measured activation bytes"),
@@ -318,14 +328,25 @@ def plan(model: str = typer.Option("vla-7b", help="a flavor (tiny | small | vla-
     layout (FSDP2 / HSDP / DDP, tp, pp, cp), precision, checkpointing, offload, micro-batch and accumulation."""
     from vlaforge.planner import cli as planner_cli
 
-    assume = planner_cli.assumptions(matmul_efficiency)
+    from vlaforge.planner import calibrate as calib
+
+    if calibrate:
+        report = calib.calibrate(calibrate, gpu, calibration or Path("calibration.toml"), catalog,
+                                 held_out=held_out)
+        typer.echo(json.dumps(report, indent=2) if as_json else calib.render(report))
+        return
+    cluster = planner_cli.cluster(gpu, gpus_per_node, nodes, cpu_mem_gb, nvme_gb, nvme_gbps, catalog)
+    assume, source = calib.calibrated(calibration, cluster.gpu.name, planner_cli.assumptions(None))
+    if matmul_efficiency is not None:
+        assume = replace(assume, matmul_efficiency=matmul_efficiency)
     if whitepaper is not None:
         typer.echo(f"wrote {planner_cli.write_whitepaper(whitepaper, global_batch, assume, catalog)}")
         return
-    cluster = planner_cli.cluster(gpu, gpus_per_node, nodes, cpu_mem_gb, nvme_gb, nvme_gbps, catalog)
     base = planner_cli.base_config(model, frames, cameras, image_size, text_tokens, seq)
     result = planner_cli.run(base, cluster, global_batch, fix, micro_batch, assume, top, measure, write_config, plot)
-    typer.echo(json.dumps(result["json"], indent=2) if as_json else result["text"])
+    result["json"]["calibration"] = source
+    note = source or calib.uncalibrated_note(assume)
+    typer.echo(json.dumps(result["json"], indent=2) if as_json else f"{result['text']}\n{note}")
 
 
 @config_app.command("show", context_settings=OVERRIDES)

@@ -18,7 +18,8 @@ runtime makes):
   attention cores at `attention_efficiency`; plus memory-bound kernels: every activation the forward makes
   (what `none` keeps) moved `elementwise_passes` times through HBM, and a third of that again for what
   recomputation rebuilds;
-  the LLM's work divided by tp x cp and over the stages, the vision tower and heads replicated;
+  the LLM's work divided by tp x cp and over the stages, the vision tower and heads replicated; plus
+  `micro_overhead_s` per micro-batch (launches and Python; 0 unless calibrated);
 - FSDP all-gathers (forward and backward of every micro-batch) and the reduce-scatter (once per step), DDP's and
   HSDP's all-reduce: overlapped with compute (only the excess counts);
 - TP's four all-reduces per block per micro-batch (six with `full` recomputation) and Ulysses' all-to-alls: on the
@@ -159,7 +160,7 @@ def step_time(pm: "PlanModel", case: "Case", cluster: "Cluster", assume: "Assump
     """(seconds per part of one optimizer step, the micro-batch's FLOPs). `stages`: each pipeline stage's
     (totals, per-component) bytes from `estimate`."""
     f = step_flops(pm.model, case.seq, case.policies, pm.contrastive)
-    t_micro = max(_stage_compute(pm, case, cluster, assume, f))
+    t_micro = max(_stage_compute(pm, case, cluster, assume, f)) + assume.micro_overhead_s
     times = {"compute": case.accum * t_micro}
     if case.pp > 1:
         times["pipeline_bubble"] = (case.pp - 1) * t_micro

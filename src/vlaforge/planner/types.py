@@ -62,6 +62,7 @@ class Assumptions:
     comm_efficiency: float = 0.8  # share of a link's bandwidth ring collectives reach
     elementwise_passes: float = 6.0  # HBM passes over the saved activations by norms, activations, casts, adds
     cpu_adam_gbps: float = 20.0  # optimizer state a node's CPU Adam streams through per second (DeepSpeed offload)
+    micro_overhead_s: float = 0.0  # fixed seconds per micro-batch (kernel launches, Python): 0 unless calibrated
     margin: float = 0.10  # allocator fragmentation
     reserved_gb: float = 1.0  # CUDA context, cuBLAS and NCCL workspaces
 

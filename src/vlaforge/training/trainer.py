@@ -303,16 +303,22 @@ def _train(cfg: VLAConfig, evaluate: Evaluator | None) -> dict[str, float]:
         print(f"precision: {run.precision.summary()}", flush=True)
     last: dict[str, float] = {}
     window_start, window_steps = time.perf_counter(), 0
+    busy = {"data": 0.0, "step": 0.0}  # seconds of the window waiting for batches / in train_step
     with progress_bar(show, "train", t.steps, run.start_step) as advance:
         for step in range(run.start_step, t.steps):
             if step in changes:
                 apply_freezing(run.model, policies, step)
+            t0 = time.perf_counter()
             micro = [next(batches).to(run.device, non_blocking=True) for _ in range(t.grad_accum)]
+            t1 = time.perf_counter()
             if step == run.start_step:
                 micro[0].validate()  # the data contract, checked once with a readable error
             run.guards.step = step
             metrics = train_step(run.model, micro, run.optimizer, run.scheduler, run.weighting, t.grad_clip,
                                  run.guards, run.executor)
+            if run.device.type == "cuda":
+                torch.cuda.synchronize(run.device)  # the step's kernels, not their launches, are timed
+            busy["data"], busy["step"] = busy["data"] + t1 - t0, busy["step"] + time.perf_counter() - t1
             window_steps += 1
             done = step + 1
             numerics = {k: v for k, v in metrics.items() if k.startswith("numerics/")}
@@ -324,10 +330,14 @@ def _train(cfg: VLAConfig, evaluate: Evaluator | None) -> dict[str, float]:
                 elapsed = time.perf_counter() - window_start
                 samples = window_steps * global_batch(cfg, run.dims)
                 last = {**to_floats(metrics), **group_lrs(run.optimizer), "perf/samples_per_s": samples / elapsed,
-                        "perf/tokens_per_s": samples * run.tokens_per_sample / elapsed}
+                        "perf/tokens_per_s": samples * run.tokens_per_sample / elapsed,
+                        # per optimizer step: compute (`vlaforge plan --calibrate` reads it) and data wait
+                        "perf/step_s": busy["step"] / window_steps, "perf/data_s": busy["data"] / window_steps,
+                        "perf/world_size": float(run.world.size)}
                 if logger:
                     logger.log(done, last)
                 window_start, window_steps = time.perf_counter(), 0
+                busy = {"data": 0.0, "step": 0.0}
             evaluate_now = cfg.eval.every and done % cfg.eval.every == 0
             if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or evaluate_now:
                 path = save(run, done)
