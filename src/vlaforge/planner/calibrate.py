@@ -1,8 +1,9 @@
 """`vlaforge plan --calibrate RUN...`: fit the planner's compute efficiencies for one catalog entry to measured runs.
 
 What is measured: each run's `metrics.jsonl` gives `perf/step_s` (seconds per optimizer step inside `train_step`,
-data wait excluded; the median over the logged windows after the first) and `perf/world_size`; its `config.toml`
-gives everything else. What is fitted: the planner's step time for that config is linear in four of its
+data wait excluded; the median over the logged windows after the first), `perf/world_size` and on CUDA
+`perf/peak_gb` (compared with the planner's memory per GPU, not fitted: the memory model has no free terms); its
+`config.toml` gives everything else. What is fitted: the planner's step time for that config is linear in four of its
 assumptions - 1 / `matmul_efficiency` (the matmuls), 1 / `attention_efficiency` (the attention cores),
 `elementwise_passes` (the memory-bound kernels) and `micro_overhead_s` (fixed seconds per micro-batch: launches,
 Python) - plus parts that do not depend on them (the optimizer's HBM traffic, the communication at
@@ -35,6 +36,8 @@ class MeasuredRun:
     cfg: Any
     step_s: float  # measured seconds per optimizer step (median)
     world_size: int
+    peak_gb: float | None = None  # CUDA peak of rank 0 (GB), when the run logged it
+    predicted_gb: float | None = None  # the planner's per-GPU total for it (set by `terms`)
 
 
 def read_run(path: str | Path) -> MeasuredRun:
@@ -61,8 +64,9 @@ def read_run(path: str | Path) -> MeasuredRun:
         raise VlaforgeError(f"--calibrate {run}: metrics.jsonl has no perf/step_s (runs log it since vlaforge 0.1 "
                             "issue 26); train the run again, with train.log_every below train.steps")
     steady = rows[1:] or rows  # the first window holds warm-up (allocator, compile, first batches)
+    peaks = [r["perf/peak_gb"] for r in rows if isinstance(r.get("perf/peak_gb"), (int, float))]
     return MeasuredRun(str(run), load_config(run / "config.toml"), statistics.median(r["perf/step_s"] for r in steady),
-                       int(rows[-1].get("perf/world_size", 1)))
+                       int(rows[-1].get("perf/world_size", 1)), max(peaks) if peaks else None)
 
 
 def terms(run: MeasuredRun, gpu, base: Assumptions) -> np.ndarray:
@@ -80,6 +84,8 @@ def terms(run: MeasuredRun, gpu, base: Assumptions) -> np.ndarray:
                                                       elementwise_passes=p, micro_overhead_s=o)).step_time_s
 
     fixed = t()
+    if run.peak_gb is not None:  # the planner's memory does not depend on the fitted terms: compared, not fitted
+        run.predicted_gb = estimate(pm, run.cfg, cluster, base).memory["total"]
     return np.array([t(m=1.0) - fixed, t(a=1.0) - fixed, t(p=1.0) - fixed, t(o=1.0) - fixed, fixed])
 
 
@@ -149,6 +155,9 @@ def _compare(measured: list[MeasuredRun], rows: list[np.ndarray], base: Assumpti
         out.append({"run": m.path, "measured_step_s": round(m.step_s, 6), "predicted_before_s": round(before, 6),
                     "predicted_after_s": round(after, 6), "error_before": round(before / m.step_s - 1, 4),
                     "error_after": round(after / m.step_s - 1, 4)})
+        if m.peak_gb is not None and m.predicted_gb is not None:
+            out[-1] |= {"measured_peak_gb": round(m.peak_gb, 3), "predicted_gb": round(m.predicted_gb, 3),
+                        "memory_ratio": round(m.predicted_gb / m.peak_gb, 4)}
     return out
 
 
