@@ -203,8 +203,12 @@ class SequenceParallel:
         extra = lay.padded - lay.length
         embeds = torch.nn.functional.pad(embeds, (0, 0, 0, extra))
         positions = torch.nn.functional.pad(positions, (0, extra))
-        index = lay.order.unsqueeze(-1).expand(-1, -1, embeds.shape[-1])
-        return self.shard(embeds.gather(1, index)), self.shard(positions.gather(1, lay.order))
+        # NOTE: only this rank's rows are picked, by indexing, whose backward keeps the (B, S / cp) indices alone;
+        # gathering the whole layout first would keep the padded (B, S, D) embeddings alive until backward (gather
+        # saves its input) and the shard would be a view of them
+        rows = self.shard(lay.order)  # (B, S / cp): this rank's places in the padded layout
+        batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
+        return embeds[batch, rows], positions.gather(1, rows)
 
     def gather(self, hidden: torch.Tensor) -> torch.Tensor:
         """The full sequence in the original layout from this rank's shard of final hidden states."""

@@ -112,7 +112,10 @@ class _GatheredAttention(torch.autograd.Function):
             new = torch.logaddexp(lse, l_b)
             out = out * torch.exp(lse - new)[..., None] + o_b * torch.exp(l_b - new)[..., None]
             lse = new
-        out = out.to(q.dtype)  # NOTE: saved in the input dtype, as SDPA saves its output (fp32 inputs: no copy)
+        # NOTE: saved in the input dtype, as SDPA saves its output, and laid out (B, S, H, D) behind the (B, H, S, D)
+        # view: the caller's transpose to transformers' layout is then a view, so the output projection's saved
+        # input shares this storage instead of keeping a second copy (as the ring's output does)
+        out = out.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format).transpose(1, 2)
         ctx.save_for_backward(q, kf, vf, out, lse)
         ctx.blocks, ctx.scale = blocks, scale
         return out

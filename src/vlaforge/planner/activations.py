@@ -76,7 +76,11 @@ def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strateg
         norm = (4 * D + 4 + 4 * D) * t // sp
         proj_in = (4 * D if c == 4 else 3 * c * D) * t
         mask = batch * seq * (seq if kv_seq is None else kv_seq) * c
-        attn = proj_in + 4 * c * H * d * t + 4 * H * t + mask + 2 * c * Hk * d * batch * gathered_kv
+        # SDPA's q, k, v, output and log-sum-exp. NOTE: with a mask transformers repeats K/V to every head first; with
+        # none (context parallel's compacted layout) SDPA's GQA path and the cp kernels keep K/V at their own heads
+        kv_saved = Hk if kv_seq == 0 else H
+        attn = (proj_in + 2 * c * (H + kv_saved) * d * t + 4 * H * t + mask
+                + 2 * c * Hk * d * batch * gathered_kv)
         ffn = (4 * D if c == 4 else 2 * c * D) * t + 4 * c * F * t
         kept_input = 4 * D * t // sp  # a checkpointed sub-layer's fp32 input
         if strategy == "selective":
@@ -135,17 +139,21 @@ class Sequence:
 
 
 def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, tp: int = 1, cp: int = 1,
-                     sequence_parallel: bool = False, allgather: bool = False) -> dict[str, int]:
+                     sequence_parallel: bool = False, allgather: bool = False, zigzag: bool = False
+                     ) -> dict[str, int]:
     """Bytes kept for backward for one micro-batch, by part: 'vision', 'projector', 'llm_block' (one LLM block),
-    'llm_once' (shared by the LLM's blocks), 'llm_tail' (final norm and LM-head input), 'action_head' and 'other'
+    'llm_once' (shared by the LLM's blocks), 'llm_tail' (final norm and LM-head input; under cp also the layout's indices), 'action_head' and 'other'
     (the loss terms). Under tensor parallel `tp` an LLM block holds its heads' and FFN columns' share (the
     norms' and projections' inputs stay whole: no sequence parallel); under context parallel `cp` it holds
     S / cp tokens whose mask rows span all S keys. The vision tower, projector and heads are replicated (every
     tp / cp rank computes them whole). `sequence_parallel`: Megatron SP inside the tp group (`block_bytes`'s `sp`).
-    `allgather`: the all-gather cp method, whose ranks keep the whole K/V of every block."""
+    `allgather`: the all-gather cp method, whose ranks keep the whole K/V of every block. `zigzag`: the ring's
+    layout, padded to a multiple of 2 x cp tokens (the other methods pad to a multiple of cp)."""
     vis, llm = model.vision.config, model.llm.config
     b, s = seq.batch, seq.llm_tokens
-    s_rank = -(-s // cp)
+    multiple = 2 * cp if zigzag and cp > 1 else cp
+    s_pad = -(-s // multiple) * multiple  # the padded layout the ranks split (distributed/sequence_parallel.py)
+    s_rank = s_pad // cp
     images = b * seq.frames
     tv = images * seq.patches  # vision tokens
     c = {name: compute_bytes(policies[name].precision) for name in ("vision", "projector", "llm", "action_head")}
@@ -167,10 +175,12 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     D = lshape.hidden
     no_mask = 0 if cp > 1 else None  # context parallel compacts the layout instead of masking padding
     out["llm_block"] = block_bytes(lshape, b, s_rank, policies["llm"].precision, strat["llm"], kv_seq=no_mask,
-                                   sp=tp if sequence_parallel else 1, gathered_kv=s - s_rank if allgather else 0)
+                                   sp=tp if sequence_parallel else 1, gathered_kv=s_pad - s_rank if allgather else 0)
     out["llm_once"] = once_bytes(lshape, b, s_rank, strat["llm"], kv_seq=no_mask)
     out["llm_tail"] = ((4 * D + 4 + 4 * D) * b * s_rank  # final RMSNorm
                        + c["llm"] * b * (seq.text + 1) * D)  # LM head input: the text targets' positions (+1)
+    if cp > 1:  # the layout's int64 indices: this rank's rows (and the batch index), the scatter back to the layout
+        out["llm_tail"] += 8 * b * (s_rank + 1 + s_pad)
     head = model.action_head
     ha, t = head.in_proj.out_features, seq.chunk
     out["action_head"] = (4 * D * b * t if strat["action_head"] == "full"

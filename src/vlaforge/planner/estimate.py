@@ -78,7 +78,8 @@ def build_case(pm: PlanModel, cfg, cluster: Cluster) -> Case:
     if cp > 1 and method == "auto":
         method = cp_method_for(par, seq.llm_tokens, pm.model.llm.config.num_attention_heads)[0]
     parts = activation_parts(pm.model, seq, policies, pm.contrastive, tp=tp, cp=cp,
-                             sequence_parallel=par.sequence_parallel, allgather=cp > 1 and method == "allgather")
+                             sequence_parallel=par.sequence_parallel, allgather=cp > 1 and method == "allgather",
+                             zigzag=cp > 1 and method == "ring")
     trains = {c: ever_trains(policies[c]) for c in COMPONENTS}
     through = {"vision": trains["vision"], "projector": trains["vision"] or trains["projector"]}
     through["llm"] = through["projector"] or trains["llm"]
