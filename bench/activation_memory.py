@@ -3,8 +3,8 @@
 Bytes: the `small` flavor under fake tensors. These are exact: the accounting counts every tensor saved for backward,
 and tests/test_activation_memory.py checks that fake and real runs agree. Times: on CPU, the `tiny` flavor on real
 tensors (forward + backward; per round the median of --repeats after a warm-up, then the median over
---rounds whole profiles run one after another); a `small` step at 4k tokens takes minutes on 2
-cores. With a GPU (`--device cuda`), everything is measured on the `small` flavor on real tensors, with CUDA's
+--rounds whole profiles run one after another); `--time-flavor small` times the `small` flavor instead (a step at
+512 tokens takes ~11 s on 2 cores, so pick a few --time-strategies). With a GPU (`--device cuda`), everything is measured on the `small` flavor on real tensors, with CUDA's
 peak.
 
 Targets checked (from the issue):
@@ -13,6 +13,7 @@ Targets checked (from the issue):
 - CPU offload of the LLM (min bytes 0) leaves none of the LLM's saved tensors in device accounting.
 
     python bench/activation_memory.py [--seq 1024 2048 4096] [--repeats 3] [--rounds 3] [--device auto|cpu|cuda]
+        [--time-flavor tiny|small] [--time-strategies full selective]
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def summarize(report: dict) -> dict:
 def timed_rounds(cfg, seq: int, args, device) -> dict:
     """`--rounds` whole profiles one after another; per strategy the median step time over rounds, so that machine
     noise hits every strategy alike."""
-    reports = [profile(cfg, seq_len=seq, repeats=args.repeats, device=device) for _ in range(args.rounds)]
+    reports = [profile(cfg, seq_len=seq, repeats=args.repeats, device=device, strategies=args.time_strategies)
+               for _ in range(args.rounds)]
     merged = reports[0]
     for name, row in merged["strategies"].items():
         row["step_s"] = statistics.median(r["strategies"][name]["step_s"] for r in reports)
@@ -88,20 +90,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per strategy per round")
     ap.add_argument("--rounds", type=int, default=3, help="CPU: whole profiles whose median time is reported")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--time-flavor", default="tiny", choices=["tiny", "small"],
+                    help="CPU: the flavor whose step times are measured (small: ~11 s a step at 512 tokens)")
+    ap.add_argument("--time-strategies", nargs="+", default=None,
+                    help="CPU: time only these strategies (none is always timed), e.g. full selective")
     args = ap.parse_args()
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
     results = {"bench": "activation_memory", "torch": torch.__version__,
                "hardware": torch.cuda.get_device_name(0) if cuda else f"CPU ({torch.get_num_threads()} threads)",
                "bytes_from": "small, real tensors" if cuda else "small, fake tensors (exact)",
-               "times_from": "small, real tensors" if cuda else "tiny, real tensors", "seq": {}}
+               "times_from": "small, real tensors" if cuda else f"{args.time_flavor}, real tensors, fp32",
+               "seq": {}}
     for seq in args.seq:
         small = config("small", "bf16")
         bytes_report = profile(small, fake=not cuda, seq_len=seq, offload=True, repeats=args.repeats, device=device)
         if cuda:
             time_report = bytes_report
         else:
-            time_report = timed_rounds(config("tiny", "fp32"), seq, args, device)
+            time_report = timed_rounds(config(args.time_flavor, "fp32"), seq, args, device)
         bytes_rows, time_rows = summarize(bytes_report), summarize(time_report)
         results["seq"][str(seq)] = {"bytes": bytes_rows, "times": time_rows, "targets": targets(bytes_rows,
                                                                                                  time_rows)}

@@ -98,12 +98,14 @@ def profile_one(cfg: VLAConfig, device: torch.device, batch_size: int, fake: boo
 
 
 def profile(cfg: VLAConfig, *, fake: bool = False, budget_gb: float | None = None, seq_len: int | None = None,
-            batch_size: int = 1, offload: bool = False, repeats: int = 3, device: torch.device | None = None) -> dict:
-    """Run every strategy (and with `offload`, each again with CPU offload of vision + llm); rank and recommend."""
+            batch_size: int = 1, offload: bool = False, repeats: int = 3, device: torch.device | None = None,
+            strategies: tuple[str, ...] | None = None) -> dict:
+    """Run every strategy, or those named in `strategies` ('none' always; with `offload`, each again with CPU
+    offload of vision + llm); rank and recommend."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = with_seq_len(cfg, seq_len)
     rows: dict[str, dict] = {}
-    for name in STRATEGIES:
+    for name in STRATEGIES if strategies is None else [s for s in STRATEGIES if s in strategies or s == "none"]:
         for off in ((False, True) if offload else (False,)):
             label = name + ("+cpu_offload" if off else "")
             rows[label] = profile_one(strategy_config(cfg, name, off), device, batch_size, fake, repeats)
