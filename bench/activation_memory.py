@@ -4,8 +4,8 @@ Bytes: the `small` flavor under fake tensors. These are exact: the accounting co
 and tests/test_activation_memory.py checks that fake and real runs agree. Times: on CPU, the `tiny` flavor on real
 tensors (forward + backward; per round the median of --repeats after a warm-up, then the median over
 --rounds whole profiles run one after another); `--time-flavor small` times the `small` flavor instead (a step at
-512 tokens takes ~11 s on 2 cores, so pick a few --time-strategies). With a GPU (`--device cuda`), everything is measured on the `small` flavor on real tensors, with CUDA's
-peak.
+512 tokens takes ~11 s on 2 cores, so pick a few --time-strategies). With a GPU (`--device cuda`), everything is
+measured on the `small` flavor on real tensors, with CUDA's peak.
 
 Targets checked (from the issue):
 - `full` saves at least 85 % of activation bytes;
