@@ -145,10 +145,9 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     'llm_once' (shared by the LLM's blocks), 'llm_tail' (final norm and LM-head input; under cp also the layout's
     indices), 'action_head' and 'other' (the loss terms). Under tensor parallel `tp` an LLM block holds its heads'
     and FFN columns' share (the norms' and projections' inputs stay whole: no sequence parallel); under context
-    parallel `cp` it holds S / cp tokens whose mask rows span all S keys. The vision tower, projector and heads are
-    replicated (every tp / cp rank computes them whole). `sequence_parallel`: Megatron SP inside the tp group
-    (`block_bytes`'s `sp`).
-    `allgather`: the all-gather cp method, whose ranks keep the whole K/V of every block. `zigzag`: the ring's
+    parallel `cp` it holds its 1 / cp share of the padded layout and no mask (the layout is compacted). The vision
+    tower, projector and heads are replicated (every tp / cp rank computes them whole). `sequence_parallel`:
+    Megatron SP inside the tp group (`block_bytes`'s `sp`). `allgather`: the all-gather cp method, whose ranks keep the whole K/V of every block. `zigzag`: the ring's
     layout, padded to a multiple of 2 x cp tokens (the other methods pad to a multiple of cp)."""
     vis, llm = model.vision.config, model.llm.config
     b, s = seq.batch, seq.llm_tokens
