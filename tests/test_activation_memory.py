@@ -283,3 +283,29 @@ def test_profile_table_keeps_wide_columns_apart():
     assert all(w in header for w in two_word)
     assert len(line.split()) == len(header.split()) - len(two_word) == 15  # no two cells run together
     assert "0.095 27.31-27.84" in line
+
+
+def test_fake_profile_ranks_by_the_planners_step_time_calibrated_when_it_can(tmp_path):
+    """Under fake tensors the strategies are ranked by the planner's predicted step time on the chosen GPU (their
+    recomputation priced by its efficiencies), with a calibration file's entry for that GPU when there is one;
+    the recommendation is the fastest predicted that fits, never an assumed order."""
+    from vlaforge.diagnostics.profile import profile
+
+    cfg = tiny_config(tmp_path)
+    plain = profile(cfg, fake=True, budget_gb=100, gpu="cpu")
+    rows = plain["strategies"]
+    assert "uncalibrated" in plain["predicted_on"]
+    assert rows["none"]["predicted_step_s"] < rows["full"]["predicted_step_s"]  # full recomputes whole blocks
+    assert rows["selective"]["predicted_step_s"] < rows["full"]["predicted_step_s"]
+    fastest = min(rows, key=lambda k: rows[k]["predicted_step_s"])
+    assert plain["recommendation"]["strategy"] == fastest == "none"  # everything fits 100 GB
+    assert plain["recommendation"]["reason"].startswith("fastest predicted on one cpu")
+
+    # a calibration whose matmuls are 100x slower: the same ranking, every predicted time longer
+    (tmp_path / "cal.toml").write_text("[calibration.cpu]\nmatmul_efficiency = 0.006\nattention_efficiency = 0.45\n"
+                                       "elementwise_passes = 6.0\nmicro_overhead_s = 0.0\nruns = ['a', 'b']\n")
+    cal = profile(cfg, fake=True, gpu="cpu", calibration=str(tmp_path / "cal.toml"))
+    assert cal["predicted_on"].startswith("one cpu, calibrated for cpu from 2 run(s)")
+    assert all(cal["strategies"][k]["predicted_step_s"] > rows[k]["predicted_step_s"] for k in rows)
+    tight = rows["full"]["peak_bytes"] / 1e9 * 1.001  # only full (and what is smaller) fits
+    assert profile(cfg, fake=True, budget_gb=tight, gpu="cpu")["recommendation"]["strategy"] == "full"

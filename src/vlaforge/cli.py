@@ -274,13 +274,21 @@ def profile(ctx: typer.Context,
             batch_size: int = typer.Option(1, min=1, help="samples in the profiled batch"),
             offload: bool = typer.Option(False, help="also run each strategy with CPU offload of vision + llm"),
             repeats: int = typer.Option(3, min=1, help="timed steps per strategy (after one warm-up)"),
+            gpu: str = typer.Option("h100-80", help="with --fake: the catalog GPU whose step times the planner "
+                                                    "predicts (see vlaforge plan --gpu)"),
+            calibration: Optional[Path] = typer.Option(None, help="with --fake: a `vlaforge plan --calibrate` TOML; "
+                                                                  "its entry for --gpu calibrates the prediction"),
+            catalog: Optional[Path] = typer.Option(None, help="with --fake: TOML with [gpu.<name>] entries"),
             as_json: bool = typer.Option(False, "--json", help="print JSON")):
-    """Activation memory and step time of every checkpointing strategy on the config's model."""
+    """Activation memory and step time of every checkpointing strategy on the config's model (measured; with --fake
+    predicted by the planner)."""
     from vlaforge.config.shapes import resolve_shapes
     from vlaforge.diagnostics.profile import profile as run_profile, render
 
     report = run_profile(resolve_shapes(_load(config, ctx))[0], fake=fake, budget_gb=budget_gb, seq_len=seq_len,
-                         batch_size=batch_size, offload=offload, repeats=repeats)
+                         batch_size=batch_size, offload=offload, repeats=repeats, gpu=gpu,
+                         calibration=str(calibration) if calibration else None,
+                         catalog=str(catalog) if catalog else None)
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))
 
 

@@ -5,7 +5,9 @@ samples of the config's dataset; a batch of the config's shapes under fake tenso
 activation bytes (saved for backward, per component and per block, from `techniques/accounting.py`), peak memory
 (CUDA's allocator peak on GPU; the saved-bytes accounting on CPU), step time and overhead against no
 checkpointing, and which strategy fits a memory budget. With `fake=True` the model and batch are fake tensors
-(`FakeTensorMode`): memory only, no times, large flavors in seconds.
+(`FakeTensorMode`): memory in seconds even for large flavors, and step times predicted by the planner for one GPU
+of the catalog (calibrated when a `vlaforge plan --calibrate` file has that GPU, else marked uncalibrated) - never
+ranked by an assumed order of the strategies.
 """
 
 from __future__ import annotations
@@ -99,40 +101,71 @@ def profile_one(cfg: VLAConfig, device: torch.device, batch_size: int, fake: boo
 
 def profile(cfg: VLAConfig, *, fake: bool = False, budget_gb: float | None = None, seq_len: int | None = None,
             batch_size: int = 1, offload: bool = False, repeats: int = 3, device: torch.device | None = None,
-            strategies: tuple[str, ...] | None = None) -> dict:
+            strategies: tuple[str, ...] | None = None, gpu: str = "h100-80", calibration: str | None = None,
+            catalog: str | None = None) -> dict:
     """Run every strategy, or those named in `strategies` ('none' always; with `offload`, each again with CPU
-    offload of vision + llm); rank and recommend."""
+    offload of vision + llm); rank and recommend. Under `fake` (no times) each strategy's step time on one `gpu` is
+    predicted by the planner, with its `calibration` for that GPU when the file has one."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = with_seq_len(cfg, seq_len)
     rows: dict[str, dict] = {}
+    configs: dict[str, VLAConfig] = {}
     for name in STRATEGIES if strategies is None else [s for s in STRATEGIES if s in strategies or s == "none"]:
         for off in ((False, True) if offload else (False,)):
             label = name + ("+cpu_offload" if off else "")
-            rows[label] = profile_one(strategy_config(cfg, name, off), device, batch_size, fake, repeats)
+            configs[label] = strategy_config(cfg, name, off)
+            rows[label] = profile_one(configs[label], device, batch_size, fake, repeats)
+    report = {"flavor": cfg.model.flavor, "fake": fake, "device": "fake" if fake else str(device),
+              "batch_size": batch_size, "tokens_per_sample": rows["none"]["tokens"], "strategies": rows}
+    if fake:
+        report["predicted_on"] = predict_steps(configs, rows, batch_size, gpu, calibration, catalog)
+    time_key = "predicted_step_s" if fake else "step_s"
     base = rows["none"]
     for r in rows.values():
         r["activation_vs_none"] = r["activation_bytes"] / base["activation_bytes"]
-        if "step_s" in r:
-            r["overhead_vs_none"] = r["step_s"] / base["step_s"] - 1
-    report = {"flavor": cfg.model.flavor, "fake": fake, "device": "fake" if fake else str(device),
-              "batch_size": batch_size, "tokens_per_sample": base["tokens"], "strategies": rows}
+        if time_key in r:
+            r["overhead_vs_none"] = r[time_key] / base[time_key] - 1
     if budget_gb is not None:
         report["budget_gb"] = budget_gb
-        report["recommendation"] = recommend(rows, budget_gb * GB, measured=not fake)
+        why = "fastest measured" if not fake else f"fastest predicted on {report['predicted_on'].split(',')[0]}"
+        report["recommendation"] = recommend(rows, budget_gb * GB, time_key, why)
     return report
 
 
-def recommend(rows: dict[str, dict], budget: float, measured: bool) -> dict:
-    """The fastest strategy whose peak fits `budget` bytes (by measured time; under fake tensors by the order of
-    STRATEGIES, which is increasing recomputation, with offload after its base strategy)."""
-    order = sorted(rows, key=lambda k: rows[k]["step_s"]) if measured else list(rows)
+def predict_steps(configs: dict[str, VLAConfig], rows: dict[str, dict], batch_size: int, gpu: str,
+                  calibration: str | None, catalog: str | None) -> str:
+    """Set each row's `predicted_step_s`: the planner's step time of its config on one `gpu` (the checkpointing
+    strategy's recomputation included). Returns what the prediction rests on: the calibration, or the assumptions."""
+    from pathlib import Path
+
+    from vlaforge.planner.calibrate import calibrated, uncalibrated_note
+    from vlaforge.planner.estimate import estimate
+    from vlaforge.planner.hardware import get_gpu, load_catalog
+    from vlaforge.planner.types import Assumptions, Cluster, PlanModel
+
+    def one_gpu(c: VLAConfig) -> VLAConfig:  # the profiled batch on one process: no parallel layout
+        raw = {k: v for k, v in c.model_dump().items() if k != "parallel"}
+        return VLAConfig.model_validate(deep_merge(raw, {"train": {"batch_size": batch_size, "grad_accum": 1}}))
+
+    configs = {k: one_gpu(c) for k, c in configs.items()}
+    cluster = Cluster(get_gpu(gpu, load_catalog(Path(catalog) if catalog else None)), gpus_per_node=1, nodes=1)
+    assume, source = calibrated(calibration, cluster.gpu.name, Assumptions())
+    pm = PlanModel(configs["none"])  # the strategies differ only in checkpointing and offload
+    for label, c in configs.items():
+        rows[label]["predicted_step_s"] = estimate(pm, c, cluster, assume).step_time_s
+    return f"one {cluster.gpu.name}, " + (source or uncalibrated_note(assume))  # NOTE: render splits at the comma
+
+
+def recommend(rows: dict[str, dict], budget: float, time_key: str, why: str) -> dict:
+    """The fastest strategy by `time_key` (measured, or predicted under fake tensors) whose peak fits `budget`
+    bytes."""
+    order = sorted(rows, key=lambda k: rows[k][time_key])
     fits = [k for k in order if rows[k]["peak_bytes"] <= budget]
     if not fits:
         least = min(rows, key=lambda k: rows[k]["peak_bytes"])
         return {"strategy": None, "reason": f"nothing fits {budget / GB:g} GB; the smallest is {least} at "
                                             f"{rows[least]['peak_bytes'] / GB:.2f} GB (add GPUs or shard)"}
     best = fits[0]
-    why = "fastest measured" if measured else "least recomputation"
     return {"strategy": best, "peak_gb": rows[best]["peak_bytes"] / GB,
             "reason": f"{why} of the {len(fits)} strategies that fit {budget / GB:g} GB"}
 
@@ -150,13 +183,16 @@ def render(report: dict) -> str:
         comp = "".join(f"{r['per_component'].get(c, 0) / div:>12.3f}" for c in (*COMPONENTS, "other"))
         per_block = "".join(f" {_block(r['per_block'][c], div):>11}" for c in ("llm", "vision"))  # NOTE: a space
         # always: a range ("27.31-27.84") fills the width
-        time_cols = (f"{r['step_s']:>8.3f}{r['overhead_vs_none']:>+8.0%}" if "step_s" in r else f"{'-':>8}{'-':>8}")
+        step = r.get("step_s", r.get("predicted_step_s"))
+        time_cols = f"{step:>8.3f}{r['overhead_vs_none']:>+8.0%}" if step is not None else f"{'-':>8}{'-':>8}"
         lines.append(f"{name:<27}{comp}{per_block}{r['activation_bytes'] / div:>9.3f}{r['activation_vs_none']:>8.0%}"
                      f"{r['offloaded_bytes'] / div:>9.3f}{r['weight_cast_bytes'] / div:>9.3f}{r['peak_bytes'] / GB:>9.2f}"
                      f"{time_cols}")
     lines.append(f"{unit} = {div:.0e} bytes. per-block: the range over the component's blocks. other: the glue "
                  "outside the four components (token concatenation, losses). casts: autocast's bf16/fp16 copies of "
                  "fp32 weights kept for backward. peak: " + next(iter(rows.values()))["peak_source"] + ".")
+    if "predicted_on" in report:
+        lines.append(f"step s: predicted by the planner for {report['predicted_on']}")
     if "recommendation" in report:
         rec = report["recommendation"]
         lines.append(f"budget {report['budget_gb']:g} GB -> {rec['strategy']}: {rec['reason']}")
