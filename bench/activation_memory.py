@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from vlaforge.config import load_config
-from vlaforge.diagnostics.profile import profile
+from vlaforge.diagnostics.profile import STRATEGIES, profile
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_synthetic.toml"
 
@@ -55,10 +55,12 @@ def summarize(report: dict) -> dict:
 
 
 def timed_rounds(cfg, seq: int, args, device) -> dict:
-    """`--rounds` whole profiles one after another; per strategy the median step time over rounds, so that machine
-    noise hits every strategy alike."""
-    reports = [profile(cfg, seq_len=seq, repeats=args.repeats, device=device, strategies=args.time_strategies)
-               for _ in range(args.rounds)]
+    """`--rounds` whole profiles one after another, the strategies in reverse order every other round (the process
+    warms up over the first minutes, which would favour whichever strategy always comes last); per strategy the
+    median step time over rounds, so that machine noise hits every strategy alike."""
+    order = ["none", *[s for s in args.time_strategies or STRATEGIES if s != "none"]]
+    reports = [profile(cfg, seq_len=seq, repeats=args.repeats, device=device,
+                       strategies=order if i % 2 == 0 else order[::-1]) for i in range(args.rounds)]
     merged = reports[0]
     for name, row in merged["strategies"].items():
         row["step_s"] = statistics.median(r["strategies"][name]["step_s"] for r in reports)
@@ -92,7 +94,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--time-flavor", default="tiny", choices=["tiny", "small"],
                     help="CPU: the flavor whose step times are measured (small: ~11 s a step at 512 tokens)")
-    ap.add_argument("--time-strategies", nargs="+", default=None,
+    ap.add_argument("--time-strategies", nargs="+", default=None, choices=list(STRATEGIES),
                     help="CPU: time only these strategies (none is always timed), e.g. full selective")
     args = ap.parse_args()
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())

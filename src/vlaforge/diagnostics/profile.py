@@ -103,14 +103,14 @@ def profile(cfg: VLAConfig, *, fake: bool = False, budget_gb: float | None = Non
             batch_size: int = 1, offload: bool = False, repeats: int = 3, device: torch.device | None = None,
             strategies: tuple[str, ...] | None = None, gpu: str = "h100-80", calibration: str | None = None,
             catalog: str | None = None) -> dict:
-    """Run every strategy, or those named in `strategies` ('none' always; with `offload`, each again with CPU
-    offload of vision + llm); rank and recommend. Under `fake` (no times) each strategy's step time on one `gpu` is
+    """Run every strategy, or those named in `strategies` in their order ('none' always, last when not named; with
+    `offload`, each again with CPU offload of vision + llm); rank and recommend. Under `fake` (no times) each strategy's step time on one `gpu` is
     predicted by the planner, with its `calibration` for that GPU when the file has one."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = with_seq_len(cfg, seq_len)
     rows: dict[str, dict] = {}
     configs: dict[str, VLAConfig] = {}
-    for name in STRATEGIES if strategies is None else [s for s in STRATEGIES if s in strategies or s == "none"]:
+    for name in STRATEGIES if strategies is None else dict.fromkeys([*strategies, "none"]):
         for off in ((False, True) if offload else (False,)):
             label = name + ("+cpu_offload" if off else "")
             configs[label] = strategy_config(cfg, name, off)
