@@ -277,11 +277,5 @@ class DtypeBoundary:
 
 
 def _first_float_dtype(obj: Any) -> torch.dtype | None:
-    if isinstance(obj, torch.Tensor):
-        return obj.dtype if obj.is_floating_point() else None
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
-    for o in items:
-        found = _first_float_dtype(o)
-        if found is not None:
-            return found
-    return None
+    leaves = torch.utils._pytree.tree_leaves(obj)
+    return next((t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()), None)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vlaforge import COMPONENTS
+from vlaforge.config.loading import write_atomic
 from vlaforge.errors import VlaforgeError, first_line
 from vlaforge.techniques.quantize import INTX_BITS, QuantReport, apply_quantization
 
@@ -62,9 +63,7 @@ def save_quantized(model: nn.Module, folder: Path) -> dict[str, int]:
     save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, folder / WEIGHTS)
     manifest = {"format": FORMAT, "weights": WEIGHTS, **report.to_json(), "packed": packed}
-    tmp = folder / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, folder / MANIFEST)
+    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1))
     return tensor_bytes(tensors)
 
 
