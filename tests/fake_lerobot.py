@@ -28,13 +28,15 @@ def _episode(ep: int, n: int) -> dict:
                 np.float32), "text": {"annotation.phase": [f"phase {t // 4}" for t in range(n)]}}
 
 
-def write_dataset(root, edit=None, text: bool = True, **kw):
+def write_dataset(root, edit=None, text: bool = True, cams: list[str] = CAMS, **kw):
     """Write the three episodes; `edit(episodes)` may change their arrays first; `text=False` leaves out the
-    phase column."""
+    phase column; `cams` renames the two cameras (Meta-World's names let the simulator evaluate the run)."""
     eps = [_episode(i, n) for i, n in enumerate(LENGTHS)]
+    for e in eps:
+        e["images"] = dict(zip(cams, e["images"].values()))
     if edit is not None:
         edit(eps)
-    with DatasetWriter(root, fps=10, cameras=CAMS, image_size=SIZE, state_names=list("abcd"),
+    with DatasetWriter(root, fps=10, cameras=cams, image_size=SIZE, state_names=list("abcd"),
                        action_names=list("wxyz"), text_features=["annotation.phase"] if text else [], **kw) as w:
         for task, e in zip(TASKS, eps):
             w.add_episode(task, e["images"], e["state"], e["action"], e["text"] if text else {})

@@ -28,6 +28,7 @@ app.add_typer(data_app, name="data")
 
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 _DEFAULT = "; default: the same key of the eval section in the checkpoint's config"
+_BACKEND = "auto (onnx for an ONNX package, else torch), torch, onnx"
 
 
 def _load(config: Optional[Path], ctx: typer.Context, resume: Optional[str] = None, first: list[str] = ()):
@@ -90,7 +91,7 @@ def train(ctx: typer.Context,
 
 @app.command("eval")
 def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint), a checkpoints/step_* "
-                                                      "folder or a `vlaforge quantize` folder"),
+                                                      "folder, a `vlaforge quantize` folder or an ONNX package"),
           tasks: Optional[str] = typer.Option(None, help="comma-separated Meta-World tasks; default: eval.tasks of "
                                                          "the checkpoint's config, else the dataset's tasks"),
           episodes: Optional[int] = typer.Option(None, min=1, help="held-out episodes per task" + _DEFAULT),
@@ -111,6 +112,7 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                                                   "max-autotune"),
           dtype: str = typer.Option("auto", help="inference dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16"),
           device: str = typer.Option("cpu", help="cpu, cuda, cuda:N or auto"),
+          backend: str = typer.Option("auto", help=_BACKEND),
           asynchronous: bool = typer.Option(False, "--async/--sync", help="compute the next chunk in a background "
                                                                           "thread while the current one executes"),
           merge: str = typer.Option("replace", help="chunk merge: replace, ensemble (ACT temporal ensembling), rtc "
@@ -126,9 +128,10 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     from vlaforge.config import load_config
     from vlaforge.data.metaworld import parse_tasks
     from vlaforge.evaluation.closed_loop import InferenceOptions, eval_tasks, evaluate, render_table
-    from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint
+    from vlaforge.inference.runtime import resolve_policy
+    from vlaforge.training.checkpoint import CONFIG_FILE
 
-    ckpt = resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT")
+    ckpt = resolve_policy(checkpoint)
     cfg = load_config(ckpt / CONFIG_FILE)
     e = cfg.eval
     names = parse_tasks(tasks) if tasks else eval_tasks(cfg)
@@ -136,7 +139,7 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     options = InferenceOptions(cache=cache, compile=compile, dtype=dtype, device=device,
                                execute=pick(execute, e.execute), asynchronous=asynchronous, merge=merge,
                                latency_ms=latency_ms, cache_options=_cache_threshold(cache, cache_threshold),
-                               server=server, api_key=api_key)
+                               server=server, api_key=api_key, backend=backend)
     report = evaluate(ckpt, names, pick(episodes, e.episodes), options=options,
                       max_steps=pick(max_steps, e.max_steps), workers=pick(workers, e.workers),
                       seed=pick(seed, e.seed), out=out, video=pick(video, e.video), progress=progress)
@@ -146,7 +149,7 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
 
 @app.command()
 def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint), a checkpoints/step_* "
-                                                      "folder or a `vlaforge quantize` folder"),
+                                                      "folder, a `vlaforge quantize` folder or an ONNX package"),
           host: str = typer.Option("127.0.0.1", help="interface to bind; anything but loopback should have an API key"),
           port: int = typer.Option(8000, min=0, max=65535, help="websocket port (openpi protocol; also GET /healthz, "
                                                                 "/metrics)"),
@@ -162,7 +165,8 @@ def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
           cache: str = typer.Option("exact", help="frame-feature cache: none, exact, frame, token"),
           compile: str = typer.Option("off", help="torch.compile: off, default, reduce-overhead, max-autotune"),
           dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16"),
-          device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N")):
+          device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N"),
+          backend: str = typer.Option("auto", help=_BACKEND)):
     """Serve a policy to robot clients: openpi's websocket protocol (msgpack), dynamic batching across connections,
     HTTP POST /act, Prometheus GET /metrics. Stops cleanly on SIGTERM / Ctrl-C."""
     from vlaforge.inference.runtime import PolicyRuntime
@@ -171,7 +175,8 @@ def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         typer.echo(f"warning: serving on {host} without an API key: anyone who reaches the port can drive the "
                    "policy; set --api-key or VLAFORGE_API_KEY", err=True)
-    runtime = PolicyRuntime.load(checkpoint, device=device, dtype=dtype, compile=compile, cache=cache)
+    runtime = PolicyRuntime.load(checkpoint, device=device, dtype=dtype, compile=compile, cache=cache,
+                                 backend=backend)
     options = ServeOptions(host=host, port=port, http_port=http_port, max_batch=max_batch, max_wait_ms=max_wait_ms,
                            api_key=api_key, max_message_bytes=int(max_message_mb * 2**20),
                            max_connections=max_connections, idle_timeout_s=idle_timeout_s)
@@ -211,14 +216,42 @@ def _cache_threshold(mode: str, value: float | None) -> dict:
 @app.command()
 def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint) or a checkpoints/step_* "
                                                        "folder"),
-           out: Optional[Path] = typer.Option(None, help="the safetensors file to write (default "
-                                                         "CHECKPOINT/model.safetensors)")):
-    """Consolidate a checkpoint's weights into one safetensors file for inference: a sharded checkpoint's shards
-    (train.checkpoint_format = 'sharded') are read in this one process and written as one file."""
+           format: str = typer.Option("safetensors", "--format", help="safetensors (one consolidated weights file), "
+                                                                      "onnx (a policy package for ONNX Runtime, "
+                                                                      "TensorRT, QNN)"),
+           out: Optional[Path] = typer.Option(None, help="safetensors: the file to write (default "
+                                                         "CHECKPOINT/model.safetensors); onnx: the package folder"),
+           dtype: str = typer.Option("fp32", help="onnx: fp32 or fp16 graphs"),
+           quantized: bool = typer.Option(False, "--quantized", help="onnx: int8 QDQ graphs (ONNX Runtime static "
+                                                                     "quantization, calibrated on dataset frames)"),
+           calibrate: int = typer.Option(256, min=1, help="onnx --quantized: calibration frames"),
+           frames: int = typer.Option(32, min=1, help="onnx: dataset frames the package is checked on against the "
+                                                      "checkpoint"),
+           data: Optional[str] = typer.Option(None, help="onnx: the dataset of those frames (default: the run's "
+                                                         "data.path; none: random observations)")):
+    """Consolidate a checkpoint's weights into one safetensors file (a sharded checkpoint's shards are read in this
+    one process), or write an ONNX policy package: manifest.json, tokenizer.json, vision.onnx and policy.onnx
+    (encoder.onnx + denoise.onnx for a flow-matching head), checked against the checkpoint on dataset frames
+    (export.json: action error, latency of both). `vlaforge eval` and `vlaforge serve` run a package like a
+    checkpoint."""
     from vlaforge.training.checkpoint import export_weights, resolve_checkpoint
 
-    path = export_weights(resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT"), out)
-    typer.echo(f"wrote {path}")
+    if format == "safetensors":
+        onnx_only = [name for name, given in (("--dtype", dtype != "fp32"), ("--quantized", quantized),
+                                               ("--data", data is not None)) if given]
+        if onnx_only:
+            raise VlaforgeError(f"{', '.join(onnx_only)} apply to --format onnx")
+        path = export_weights(resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT"), out)
+        typer.echo(f"wrote {path}")
+        return
+    if format != "onnx":
+        raise VlaforgeError(f"--format {format!r} is not one of safetensors, onnx")
+    if out is None:
+        raise VlaforgeError("--format onnx needs --out DIR (the package folder to write)")
+    from vlaforge.export.onnx import export_onnx, render
+
+    report = export_onnx(checkpoint, out, dtype=dtype, int8=quantized, calibrate=calibrate, frames=frames, data=data)
+    typer.echo(render(report))
 
 
 _MODE = "none, fp16, bf16, int8, int8_dynamic, int4, int3, int2"

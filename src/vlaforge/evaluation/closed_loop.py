@@ -70,12 +70,13 @@ class InferenceOptions:
     cache_options: dict = field(default_factory=dict)
     server: str | None = None  # ws://HOST:PORT: predict through a running `vlaforge serve` instead
     api_key: str | None = None
+    backend: str = "auto"  # torch, onnx (an exported package), auto: by what the folder holds
 
     def runtime(self, ckpt: Path) -> PolicyRuntime | RemoteRuntime:
         if self.server:
             return RemoteRuntime(PolicyClient(self.server, self.api_key))
         return PolicyRuntime.load(ckpt, device=self.device, dtype=self.dtype, compile=self.compile,
-                                  cache=CacheConfig(mode=self.cache, **self.cache_options))
+                                  cache=CacheConfig(mode=self.cache, **self.cache_options), backend=self.backend)
 
     def executor(self, runtime: PolicyRuntime, session: str) -> ChunkExecutor:
         return ChunkExecutor(runtime, session, execute=self.execute, period_s=1 / FPS, merge=self.merge,

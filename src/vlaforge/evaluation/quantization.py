@@ -100,13 +100,17 @@ def dataset_frames(path: str, spec, count: int, seed: int) -> list[Frame]:
     return frames
 
 
-def predict_all(runtime: PolicyRuntime, frames: list[Frame]) -> tuple[np.ndarray, list[float]]:
-    """(N, T, A) normalized action chunks and per-prediction latencies (ms) of `runtime` on `frames`."""
+def predict_all(runtime: PolicyRuntime, frames: list[Frame], seed: int | None = None
+                ) -> tuple[np.ndarray, list[float]]:
+    """(N, T, A) normalized action chunks and per-prediction latencies (ms) of `runtime` on `frames`; `seed`: torch's
+    generator is seeded with seed + i before frame i (a sampling head draws the same noise in every runtime)."""
     out, times = [], []
     for i, f in enumerate(frames):
         session = f"q{i}"
         for obs in f.history[:-1]:
             runtime.observe(obs, session)
+        if seed is not None:
+            torch.manual_seed(seed + i)
         pred = runtime.predict(f.history[-1], session)
         runtime.reset(session)
         out.append(runtime.spec.normalize_action(pred.actions).numpy())

@@ -80,9 +80,9 @@ class ChunkExecutor:
             raise VlaforgeError(f"execute = {execute} must be between 1 and the action chunk ({chunk})")
         if merge not in MERGES:
             raise VlaforgeError(f"merge {merge!r} is not one of {', '.join(MERGES)}")
-        if merge == "rtc" and not runtime.model.action_head.supports_prefix:
-            raise VlaforgeError(f"merge 'rtc' needs a flow-matching action head; this policy's is "
-                                f"{type(runtime.model.action_head).__name__}; use --merge replace or ensemble")
+        if merge == "rtc" and not runtime.supports_prefix:
+            raise VlaforgeError("merge 'rtc' needs a flow-matching action head; this policy's does not sample; use "
+                                "--merge replace or ensemble")
         if latency_ms < 0 or period_s <= 0:
             raise VlaforgeError("latency_ms must be >= 0 and the control period > 0")
         self.runtime, self.session, self.execute, self.merge = runtime, session, execute, merge

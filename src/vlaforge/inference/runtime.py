@@ -26,6 +26,7 @@ from vlaforge.inference.feature_cache import CacheConfig, SessionCache, TokenReu
 
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BACKENDS = ("auto", "torch", "onnx")
 
 
 class ObservationError(VlaforgeError):
@@ -123,10 +124,17 @@ class PolicyRuntime:
                  source: str | None = None):
         if compile not in COMPILE_MODES:
             raise VlaforgeError(f"compile mode {compile!r} is not one of {', '.join(COMPILE_MODES)}")
-        self.device = pick_device(device)
-        self.dtype = pick_dtype(dtype, self.device)
         self.cache_config = cache if isinstance(cache, CacheConfig) else CacheConfig(mode=cache)
-        self.model = place(model.eval(), self.device, self.dtype)
+        self.backend = getattr(model, "backend", "torch")  # "onnx": an exported package's OnnxRegions
+        if self.backend == "torch":
+            self.device = pick_device(device)
+            self.dtype = pick_dtype(dtype, self.device)
+            self.model = place(model.eval(), self.device, self.dtype)
+            self.supports_prefix = bool(model.action_head.supports_prefix)
+        else:
+            self._check_package_options(model, dtype, compile)
+            self.device, self.dtype, self.model = torch.device("cpu"), model.dtype, model
+            self.supports_prefix = model.supports_prefix
         self.spec, self.tokenizer, self.source = spec, tokenizer, source
         self.cameras = [k.removeprefix("observation.images.") for k in spec.cameras]
         self.depth = (spec.frames - 1) * spec.frame_stride + 1
@@ -145,10 +153,34 @@ class PolicyRuntime:
             self.warm_up()
             self.compile_s = round(time.perf_counter() - t0, 2)
 
+    def _check_package_options(self, regions, dtype: str, compile: str) -> None:
+        pkg = regions.manifest["dtype"]
+        if dtype not in ("auto", pkg):
+            raise VlaforgeError(f"--dtype {dtype}: this ONNX package was exported in {pkg}; drop --dtype or export "
+                                f"again with --dtype {dtype}")
+        if compile != "off":
+            raise VlaforgeError("--compile applies to the torch backend; ONNX Runtime optimizes a package's graphs "
+                                "itself")
+        if self.cache_config.mode == "token":
+            raise VlaforgeError("--cache token reruns parts of the PyTorch vision tower, which a package does not "
+                                "have; use --cache exact or frame with an ONNX package")
+
     @classmethod
     def load(cls, checkpoint: str | Path, *, device: str = "auto", dtype: str = "auto", compile: str = "off",
-             cache: CacheConfig | str = "exact") -> "PolicyRuntime":
-        """Any checkpoint `vlaforge eval` takes (a run folder or a checkpoints/step_* folder; full or sharded)."""
+             cache: CacheConfig | str = "exact", backend: str = "auto") -> "PolicyRuntime":
+        """Any checkpoint `vlaforge eval` takes (a run folder or a checkpoints/step_* folder; full or sharded), or an
+        ONNX package (`vlaforge export --format onnx`). `backend`: auto (onnx for a package, else torch), torch or
+        onnx (which then needs a package)."""
+        from vlaforge.inference.onnx_backend import is_package, load_package
+
+        if backend not in BACKENDS:
+            raise VlaforgeError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        if backend == "onnx" or (backend == "auto" and is_package(checkpoint)):
+            regions, spec, tokenizer = load_package(checkpoint, device)
+            return cls(regions, spec, tokenizer, device=device, dtype=dtype, compile=compile, cache=cache,
+                       source=str(checkpoint))
+        if is_package(checkpoint):
+            raise VlaforgeError(f"{checkpoint} is an ONNX package; run it with --backend onnx (or auto)")
         from vlaforge.config.loading import load_config
         from vlaforge.data.tokenizer import load_tokenizer
         from vlaforge.models.build import build_vla
@@ -176,7 +208,10 @@ class PolicyRuntime:
                 "frames": s.frames, "frame_stride": s.frame_stride, "checkpoint": self.source,
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "compile": self.compile_mode, "compile_s": self.compile_s, "cache": self.cache_config.mode,
-                "quantization": layout.summary() if (layout := getattr(self.model, "quantization", None)) else None}
+                "backend": self.backend,
+                **({"quantization": layout.summary() if (layout := getattr(self.model, "quantization", None)) else None}
+                   if self.backend == "torch" else {"onnx": self.model.describe(),
+                                                    "quantization": self.model.manifest.get("quantization")})}
 
     # ---- sessions ----------------------------------------------------------------------------------------
     def session(self, name: str = "default") -> Session:
@@ -236,9 +271,9 @@ class PolicyRuntime:
         slots = [(cam, *s.frames[cam][r]) for r in rows for cam in self.cameras]  # time-major, as training
         pre = None
         if prefix is not None:
-            if not self.model.action_head.supports_prefix:
-                raise VlaforgeError(f"a committed-action prefix (merge 'rtc') needs a flow-matching action head; this "
-                                    f"policy's is {type(self.model.action_head).__name__}")
+            if not self.supports_prefix:
+                raise VlaforgeError("a committed-action prefix (merge 'rtc') needs a flow-matching action head; this "
+                                    "policy's does not sample")
             t, a = spec.chunk, len(spec.action_mean)
             full, w = torch.zeros(t, a), torch.zeros(t)
             k = min(t, len(prefix))
@@ -337,6 +372,14 @@ class PolicyRuntime:
                             np.zeros(len(self.spec.state_mean), np.float32), "warm up")
         self.predict(blank, session="__warm_up__")
         self.reset("__warm_up__")
+
+
+def resolve_policy(path: str | Path) -> Path:
+    """A policy folder: an ONNX package as it is, else the checkpoint folder of a run (`resolve_checkpoint`)."""
+    from vlaforge.inference.onnx_backend import is_package
+    from vlaforge.training.checkpoint import resolve_checkpoint
+
+    return Path(path) if is_package(path) else resolve_checkpoint(str(path), ".", what="CHECKPOINT")
 
 
 def check_image(img: Any, name: str) -> torch.Tensor:

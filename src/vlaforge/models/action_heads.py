@@ -103,8 +103,12 @@ class FlowMatchingHead(ActionHead):
 
     supports_prefix = True
 
+    def condition(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The velocity network's condition (B, T, H) from the LLM's query states and the normalized state."""
+        return self.cond_proj(hidden) + self.state_proj(state)[:, None, :]
+
     def forward(self, hidden, state, actions=None, prefix=None, prefix_weight=None):
-        cond = self.cond_proj(hidden) + self.state_proj(state)[:, None, :]  # (B, T, H)
+        cond = self.condition(hidden, state)
         if actions is None:
             return self.sample(cond, prefix, prefix_weight)
         b = actions.shape[0]
@@ -118,23 +122,31 @@ class FlowMatchingHead(ActionHead):
 
     def sample(self, cond: torch.Tensor, prefix: torch.Tensor | None = None,
                prefix_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Euler integration from noise (t = 1) to actions (t = 0).
+        """Actions (B, T, A) from the condition: `euler_sample` with this head's velocity network."""
+        return euler_sample(self.velocity, cond, self.chunk, self.action_dim, self.flow_steps, prefix, prefix_weight)
 
-        With a committed `prefix`, each step is guided towards it by inpainting on the flow's own path: the
-        prefix noised to the step's time, x_t = t * noise + (1 - t) * prefix with the sample's starting noise,
-        is blended in with `prefix_weight` (1: the step ends exactly on the committed action; in between: a soft
-        pull, as Real-Time Chunking's soft mask). This is the guided-inpainting form of RTC, not its
-        vector-Jacobian guidance: no gradient through the velocity network is taken."""
-        b = cond.shape[0]
-        noise = torch.randn(b, self.chunk, self.action_dim, device=cond.device, dtype=cond.dtype)
+
+def euler_sample(velocity, cond: torch.Tensor, chunk: int, action_dim: int, steps: int,
+                 prefix: torch.Tensor | None = None, prefix_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Euler integration of `velocity(x_t, t, cond)` from noise (t = 1) to actions (t = 0) in `steps` steps; the
+    noise is drawn from torch's generator. Shared by the flow-matching head and exported packages (whose velocity is
+    an ONNX graph), so both integrate alike.
+
+    With a committed `prefix`, each step is guided towards it by inpainting on the flow's own path: the prefix noised
+    to the step's time, x_t = t * noise + (1 - t) * prefix with the sample's starting noise, is blended in with
+    `prefix_weight` (1: the step ends exactly on the committed action; in between: a soft pull, as Real-Time
+    Chunking's soft mask). This is the guided-inpainting form of RTC, not its vector-Jacobian guidance: no gradient
+    through the velocity network is taken."""
+    b = cond.shape[0]
+    noise = torch.randn(b, chunk, action_dim, device=cond.device, dtype=cond.dtype)
+    if prefix is not None:
+        prefix, w = prefix.to(cond.dtype), prefix_weight.to(cond.dtype)[..., None]  # (B, T, A), (B, T, 1)
+    x = noise
+    dt = 1.0 / steps
+    for i in range(steps):
+        t = torch.full((b,), 1.0 - i * dt, device=cond.device)
+        x = x - dt * velocity(x, t, cond)
         if prefix is not None:
-            prefix, w = prefix.to(cond.dtype), prefix_weight.to(cond.dtype)[..., None]  # (B, T, A), (B, T, 1)
-        x = noise
-        dt = 1.0 / self.flow_steps
-        for i in range(self.flow_steps):
-            t = torch.full((b,), 1.0 - i * dt, device=cond.device)
-            x = x - dt * self.velocity(x, t, cond)
-            if prefix is not None:
-                t_next = 1.0 - (i + 1) * dt
-                x = w * (t_next * noise + (1 - t_next) * prefix) + (1 - w) * x
-        return x
+            t_next = 1.0 - (i + 1) * dt
+            x = w * (t_next * noise + (1 - t_next) * prefix) + (1 - w) * x
+    return x

@@ -195,6 +195,11 @@ class VLA(nn.Module):
         text targets (its final normed hidden states; no logits) and the action head. `instruction_mask` None:
         no instruction token is padding. `head`: extra inference inputs of the head (a flow-matching head's
         committed prefix)."""
+        return self.action_head(self.query_states(vision_tokens, instruction_ids, instruction_mask), state, **head)
+
+    def query_states(self, vision_tokens: torch.Tensor, instruction_ids: torch.Tensor,
+                     instruction_mask: torch.Tensor | None) -> torch.Tensor:
+        """The LLM's final normed hidden states at the action queries (B, T, D): what the action head reads."""
         instruction = self.embed_text(instruction_ids)
         b, t = vision_tokens.shape[0], self.action_head.chunk
         queries = self.action_head.queries.to(instruction.dtype).expand(b, -1, -1)
@@ -208,7 +213,7 @@ class VLA(nn.Module):
             mask = torch.cat([ones(vision_tokens.shape[1]), instruction_mask.bool(), ones(t)], dim=1)
             out = self.llm.model(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids(mask),
                                  use_cache=False)
-        return self.action_head(out.last_hidden_state[:, -t:], state, **head)
+        return out.last_hidden_state[:, -t:]
 
     def reset(self) -> None:
         """Start of a new episode; the model keeps no state between calls (policy runtimes may)."""

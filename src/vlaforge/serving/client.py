@@ -81,7 +81,7 @@ class RemoteRuntime:
         self.cameras = list(m["cameras"])
         self.spec = SimpleNamespace(chunk=int(m["action_chunk"]), frames=int(m["frames"]),
                                     render_size=int(m["render_size"]))
-        self.model = SimpleNamespace(action_head=SimpleNamespace(supports_prefix=False))
+        self.supports_prefix = False  # the wire carries no committed prefix
         self._session = Session("remote", SessionCache(CacheConfig(mode="none")))
 
     def session(self, name: str = "default") -> Session:

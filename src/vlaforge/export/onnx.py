@@ -1,0 +1,372 @@
+"""`vlaforge export --format onnx`: a trained policy as an ONNX package that ONNX Runtime runs without vlaforge's model
+code (`inference/onnx_backend.py`), and TensorRT / QNN start from.
+
+Package (a folder):
+- `manifest.json`: format and version, the observation contract (cameras, image and render size, frame history,
+  instruction length, action chunk, normalization statistics), the tokenizer's pad / eos ids, the action head and how
+  to integrate it, every graph with its files, sha256, inputs and outputs (dtype, shape; `batch` is the one dynamic
+  dimension), opset, dtype, quantization, the source checkpoint and the sha256 of its weights, vlaforge's version;
+- `tokenizer.json` (Hugging Face `tokenizers` format), `config.toml` (the source run's, for `vlaforge eval`'s
+  defaults and provenance; nothing is built from it);
+- the graphs, split where a runtime benefits: `vision.onnx` (model-space pixels (N, 3, S, S) -> projected tokens
+  (N, P, D), one frame per row, so the frame-feature cache works as with a checkpoint) and, for a regression head,
+  `policy.onnx` (tokens (B, F*V*P, D), instruction ids and mask (B, L), normalized state (B, S) -> normalized action
+  chunk (B, T, A)); for a flow-matching head the prefix and the denoising step apart: `encoder.onnx` (same inputs ->
+  the velocity network's condition (B, T, H)) and `denoise.onnx` (x_t (B, T, A), t (B,), condition -> velocity),
+  integrated by the runtime with `flow_steps` Euler steps (`models.action_heads.euler_sample`). Weights sit in
+  `<graph>.onnx.data` beside each graph (ONNX external data: no 2 GB protobuf limit).
+
+The instruction is always `instruction_tokens` long (padded, mask 0): only the batch dimension is dynamic, and it is
+traced at 2 (a dynamic dimension traced at 0 or 1 is specialized away by torch.export).
+
+int8 (`--int8`): ONNX Runtime's static quantization in QDQ form (QuantizeLinear / DequantizeLinear pairs around
+MatMul, Gemm and Conv; weights int8 symmetric per channel, activations int8 symmetric per tensor, MinMax ranges from
+calibration inputs). QDQ is what TensorRT's explicit-precision int8 and ORT's QNN execution provider consume. It
+starts from the float graphs, not from a `vlaforge quantize` checkpoint: torchao's weight-only tensor subclasses do
+not trace to ONNX QDQ, and their int4 / int2 layouts have no standard ONNX form. The calibration inputs are recorded
+from the float package itself running on dataset frames, so they are exactly what the runtime feeds each graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlaforge.errors import VlaforgeError, first_line
+from vlaforge.inference.onnx_backend import (FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST, file_sha256, read_manifest,
+                                             signature)
+
+REPORT = "export.json"
+OPSET = 20
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+TRACE_BATCH = 2
+
+
+class _Region(torch.nn.Module):
+    """One traced region of the model (export needs a module whose forward is the region)."""
+
+    def __init__(self, model: torch.nn.Module, fn):
+        super().__init__()
+        self.model, self.fn = model, fn
+
+    def forward(self, *args):
+        return self.fn(self.model, *args)
+
+
+def _regions(model: torch.nn.Module) -> dict[str, Any]:
+    head = model.action_head
+    mask = lambda m: m.bool()  # noqa: E731 - int64 0/1 on the wire (every runtime has it), bool inside
+    out = {"vision": lambda m, pixels: m.encode_frames(pixels)}
+    if getattr(head, "supports_prefix", False):
+        out["encoder"] = lambda m, tokens, ids, msk, state: m.action_head.condition(
+            m.query_states(tokens, ids, mask(msk)), state)
+        out["denoise"] = lambda m, x_t, t, cond: m.action_head.velocity(x_t, t, cond)
+    else:
+        out["policy"] = lambda m, tokens, ids, msk, state: m.actions_from_tokens(tokens, ids, mask(msk), state)
+    return out
+
+
+def example_inputs(model, spec, dtype: torch.dtype, batch: int = TRACE_BATCH) -> dict[str, torch.Tensor]:
+    """Inputs of every graph at batch `batch` (random values; only shapes and dtypes matter to the trace)."""
+    g = torch.Generator().manual_seed(0)
+    s = spec.image_size
+    pixels = torch.rand(batch, 3, s, s, generator=g).mul(2).sub(1).to(dtype)
+    with torch.inference_mode():
+        per_frame = model.encode_frames(pixels[:1])
+    n = len(spec.cameras) * spec.frames * per_frame.shape[1]
+    length = spec.instruction_tokens
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[0, length // 2:] = 0  # one padded row, so the traced graph is the masked one
+    head = model.action_head
+    t, a = head.chunk, head.action_dim
+    hidden = head.cond_proj.out_features if hasattr(head, "cond_proj") else 0
+    return {"pixels": pixels, "tokens": torch.randn(batch, n, per_frame.shape[2], generator=g).to(dtype),
+            "ids": torch.randint(1, 8, (batch, length), generator=g), "mask": mask,
+            "state": torch.randn(batch, len(spec.state_mean), generator=g).to(dtype),
+            "x_t": torch.randn(batch, t, a, generator=g).to(dtype), "t": torch.full((batch,), 0.5, dtype=dtype),
+            "condition": torch.randn(batch, t, hidden, generator=g).to(dtype)}
+
+
+def export_graph(region: torch.nn.Module, inputs: list[str], outputs: list[str], examples: dict[str, torch.Tensor],
+                 path: Path) -> None:
+    import warnings
+
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    args = tuple(examples[k] for k in inputs)
+    with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(region.eval(), args, str(path), dynamo=True, external_data=True, opset_version=OPSET,
+                              input_names=inputs, output_names=outputs,
+                              dynamic_shapes=(tuple({0: batch} for _ in args),), verbose=False)
+        except Exception as exc:  # noqa: BLE001 - torch.export / onnxscript raise many types; one line names it
+            raise VlaforgeError(f"ONNX export of {path.stem} failed ({_cause(exc)[:300]}); report it with the run's "
+                                "config.toml") from None
+
+
+def _cause(exc: Exception) -> str:
+    """The exporter's own summary line ("<class ...>: ...") when it wrote one, else the first line."""
+    lines = str(exc).splitlines()
+    return next((ln for ln in lines if ln.startswith("<class")), first_line(exc))
+
+
+def graph_entry(folder: Path, name: str) -> dict[str, Any]:
+    import onnxruntime as ort
+
+    files = [f"{name}.onnx"] + ([f"{name}.onnx.data"] if (folder / f"{name}.onnx.data").is_file() else [])
+    session = ort.InferenceSession(str(folder / files[0]), providers=["CPUExecutionProvider"])
+    return {"file": files[0], "sha256": {f: file_sha256(folder / f) for f in files},
+            "bytes": sum((folder / f).stat().st_size for f in files), **signature(session)}
+
+
+def checkpoint_digest(ckpt: Path) -> str:
+    """sha256 of the checkpoint's weights file (the consolidated safetensors; a sharded checkpoint's shards, in
+    name order)."""
+    from vlaforge.training.checkpoint import DCP_DIR, MODEL_FILE
+
+    files = [ckpt / MODEL_FILE] if (ckpt / MODEL_FILE).is_file() else sorted((ckpt / DCP_DIR).rglob("*"))
+    h = hashlib.sha256()
+    for f in files:
+        if f.is_file():
+            h.update(file_sha256(f).encode())
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    from vlaforge.config.loading import write_atomic
+
+    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+
+
+def export_onnx(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", int8: bool = False,
+                calibrate: int = 256, frames: int = 32, data: str | None = None, seed: int = 0) -> dict[str, Any]:
+    """Write the package `out` from a checkpoint and measure it against the checkpoint through `PolicyRuntime`:
+    returns the report (also `out/export.json`): export seconds, bytes per graph, and on `frames` dataset frames the
+    action error of the package against the PyTorch policy (normalized units) and both latencies."""
+    from vlaforge import __version__
+    from vlaforge.inference.runtime import PolicyRuntime
+    from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint
+
+    if dtype not in DTYPES:
+        raise VlaforgeError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if int8 and dtype != "fp32":
+        raise VlaforgeError("--int8 quantizes the fp32 graphs (QDQ keeps fp32 between the int8 ops); drop --dtype")
+    ckpt = resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT")
+    out = Path(out)
+    _check_out(out, ckpt)
+    source = PolicyRuntime.load(ckpt, device="cpu", dtype="fp32", cache="none")
+    if getattr(source.model, "quantization", None) is not None:
+        raise VlaforgeError(f"{ckpt} is a `vlaforge quantize` folder: torchao's quantized tensors do not trace to "
+                            "ONNX; export the float run, with --int8 for an int8 package")
+    model, spec = source.model, source.spec
+    kind = "flow_matching" if getattr(model.action_head, "supports_prefix", False) else "regression"
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    t0 = time.perf_counter()
+    traced = copy.deepcopy(model).to(DTYPES[dtype]).eval()
+    examples = example_inputs(traced, spec, DTYPES[dtype])
+    regions = _regions(traced)
+    for name, (inputs, outputs) in GRAPHS[kind].items():
+        export_graph(_Region(traced, regions[name]), inputs, outputs, examples, tmp / f"{name}.onnx")
+    export_s = time.perf_counter() - t0
+    del traced
+    _package_files(ckpt, source.tokenizer, tmp)
+    head = model.action_head
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "vlaforge_version": __version__, "opset": OPSET,
+        "dtype": dtype, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": {"checkpoint": str(ckpt), "weights_sha256": checkpoint_digest(ckpt),
+                   "config": CONFIG_FILE},
+        "observation": {k: getattr(spec, k) for k in (
+            "cameras", "frames", "frame_stride", "image_size", "render_size", "instruction_tokens", "text_tokens",
+            "chunk", "state_mean", "state_std", "action_mean", "action_std")},
+        "tokenizer": {"file": "tokenizer.json", "pad_id": source.tokenizer.pad_id, "eos_id": source.tokenizer.eos_id},
+        "action_head": {"kind": kind, "chunk": head.chunk, "action_dim": head.action_dim,
+                        **({"flow_steps": head.flow_steps, "integration": "euler from t=1 (noise) to t=0"}
+                           if kind == "flow_matching" else {})},
+        "dynamic_axes": {"batch": "dimension 0 of every input and output"},
+        "quantization": None,
+        "graphs": {name: graph_entry(tmp, name) for name in GRAPHS[kind]},
+    }
+    write_manifest(tmp, manifest)
+    report: dict[str, Any] = {"checkpoint": str(ckpt), "format": "onnx", "dtype": dtype, "head": kind,
+                              "export_s": round(export_s, 2)}
+    dataset = None if data == "none" else (data or _run_data(ckpt))
+    picked = _frames(dataset, spec, calibrate + frames if int8 else frames, seed)
+    if int8:
+        report["int8"] = quantize_package(tmp, manifest, picked[:calibrate])
+        picked = picked[calibrate:]
+    report["bytes"] = {name: g["bytes"] for name, g in read_manifest(tmp)["graphs"].items()}
+    report["bytes"]["total"] = sum(report["bytes"].values())
+    report["bytes"]["checkpoint_fp32"] = int(sum(p.numel() * 4 for p in model.parameters()))
+    package = PolicyRuntime.load(tmp, backend="onnx", cache="none")
+    report |= measure(source, package, picked)
+    report["data"] = str(dataset) if dataset else None
+    from vlaforge.config.loading import write_atomic
+
+    write_atomic(tmp / REPORT, json.dumps(report, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    report["package"] = str(out)
+    return report
+
+
+def _check_out(out: Path, ckpt: Path) -> None:
+    if out.resolve() == ckpt.resolve() or ckpt.resolve().is_relative_to(out.resolve()):
+        raise VlaforgeError(f"--out {out} would replace the checkpoint it exports; choose a new folder")
+    if out.exists() and not (out / MANIFEST).is_file():
+        raise VlaforgeError(f"--out {out} exists and is not an ONNX package `vlaforge export` wrote; choose a new "
+                            "folder")
+
+
+def _package_files(ckpt: Path, tokenizer, folder: Path) -> None:
+    from vlaforge.training.checkpoint import CONFIG_FILE
+
+    shutil.copy2(ckpt / CONFIG_FILE, folder / CONFIG_FILE)
+    tok = tokenizer.tok
+    backend = tok if hasattr(tok, "get_vocab_size") else getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        raise VlaforgeError("the policy's tokenizer is not a fast (Rust `tokenizers`) tokenizer, so it has no "
+                            "tokenizer.json for the package; use a pretrained LLM with a fast tokenizer")
+    backend.save(str(folder / "tokenizer.json"))
+
+
+def _run_data(ckpt: Path) -> str | None:
+    from vlaforge.config.loading import load_config
+    from vlaforge.training.checkpoint import CONFIG_FILE
+
+    path = load_config(ckpt / CONFIG_FILE).data.path
+    return path if path and (Path(path) / "meta" / "info.json").is_file() else None
+
+
+def _frames(dataset: str | None, spec, count: int, seed: int) -> list:
+    """Dataset frames as runtime observations; without a dataset, observations of random images and states (the
+    parity still compares the two runtimes on identical inputs, but not on the policy's own image distribution)."""
+    from vlaforge.evaluation.quantization import Frame, dataset_frames
+    from vlaforge.inference.runtime import Observation
+
+    if dataset:
+        return dataset_frames(dataset, spec, count, seed)
+    g = np.random.default_rng(seed)
+    cams = [c.removeprefix("observation.images.") for c in spec.cameras]
+    out = []
+    for i in range(count):
+        obs = Observation({c: g.integers(0, 256, (spec.render_size, spec.render_size, 3), dtype=np.uint8)
+                           for c in cams}, g.normal(size=len(spec.state_mean)).astype(np.float32) * spec.state_std
+                          + np.asarray(spec.state_mean, np.float32), "reach the goal")
+        out.append(Frame([obs], i, 0, np.zeros((spec.chunk, len(spec.action_mean)), np.float32)))
+    return out
+
+
+def measure(reference, package, frames: list) -> dict[str, Any]:
+    """Action error of `package` against `reference` on `frames` (normalized units; the same noise for flow heads)
+    and per-prediction latency of both, interleaved so the machine's noise falls on both alike."""
+    from vlaforge.evaluation.quantization import action_error, predict_all
+
+    ref, t_ref = predict_all(reference, frames, seed=0)
+    got, t_pkg = predict_all(package, frames, seed=0)
+    for _ in range(2):
+        t_ref += predict_all(reference, frames, seed=0)[1]
+        t_pkg += predict_all(package, frames, seed=0)[1]
+    p50 = lambda v: round(float(np.percentile(v, 50)), 3)  # noqa: E731
+    return {"frames": len(frames), "action_error": action_error(ref, got) | {
+                "max_abs_normalized": float(np.abs(ref - got).max())},
+            "latency_ms": {"pytorch_p50": p50(t_ref), "onnx_p50": p50(t_pkg),
+                           "speedup_p50": round(p50(t_ref) / max(p50(t_pkg), 1e-9), 3),
+                           "threads": torch.get_num_threads()}}
+
+
+class _Recorder:
+    """Wraps a region's ONNX Runtime session and keeps the inputs it is fed (calibration data)."""
+
+    def __init__(self, session, keep: list[dict[str, np.ndarray]]):
+        self.session, self.keep = session, keep
+
+    def run(self, outputs, feed):
+        self.keep.append({k: np.array(v, copy=True) for k, v in feed.items()})
+        return self.session.run(outputs, feed)
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+def quantize_package(folder: Path, manifest: dict[str, Any], frames: list) -> dict[str, Any]:
+    """Replace the package's graphs by int8 QDQ graphs calibrated on the inputs the float package receives on
+    `frames`; the manifest is rewritten with the new files and hashes."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.calibrate import CalibrationDataReader
+
+    from vlaforge.evaluation.quantization import predict_all
+    from vlaforge.inference.runtime import PolicyRuntime
+
+    if not frames:
+        raise VlaforgeError("--int8 needs calibration frames: --calibrate N with N > 0")
+    runtime = PolicyRuntime.load(folder, backend="onnx", cache="none")
+    recorded: dict[str, list] = {name: [] for name in manifest["graphs"]}
+    regions = runtime.model
+    regions.sessions = {n: _Recorder(s, recorded[n]) for n, s in regions.sessions.items()}
+    predict_all(runtime, frames, seed=0)
+    del runtime, regions
+
+    class Reader(CalibrationDataReader):
+        def __init__(self, feeds):
+            self.feeds = iter(feeds)
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    t0 = time.perf_counter()
+    for name, entry in manifest["graphs"].items():
+        src = folder / entry["file"]
+        dst = folder / f"{name}.int8.onnx"
+        try:
+            quantize_static(str(src), str(dst), Reader(recorded[name]), quant_format=QuantFormat.QDQ,
+                            op_types_to_quantize=["MatMul", "Gemm", "Conv"], per_channel=True,
+                            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                            calibrate_method=CalibrationMethod.MinMax, use_external_data_format=True,
+                            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+        except Exception as exc:  # noqa: BLE001 - onnxruntime.quantization raises plain exceptions
+            raise VlaforgeError(f"int8 quantization of {name} failed ({first_line(exc)[:300]})") from None
+        import onnx
+
+        quantized = onnx.load(str(dst))  # with its external data, whatever the quantizer named that file
+        for f in entry["sha256"]:
+            (folder / f).unlink()
+        for f in folder.glob(f"{name}.int8.onnx*"):
+            f.unlink()
+        onnx.save_model(quantized, str(src), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=f"{name}.onnx.data", size_threshold=1024)
+    manifest["graphs"] = {name: graph_entry(folder, name) for name in manifest["graphs"]}
+    manifest["quantization"] = {"method": "onnxruntime.quantization.quantize_static", "format": "QDQ",
+                                "ops": ["MatMul", "Gemm", "Conv"], "weights": "int8 symmetric per channel",
+                                "activations": "int8 symmetric per tensor", "calibration": "MinMax",
+                                "calibration_frames": len(frames)}
+    write_manifest(folder, manifest)
+    return {"calibration_frames": len(frames), "seconds": round(time.perf_counter() - t0, 2),
+            "calibration_inputs": {n: len(v) for n, v in recorded.items()}}
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report in a few lines: package, bytes, parity, latency."""
+    e, lat, b = report["action_error"], report["latency_ms"], report["bytes"]
+    graphs = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in b.items() if k not in ("total", "checkpoint_fp32"))
+    kind = "int8 QDQ" if report.get("int8") else report["dtype"]
+    on = f"{report['frames']} dataset frames" if report["data"] else f"{report['frames']} random observations"
+    return "\n".join([
+        f"wrote {report['package']} ({kind}, {report['head']} head; exported in {report['export_s']} s)",
+        f"graphs: {graphs}; total {b['total'] / 2**20:.2f} MiB (checkpoint fp32 {b['checkpoint_fp32'] / 2**20:.2f} MiB)",
+        f"against the checkpoint on {on}: max |error| {e['max_abs_normalized']:.3g} (normalized), cosine mean "
+        f"{e['cosine_mean']:.5f} min {e['cosine_min']:.5f}",
+        f"latency p50: PyTorch {lat['pytorch_p50']} ms, ONNX Runtime {lat['onnx_p50']} ms ({lat['speedup_p50']}x, "
+        f"{lat['threads']} threads)",
+        f"report: {report['package']}/{REPORT}"])

@@ -1,0 +1,247 @@
+"""The ONNX Runtime backend of `PolicyRuntime`: an exported policy package (`vlaforge export --format onnx`, see
+`export/onnx.py` for the format) behind the same two regions as a checkpoint - `encode_frames` (vision tower +
+projector, one frame per row; its output is what the frame-feature cache keeps) and `actions_from_tokens` - so
+`vlaforge eval` and `vlaforge serve` run a package exactly like a checkpoint.
+
+Nothing of vlaforge's model code runs: the observation contract and normalization come from `manifest.json`, the
+tokenizer from `tokenizer.json` with the manifest's pad / eos ids, and the graphs from their files, each checked
+against the manifest's sha256, inputs and outputs before the first prediction. A flow-matching package is integrated
+with the manifest's Euler steps by the same function the PyTorch head uses (`models.action_heads.euler_sample`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlaforge.errors import VlaforgeError, first_line
+
+MANIFEST = "manifest.json"
+FORMAT = "vlaforge.onnx-policy"
+FORMAT_VERSION = 1
+ONNX_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
+# the graphs of each head: name -> (inputs, outputs)
+GRAPHS = {
+    "regression": {"vision": (["pixels"], ["tokens"]),
+                   "policy": (["tokens", "ids", "mask", "state"], ["actions"])},
+    "flow_matching": {"vision": (["pixels"], ["tokens"]),
+                      "encoder": (["tokens", "ids", "mask", "state"], ["condition"]),
+                      "denoise": (["x_t", "t", "condition"], ["velocity"])},
+}
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+_FIX = "export the run again with `vlaforge export RUN --format onnx --out DIR`"
+
+
+def is_package(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    """The package's manifest, checked for its format and fields, each graph's files present with their sha256.
+
+    Raises:
+        VlaforgeError: one line naming what is wrong (no manifest, not JSON, another format or version, a missing
+            field or file, a file whose hash differs from the manifest's).
+    """
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise VlaforgeError(f"{folder} is not an ONNX policy package (no {MANIFEST}); {_FIX}")
+    try:
+        m = json.loads(path.read_text())
+    except (ValueError, OSError) as exc:
+        raise VlaforgeError(f"{path} is not JSON ({first_line(exc)}); {_FIX}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise VlaforgeError(f"{path} is not a {FORMAT} manifest; {_FIX}")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise VlaforgeError(f"{path}: format_version {m.get('format_version')!r}, this vlaforge reads "
+                            f"{FORMAT_VERSION}; {_FIX}")
+    for key in ("observation", "tokenizer", "action_head", "graphs", "dtype"):
+        if key not in m:
+            raise VlaforgeError(f"{path} has no {key!r}; {_FIX}")
+    head = m["action_head"].get("kind")
+    if head not in GRAPHS or set(m["graphs"]) != set(GRAPHS[head]):
+        raise VlaforgeError(f"{path}: action head {head!r} with graphs {sorted(m['graphs'])}; a package holds "
+                            f"{', '.join(GRAPHS.get(head, GRAPHS['regression']))}; {_FIX}")
+    if m["dtype"] not in TORCH_DTYPES:
+        raise VlaforgeError(f"{path}: dtype {m['dtype']!r} is not one of {', '.join(TORCH_DTYPES)}; {_FIX}")
+    for name, g in m["graphs"].items():
+        for file, digest in g["sha256"].items():
+            if Path(file).name != file or file.startswith("."):
+                raise VlaforgeError(f"{path}: graph {name} names the file {file!r} outside the package; {_FIX}")
+            if not (folder / file).is_file():
+                raise VlaforgeError(f"{folder}: {file} (graph {name}) is missing; {_FIX}")
+            if file_sha256(folder / file) != digest:
+                raise VlaforgeError(f"{folder / file}: sha256 differs from the manifest's (the file was changed or "
+                                    f"is truncated); {_FIX}")
+    return m
+
+
+def signature(session) -> dict[str, dict[str, Any]]:
+    """{"inputs": {name: {dtype, shape}}, "outputs": ...} of an ONNX Runtime session, as the manifest writes it."""
+    arg = lambda a: {"dtype": ONNX_TYPES.get(a.type, a.type), "shape": list(a.shape)}  # noqa: E731
+    return {"inputs": {a.name: arg(a) for a in session.get_inputs()},
+            "outputs": {a.name: arg(a) for a in session.get_outputs()}}
+
+
+def _check_graph(folder: Path, entry: dict[str, Any], session) -> None:
+    """The graph's inputs and outputs as ONNX Runtime reads them must be the manifest's (names, dtypes, shapes)."""
+    have = signature(session)
+    for kind in ("inputs", "outputs"):
+        got, want = have[kind], entry[kind]
+        diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+        if diff:
+            raise VlaforgeError(f"{folder / entry['file']}: {kind} {', '.join(diff)} are "
+                                f"{[got.get(k) for k in diff]} in the graph but {[want.get(k) for k in diff]} in the "
+                                f"manifest; {_FIX}")
+
+
+def _check_contract(path: Path, m: dict[str, Any]) -> None:
+    """The observation contract must be the one the graphs take (image size, tokens per history, instruction
+    length, state and action sizes, chunk)."""
+    o, g, h = m["observation"], m["graphs"], m["action_head"]
+    vision_in, vision_out = g["vision"]["inputs"]["pixels"]["shape"], g["vision"]["outputs"]["tokens"]["shape"]
+    body = g["policy"] if "policy" in g else g["encoder"]
+    out = g["policy"]["outputs"]["actions"]["shape"] if "policy" in g else g["denoise"]["outputs"]["velocity"]["shape"]
+    tokens = len(o["cameras"]) * o["frames"] * vision_out[1]
+    checks = [("image_size", o["image_size"], vision_in[2:], [o["image_size"]] * 2),
+              ("cameras x frames x patches", tokens, body["inputs"]["tokens"]["shape"][1], tokens),
+              ("instruction_tokens", o["instruction_tokens"], body["inputs"]["ids"]["shape"][1],
+               o["instruction_tokens"]),
+              ("state size", len(o["state_mean"]), body["inputs"]["state"]["shape"][1], len(o["state_mean"])),
+              ("chunk x action size", [o["chunk"], len(o["action_mean"])], out[1:], [h["chunk"], h["action_dim"]])]
+    for what, said, graph, want in checks:
+        if graph != want or (what == "chunk x action size" and said != want):
+            raise VlaforgeError(f"{path}: the manifest's {what} is {said} but the graphs take {graph}; {_FIX}")
+
+
+def _to_numpy(x: torch.Tensor, dtype=None) -> np.ndarray:
+    a = x.detach().cpu().numpy()
+    return np.ascontiguousarray(a if dtype is None else a.astype(dtype, copy=False))
+
+
+class OnnxRegions:
+    """A package's graphs as the runtime's two regions (the torch model's `encode_frames` / `actions_from_tokens`
+    signatures, torch tensors in and out)."""
+
+    backend = "onnx"
+
+    def __init__(self, folder: Path, manifest: dict[str, Any], sessions: dict[str, Any]):
+        self.folder, self.manifest, self.sessions = folder, manifest, sessions
+        self.dtype = TORCH_DTYPES[manifest["dtype"]]
+        self._np_dtype = np.float16 if manifest["dtype"] == "fp16" else np.float32
+        head = manifest["action_head"]
+        self.kind, self.chunk, self.action_dim = head["kind"], head["chunk"], head["action_dim"]
+        self.flow_steps = head.get("flow_steps", 0)
+        self.length = manifest["observation"]["instruction_tokens"]
+        self.pad_id = manifest["tokenizer"]["pad_id"]
+
+    @property
+    def supports_prefix(self) -> bool:
+        return self.kind == "flow_matching"
+
+    def encode_frames(self, pixels: torch.Tensor) -> torch.Tensor:
+        out = self.sessions["vision"].run(None, {"pixels": _to_numpy(pixels, self._np_dtype)})[0]
+        return torch.from_numpy(out)
+
+    def actions_from_tokens(self, vision_tokens: torch.Tensor, instruction_ids: torch.Tensor,
+                            instruction_mask: torch.Tensor | None, state: torch.Tensor,
+                            prefix: torch.Tensor | None = None,
+                            prefix_weight: torch.Tensor | None = None) -> torch.Tensor:
+        b, n = instruction_ids.shape
+        ids = np.full((b, self.length), self.pad_id, np.int64)
+        mask = np.zeros((b, self.length), np.int64)
+        ids[:, :n] = _to_numpy(instruction_ids)
+        mask[:, :n] = 1 if instruction_mask is None else _to_numpy(instruction_mask).astype(np.int64)
+        feed = {"tokens": _to_numpy(vision_tokens, self._np_dtype), "ids": ids, "mask": mask,
+                "state": _to_numpy(state, self._np_dtype)}
+        if self.kind == "regression":
+            return torch.from_numpy(self.sessions["policy"].run(None, feed)[0])
+        from vlaforge.models.action_heads import euler_sample
+
+        cond = torch.from_numpy(self.sessions["encoder"].run(None, feed)[0])
+        denoise = self.sessions["denoise"]
+
+        def velocity(x_t: torch.Tensor, t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(denoise.run(None, {"x_t": _to_numpy(x_t, self._np_dtype),
+                                                       "t": _to_numpy(t, self._np_dtype),
+                                                       "condition": _to_numpy(c, self._np_dtype)})[0])
+
+        return euler_sample(velocity, cond, self.chunk, self.action_dim, self.flow_steps, prefix, prefix_weight)
+
+    def describe(self) -> dict[str, Any]:
+        m = self.manifest
+        return {"package": str(self.folder), "graphs": sorted(m["graphs"]), "dtype": m["dtype"],
+                "providers": sorted({p for s in self.sessions.values() for p in s.get_providers()}),
+                "quantization": m.get("quantization"), "source": m.get("source", {}).get("checkpoint")}
+
+
+def providers(device: str) -> list[str]:
+    import onnxruntime as ort
+
+    if device in ("auto", "cpu"):
+        return ["CPUExecutionProvider"]
+    if device.startswith("cuda"):
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise VlaforgeError(f"--device {device}: this onnxruntime has no CUDA execution provider (pip install "
+                                "onnxruntime-gpu); use --device cpu")
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    raise VlaforgeError(f"--device {device!r} is not one of auto, cpu, cuda for an ONNX package")
+
+
+def load_package(folder: str | Path, device: str = "auto"):
+    """(OnnxRegions, ObservationSpec, TextTokenizer) of a package, every file checked against the manifest.
+
+    Raises:
+        VlaforgeError: the package is incomplete or changed (see `read_manifest`), a graph does not match the
+            manifest, or ONNX Runtime cannot load it.
+    """
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise VlaforgeError("the onnx backend needs onnxruntime (pip install onnxruntime)") from None
+    from tokenizers import Tokenizer
+
+    from vlaforge.data.tokenizer import TextTokenizer
+    from vlaforge.data.transforms import ObservationSpec
+
+    folder = Path(folder)
+    m = read_manifest(folder)
+    try:
+        spec = ObservationSpec(**m["observation"])
+    except TypeError as exc:
+        raise VlaforgeError(f"{folder / MANIFEST}: observation fields do not fit ({first_line(exc)}); {_FIX}") from None
+    tok_file = folder / m["tokenizer"]["file"]
+    try:
+        tokenizer = TextTokenizer(Tokenizer.from_file(str(tok_file)), m["tokenizer"]["pad_id"],
+                                  m["tokenizer"]["eos_id"])
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad files
+        raise VlaforgeError(f"{tok_file} is not a tokenizer file ({first_line(exc)[:120]}); {_FIX}") from None
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()  # the process's budget (eval workers set theirs)
+    options.inter_op_num_threads = 1
+    sessions = {}
+    for name, entry in m["graphs"].items():
+        try:
+            sessions[name] = ort.InferenceSession(str(folder / entry["file"]), options, providers=providers(device))
+        except VlaforgeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
+            raise VlaforgeError(f"ONNX Runtime cannot load {folder / entry['file']} ({first_line(exc)[:200]}); "
+                                f"{_FIX}") from None
+        _check_graph(folder, entry, sessions[name])
+    _check_contract(folder / MANIFEST, m)
+    return OnnxRegions(folder, m, sessions), spec, tokenizer

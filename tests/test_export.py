@@ -1,0 +1,213 @@
+"""`vlaforge export --format onnx`: a package predicts what its checkpoint predicts through `PolicyRuntime` (both
+action heads, frame histories 1 and 4, dynamic batch, a committed prefix), fp16 and int8 packages report their
+error, a package that does not match its manifest is refused in one line, and `vlaforge serve` answers the openpi
+client from a package."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from vlaforge.errors import VlaforgeError
+from vlaforge.inference.runtime import Observation, PolicyRuntime
+
+from conftest import ROOT, TINY_RECIPE, run_cli
+from fake_lerobot import SIZE, write_dataset
+
+pytest.importorskip("onnxruntime")
+TOL = 1e-4  # normalized action units (the issue's parity bar for fp32)
+CAMS = ["corner", "topview"]  # Meta-World's, so the simulator can evaluate the runs
+
+
+def _train(tmp, name, *overrides):
+    run = tmp / name
+    done = run_cli("train", str(TINY_RECIPE), "--data.source=lerobot", f"--data.path={tmp / 'ds'}",
+                   f"--model.cameras={json.dumps(CAMS)}", "--model.image_size=32", "--data.max_instruction_tokens=8",
+                   "--train.steps=3", "--train.batch_size=4", "--train.progress=false", "--train.tensorboard=false",
+                   "--train.log_every=1", f"--train.output_dir={run}", *overrides, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return run
+
+
+def _export(run, out, *extra):
+    done = run_cli("export", str(run), "--format=onnx", f"--out={out}", "--frames=6", *extra, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"wrote {out}" in done.stdout
+    return json.loads((out / "export.json").read_text())
+
+
+HEADS = {"regression-1": ("--model.frames=1",),
+         "flow_matching-4": ("--model.frames=4", "--model.action_head.kind=flow_matching",
+                             "--model.action_head.flow_steps=4")}
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("export")
+    write_dataset(tmp / "ds", cams=CAMS)
+    out = {}
+    for name, overrides in HEADS.items():
+        run = _train(tmp, name, *overrides)
+        out[name] = (run, tmp / f"{name}.onnx", _export(run, tmp / f"{name}.onnx"))
+    return tmp, out
+
+
+def _episode(n=6, seed=0):
+    g = np.random.default_rng(seed)
+    return [Observation({c: g.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8) for c in CAMS},
+                        g.normal(size=4).astype(np.float32), "open the door" if seed % 2 else "close the drawer")
+            for _ in range(n)]
+
+
+def _predict(rt, observations, session="s", prefix=False):
+    out = []
+    for i, obs in enumerate(observations):
+        torch.manual_seed(i)  # a flow-matching head draws the same noise in both runtimes
+        if prefix and i:
+            committed = out[-1][2:]
+            out.append(rt.predict(obs, session, prefix=committed, prefix_weight=np.ones(len(committed))).actions)
+        else:
+            out.append(rt.predict(obs, session).actions)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_a_package_predicts_what_its_checkpoint_predicts(packages, name):
+    _, found = packages
+    run, package, report = found[name]
+    assert report["action_error"]["max_abs_normalized"] <= TOL, report["action_error"]
+    manifest = json.loads((package / "manifest.json").read_text())
+    want = {"vision", "policy"} if name.startswith("regression") else {"vision", "encoder", "denoise"}
+    assert set(manifest["graphs"]) == want and manifest["observation"]["frames"] == int(name[-1])
+    torch_rt = PolicyRuntime.load(run, device="cpu")
+    onnx_rt = PolicyRuntime.load(package)  # auto: a package runs in ONNX Runtime
+    assert onnx_rt.backend == "onnx" and onnx_rt.describe()["onnx"]["providers"] == ["CPUExecutionProvider"]
+    std = np.asarray(torch_rt.spec.action_std)
+    episode = _episode()
+    a, b = _predict(torch_rt, episode), _predict(onnx_rt, episode)  # a frame history builds up over the episode
+    assert np.abs((a - b) / std).max() <= TOL
+    if onnx_rt.supports_prefix:  # real-time chunking's committed prefix goes through the exported graphs too
+        a, b = _predict(torch_rt, episode, "p", prefix=True), _predict(onnx_rt, episode, "p", prefix=True)
+        assert np.abs((a - b) / std).max() <= TOL
+    # the batch dimension is dynamic: three sessions in one forward of each graph
+    batch = [_episode(2, seed)[-1] for seed in range(3)]
+    sessions = [f"b{i}" for i in range(3)]
+    torch.manual_seed(0)
+    a = np.stack([p.actions for p in torch_rt.predict_batch(batch, sessions)])
+    torch.manual_seed(0)
+    b = np.stack([p.actions for p in onnx_rt.predict_batch(batch, sessions)])
+    assert np.abs((a - b) / std).max() <= TOL
+
+
+def test_fp16_and_int8_packages_measure_their_error(packages):
+    tmp, found = packages
+    run, fp32, _ = found["regression-1"]
+    half = _export(run, tmp / "fp16", "--dtype=fp16")
+    assert half["dtype"] == "fp16" and half["bytes"]["total"] < 0.6 * half["bytes"]["checkpoint_fp32"]
+    assert 0 < half["action_error"]["max_abs_normalized"] < 0.05
+    int8 = _export(run, tmp / "int8", "--quantized", "--calibrate=24")
+    assert int8["int8"]["calibration_inputs"] == {"vision": 24, "policy": 24}
+    assert 0 < int8["action_error"]["relative_error"] < 0.5
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(tmp / "int8" / "policy.onnx"), load_external_data=False).graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops  # QDQ form, as TensorRT and QNN take it
+    assert json.loads((tmp / "int8" / "manifest.json").read_text())["quantization"]["format"] == "QDQ"
+    with pytest.raises(VlaforgeError, match="exported in fp16"):
+        PolicyRuntime.load(tmp / "fp16", dtype="fp32")
+
+
+def _one_line(done):
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    return done.stderr
+
+
+def _eval(path, *extra):
+    return run_cli("eval", str(path), "--episodes=1", "--max-steps=2", "--workers=1", "--no-progress",
+                   "--no-video", *extra)
+
+
+def test_a_package_that_does_not_match_its_manifest_is_refused_in_one_line(packages):
+    tmp, found = packages
+    _, package, _ = found["regression-1"]
+
+    def edited(name, change):
+        folder = tmp / f"bad_{name}"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(package, folder)
+        change(folder)
+        return folder
+
+    def manifest_edit(fn):
+        def change(folder):
+            m = json.loads((folder / "manifest.json").read_text())
+            fn(m)
+            (folder / "manifest.json").write_text(json.dumps(m))
+        return change
+
+    def shape(m):
+        m["graphs"]["policy"]["inputs"]["ids"]["shape"] = ["batch", 9]
+
+    def contract(m):
+        m["observation"]["instruction_tokens"] = 9
+
+    def append(folder):
+        with open(folder / "policy.onnx.data", "ab") as f:
+            f.write(b"\0")
+
+    cases = {"shape": (manifest_edit(shape), "inputs ids"),
+             "contract": (manifest_edit(contract), "instruction_tokens is 9 but the graphs take 8"),
+             "missing": (lambda f: (f / "vision.onnx.data").unlink(), "vision.onnx.data (graph vision) is missing"),
+             "hash": (append, "sha256 differs"),
+             "json": (lambda f: (f / "manifest.json").write_text("{"), "is not JSON")}
+    for name, (change, message) in cases.items():
+        assert message in _one_line(_eval(edited(name, change))), name
+    # the backends are checked against what the folder holds
+    run, _, _ = found["regression-1"]
+    assert "not an ONNX policy package" in _one_line(_eval(run, "--backend=onnx"))
+    assert "is an ONNX package" in _one_line(_eval(package, "--backend=torch"))
+    assert "--compile applies to the torch backend" in _one_line(_eval(package, "--compile=default"))
+    assert "choose a new folder" in _one_line(run_cli("export", str(run), "--format=onnx", f"--out={tmp / 'ds'}"))
+
+
+def test_a_package_is_evaluated_and_served_like_its_checkpoint(packages, tmp_path):
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from vlaforge.serving.client import wire_observation
+
+    _, found = packages
+    run, package, _ = found["regression-1"]
+    done = _eval(package, "--tasks=reach-v3", f"--out={tmp_path / 'eval'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["inference"]["options"]["backend"] == "auto" and report["tasks"]["reach-v3"]["episodes"] == 1
+    server = subprocess.Popen([sys.executable, "-m", "vlaforge", "serve", str(package), "--backend=onnx",
+                               "--port=0", "--http-port=0"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    try:
+        for line in server.stderr:
+            found_uri = re.search(r"on ws://([\d.]+):(\d+)", line)
+            if found_uri:
+                break
+        assert found_uri, "the server did not start"
+        client = WebsocketClientPolicy(found_uri.group(1), int(found_uri.group(2)))
+        assert client.get_server_metadata()["backend"] == "onnx"
+        reference = PolicyRuntime.load(run, device="cpu")
+        std = np.asarray(reference.spec.action_std)
+        for obs in _episode(3, seed=5):
+            reply = client.infer(wire_observation(obs))
+            assert np.abs((reply["actions"] - reference.predict(obs).actions) / std).max() <= TOL
+    finally:
+        server.send_signal(signal.SIGTERM)
+        rc = server.wait(timeout=60)
+    assert rc == 0
