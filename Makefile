@@ -17,7 +17,7 @@ DEMO_RUN ?= runs/tiny_metaworld
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
-	DS_BUILD_OPS=0 $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,deepspeed]'
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,deepspeed,executorch]'
 	# openpi's client (tests: the real package against vlaforge serve) declares numpy<2 but runs on numpy 2
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps openpi-client==0.1.2
 	touch $@

@@ -90,7 +90,7 @@ def test_a_package_predicts_what_its_checkpoint_predicts(packages, name):
     assert set(manifest["graphs"]) == want and manifest["observation"]["frames"] == int(name[-1])
     torch_rt = PolicyRuntime.load(run, device="cpu")
     onnx_rt = PolicyRuntime.load(package)  # auto: a package runs in ONNX Runtime
-    assert onnx_rt.backend == "onnx" and onnx_rt.describe()["onnx"]["providers"] == ["CPUExecutionProvider"]
+    assert onnx_rt.backend == "onnx" and onnx_rt.describe()["package"]["providers"] == ["CPUExecutionProvider"]
     std = np.asarray(torch_rt.spec.action_std)
     episode = _episode()
     a, b = _predict(torch_rt, episode), _predict(onnx_rt, episode)  # a frame history builds up over the episode
@@ -174,8 +174,8 @@ def test_a_package_that_does_not_match_its_manifest_is_refused_in_one_line(packa
         assert message in _one_line(_eval(edited(name, change))), name
     # the backends are checked against what the folder holds
     run, _, _ = found["regression-1"]
-    assert "not an ONNX policy package" in _one_line(_eval(run, "--backend=onnx"))
-    assert "is an ONNX package" in _one_line(_eval(package, "--backend=torch"))
+    assert "not an exported policy package" in _one_line(_eval(run, "--backend=onnx"))
+    assert "is an exported package, not a checkpoint" in _one_line(_eval(package, "--backend=torch"))
     assert "--compile applies to the torch backend" in _one_line(_eval(package, "--compile=default"))
     assert "choose a new folder" in _one_line(run_cli("export", str(run), "--format=onnx", f"--out={tmp / 'ds'}"))
 
@@ -211,3 +211,21 @@ def test_a_package_is_evaluated_and_served_like_its_checkpoint(packages, tmp_pat
         server.send_signal(signal.SIGTERM)
         rc = server.wait(timeout=60)
     assert rc == 0
+
+
+def test_an_executorch_package_predicts_what_its_checkpoint_predicts(packages):
+    pytest.importorskip("executorch")
+    tmp, found = packages
+    run, _, _ = found["flow_matching-4"]
+    report = _export(run, tmp / "pte", "--format=executorch")
+    manifest = json.loads((tmp / "pte" / "manifest.json").read_text())
+    assert manifest["runtime"] == "executorch" and {g["file"] for g in manifest["graphs"].values()} == {
+        "vision.pte", "encoder.pte", "denoise.pte"}
+    # XNNPACK's kernels are not bit-faithful to PyTorch's (the vision tower's GELU and softmax): 1e-3, not 1e-4
+    assert report["action_error"]["max_abs_normalized"] <= 1e-3, report["action_error"]
+    torch_rt, pte_rt = PolicyRuntime.load(run, device="cpu"), PolicyRuntime.load(tmp / "pte")
+    assert pte_rt.backend == "executorch"
+    std = np.asarray(torch_rt.spec.action_std)
+    episode = _episode(4, seed=3)
+    assert np.abs((_predict(torch_rt, episode) - _predict(pte_rt, episode)) / std).max() <= 1e-3
+    assert "executorch package" in _one_line(_eval(tmp / "pte", "--backend=onnx"))

@@ -28,7 +28,7 @@ app.add_typer(data_app, name="data")
 
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 _DEFAULT = "; default: the same key of the eval section in the checkpoint's config"
-_BACKEND = "auto (onnx for an ONNX package, else torch), torch, onnx"
+_BACKEND = "auto (a package's runtime for an exported package, else torch), torch, onnx, executorch"
 
 
 def _load(config: Optional[Path], ctx: typer.Context, resume: Optional[str] = None, first: list[str] = ()):
@@ -91,7 +91,7 @@ def train(ctx: typer.Context,
 
 @app.command("eval")
 def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint), a checkpoints/step_* "
-                                                      "folder, a `vlaforge quantize` folder or an ONNX package"),
+                                                      "folder, a `vlaforge quantize` folder or an exported package"),
           tasks: Optional[str] = typer.Option(None, help="comma-separated Meta-World tasks; default: eval.tasks of "
                                                          "the checkpoint's config, else the dataset's tasks"),
           episodes: Optional[int] = typer.Option(None, min=1, help="held-out episodes per task" + _DEFAULT),
@@ -149,7 +149,7 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
 
 @app.command()
 def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint), a checkpoints/step_* "
-                                                      "folder, a `vlaforge quantize` folder or an ONNX package"),
+                                                      "folder, a `vlaforge quantize` folder or an exported package"),
           host: str = typer.Option("127.0.0.1", help="interface to bind; anything but loopback should have an API key"),
           port: int = typer.Option(8000, min=0, max=65535, help="websocket port (openpi protocol; also GET /healthz, "
                                                                 "/metrics)"),
@@ -218,7 +218,8 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
                                                        "folder"),
            format: str = typer.Option("safetensors", "--format", help="safetensors (one consolidated weights file), "
                                                                       "onnx (a policy package for ONNX Runtime, "
-                                                                      "TensorRT, QNN)"),
+                                                                      "TensorRT, QNN), executorch (.pte programs, "
+                                                                      "XNNPACK)"),
            out: Optional[Path] = typer.Option(None, help="safetensors: the file to write (default "
                                                          "CHECKPOINT/model.safetensors); onnx: the package folder"),
            dtype: str = typer.Option("fp32", help="onnx: fp32 or fp16 graphs"),
@@ -230,10 +231,10 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
            data: Optional[str] = typer.Option(None, help="onnx: the dataset of those frames (default: the run's "
                                                          "data.path; none: random observations)")):
     """Consolidate a checkpoint's weights into one safetensors file (a sharded checkpoint's shards are read in this
-    one process), or write an ONNX policy package: manifest.json, tokenizer.json, vision.onnx and policy.onnx
-    (encoder.onnx + denoise.onnx for a flow-matching head), checked against the checkpoint on dataset frames
-    (export.json: action error, latency of both). `vlaforge eval` and `vlaforge serve` run a package like a
-    checkpoint."""
+    one process), or write a policy package: manifest.json, tokenizer.json, vision.onnx and policy.onnx
+    (encoder.onnx + denoise.onnx for a flow-matching head; .pte programs for executorch), checked against the
+    checkpoint on dataset frames (export.json: action error, latency of both). `vlaforge eval` and `vlaforge serve`
+    run a package like a checkpoint."""
     from vlaforge.training.checkpoint import export_weights, resolve_checkpoint
 
     if format == "safetensors":
@@ -244,13 +245,12 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
         path = export_weights(resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT"), out)
         typer.echo(f"wrote {path}")
         return
-    if format != "onnx":
-        raise VlaforgeError(f"--format {format!r} is not one of safetensors, onnx")
     if out is None:
-        raise VlaforgeError("--format onnx needs --out DIR (the package folder to write)")
-    from vlaforge.export.onnx import export_onnx, render
+        raise VlaforgeError(f"--format {format} needs --out DIR (the package folder to write)")
+    from vlaforge.export.onnx import export_package, render
 
-    report = export_onnx(checkpoint, out, dtype=dtype, int8=quantized, calibrate=calibrate, frames=frames, data=data)
+    report = export_package(checkpoint, out, format=format, dtype=dtype, int8=quantized, calibrate=calibrate,
+                            frames=frames, data=data)
     typer.echo(render(report))
 
 

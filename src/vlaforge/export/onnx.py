@@ -1,5 +1,5 @@
-"""`vlaforge export --format onnx`: a trained policy as an ONNX package that ONNX Runtime runs without vlaforge's model
-code (`inference/onnx_backend.py`), and TensorRT / QNN start from.
+"""`vlaforge export --format onnx|executorch`: a trained policy as a package that ONNX Runtime (or ExecuTorch, see
+`export/executorch.py`) runs without vlaforge's model code (`inference/packages.py`), and TensorRT / QNN start from.
 
 Package (a folder):
 - `manifest.json`: format and version, the observation contract (cameras, image and render size, frame history,
@@ -19,7 +19,7 @@ Package (a folder):
 The instruction is always `instruction_tokens` long (padded, mask 0): only the batch dimension is dynamic, and it is
 traced at 2 (a dynamic dimension traced at 0 or 1 is specialized away by torch.export).
 
-int8 (`--int8`): ONNX Runtime's static quantization in QDQ form (QuantizeLinear / DequantizeLinear pairs around
+int8 (`--quantized`): ONNX Runtime's static quantization in QDQ form (QuantizeLinear / DequantizeLinear pairs around
 MatMul, Gemm and Conv; weights int8 symmetric per channel, activations int8 symmetric per tensor, MinMax ranges from
 calibration inputs). QDQ is what TensorRT's explicit-precision int8 and ORT's QNN execution provider consume. It
 starts from the float graphs, not from a `vlaforge quantize` checkpoint: torchao's weight-only tensor subclasses do
@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from vlaforge.errors import VlaforgeError, first_line
-from vlaforge.inference.onnx_backend import (FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST, file_sha256, read_manifest,
-                                             signature)
+from vlaforge.inference.packages import (FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST, OrtGraph, PteGraph, file_sha256,
+                                         read_manifest)
 
 REPORT = "export.json"
 OPSET = 20
@@ -108,23 +108,26 @@ def export_graph(region: torch.nn.Module, inputs: list[str], outputs: list[str],
                               input_names=inputs, output_names=outputs,
                               dynamic_shapes=(tuple({0: batch} for _ in args),), verbose=False)
         except Exception as exc:  # noqa: BLE001 - torch.export / onnxscript raise many types; one line names it
-            raise VlaforgeError(f"ONNX export of {path.stem} failed ({_cause(exc)[:300]}); report it with the run's "
-                                "config.toml") from None
+            raise VlaforgeError(f"ONNX export of {path.stem} failed ({exporter_cause(exc)[:300]}); report it with the "
+                                "run's config.toml") from None
 
 
-def _cause(exc: Exception) -> str:
+def exporter_cause(exc: Exception) -> str:
     """The exporter's own summary line ("<class ...>: ...") when it wrote one, else the first line."""
     lines = str(exc).splitlines()
     return next((ln for ln in lines if ln.startswith("<class")), first_line(exc))
 
 
-def graph_entry(folder: Path, name: str) -> dict[str, Any]:
-    import onnxruntime as ort
-
-    files = [f"{name}.onnx"] + ([f"{name}.onnx.data"] if (folder / f"{name}.onnx.data").is_file() else [])
-    session = ort.InferenceSession(str(folder / files[0]), providers=["CPUExecutionProvider"])
+def graph_entry(folder: Path, name: str, runtime: str = "onnxruntime") -> dict[str, Any]:
+    """The manifest's entry of a written graph: files, sha256, bytes, inputs and outputs as its runtime reads them."""
+    suffix = "onnx" if runtime == "onnxruntime" else "pte"
+    files = [f"{name}.{suffix}"] + ([f"{name}.onnx.data"] if (folder / f"{name}.onnx.data").is_file() else [])
+    kind = next(k for k, graphs in GRAPHS.items() if name in graphs)
+    inputs, outputs = GRAPHS[kind][name]
+    graph = (OrtGraph if runtime == "onnxruntime" else PteGraph)(folder / files[0], "cpu")
     return {"file": files[0], "sha256": {f: file_sha256(folder / f) for f in files},
-            "bytes": sum((folder / f).stat().st_size for f in files), **signature(session)}
+            "bytes": sum((folder / f).stat().st_size for f in files),
+            **graph.signature({"inputs": dict.fromkeys(inputs), "outputs": dict.fromkeys(outputs)})}
 
 
 def checkpoint_digest(ckpt: Path) -> str:
@@ -146,8 +149,12 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
     write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
-def export_onnx(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", int8: bool = False,
-                calibrate: int = 256, frames: int = 32, data: str | None = None, seed: int = 0) -> dict[str, Any]:
+FORMATS = {"onnx": "onnxruntime", "executorch": "executorch"}  # --format -> the package's runtime
+
+
+def export_package(checkpoint: str | Path, out: str | Path, *, format: str = "onnx", dtype: str = "fp32",
+                   int8: bool = False, calibrate: int = 256, frames: int = 32, data: str | None = None,
+                   seed: int = 0) -> dict[str, Any]:
     """Write the package `out` from a checkpoint and measure it against the checkpoint through `PolicyRuntime`:
     returns the report (also `out/export.json`): export seconds, bytes per graph, and on `frames` dataset frames the
     action error of the package against the PyTorch policy (normalized units) and both latencies."""
@@ -155,17 +162,27 @@ def export_onnx(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32",
     from vlaforge.inference.runtime import PolicyRuntime
     from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint
 
+    if format not in FORMATS:
+        raise VlaforgeError(f"--format {format!r} is not one of safetensors, {', '.join(FORMATS)}")
     if dtype not in DTYPES:
         raise VlaforgeError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if int8 and dtype != "fp32":
-        raise VlaforgeError("--int8 quantizes the fp32 graphs (QDQ keeps fp32 between the int8 ops); drop --dtype")
+    if int8 and (dtype != "fp32" or format != "onnx"):
+        raise VlaforgeError("--quantized quantizes fp32 ONNX graphs (QDQ keeps fp32 between the int8 ops); use it "
+                            "with --format onnx and without --dtype")
+    if format == "executorch":
+        from vlaforge.export import executorch
+
+        if (why := executorch.available()) is not None:
+            raise VlaforgeError(why)
+        if dtype != "fp32":
+            raise VlaforgeError("--format executorch writes fp32 programs (XNNPACK); drop --dtype")
     ckpt = resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT")
     out = Path(out)
     _check_out(out, ckpt)
     source = PolicyRuntime.load(ckpt, device="cpu", dtype="fp32", cache="none")
     if getattr(source.model, "quantization", None) is not None:
         raise VlaforgeError(f"{ckpt} is a `vlaforge quantize` folder: torchao's quantized tensors do not trace to "
-                            "ONNX; export the float run, with --int8 for an int8 package")
+                            "ONNX; export the float run, with --quantized for an int8 package")
     model, spec = source.model, source.spec
     kind = "flow_matching" if getattr(model.action_head, "supports_prefix", False) else "regression"
     tmp = out.with_name(f".{out.name}.tmp")
@@ -176,16 +193,22 @@ def export_onnx(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32",
     examples = example_inputs(traced, spec, DTYPES[dtype])
     regions = _regions(traced)
     for name, (inputs, outputs) in GRAPHS[kind].items():
-        export_graph(_Region(traced, regions[name]), inputs, outputs, examples, tmp / f"{name}.onnx")
+        region = _Region(traced, regions[name])
+        if format == "onnx":
+            export_graph(region, inputs, outputs, examples, tmp / f"{name}.onnx")
+        else:
+            rows = len(spec.cameras) * spec.frames if name == "vision" else 1
+            executorch.lower(region, tuple(examples[k] for k in inputs), tmp / f"{name}.pte",
+                             executorch.MAX_BATCH * rows)
     export_s = time.perf_counter() - t0
     del traced
     _package_files(ckpt, source.tokenizer, tmp)
     head = model.action_head
     manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "vlaforge_version": __version__, "opset": OPSET,
-        "dtype": dtype, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source": {"checkpoint": str(ckpt), "weights_sha256": checkpoint_digest(ckpt),
-                   "config": CONFIG_FILE},
+        "format": FORMAT, "format_version": FORMAT_VERSION, "runtime": FORMATS[format],
+        "vlaforge_version": __version__, "dtype": dtype, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **({"opset": OPSET} if format == "onnx" else {"delegate": "XNNPACK", "max_batch": executorch.MAX_BATCH}),
+        "source": {"checkpoint": str(ckpt), "weights_sha256": checkpoint_digest(ckpt), "config": CONFIG_FILE},
         "observation": {k: getattr(spec, k) for k in (
             "cameras", "frames", "frame_stride", "image_size", "render_size", "instruction_tokens", "text_tokens",
             "chunk", "state_mean", "state_std", "action_mean", "action_std")},
@@ -195,10 +218,10 @@ def export_onnx(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32",
                            if kind == "flow_matching" else {})},
         "dynamic_axes": {"batch": "dimension 0 of every input and output"},
         "quantization": None,
-        "graphs": {name: graph_entry(tmp, name) for name in GRAPHS[kind]},
+        "graphs": {name: graph_entry(tmp, name, FORMATS[format]) for name in GRAPHS[kind]},
     }
     write_manifest(tmp, manifest)
-    report: dict[str, Any] = {"checkpoint": str(ckpt), "format": "onnx", "dtype": dtype, "head": kind,
+    report: dict[str, Any] = {"checkpoint": str(ckpt), "format": format, "dtype": dtype, "head": kind,
                               "export_s": round(export_s, 2)}
     dataset = None if data == "none" else (data or _run_data(ckpt))
     picked = _frames(dataset, spec, calibrate + frames if int8 else frames, seed)
@@ -208,7 +231,7 @@ def export_onnx(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32",
     report["bytes"] = {name: g["bytes"] for name, g in read_manifest(tmp)["graphs"].items()}
     report["bytes"]["total"] = sum(report["bytes"].values())
     report["bytes"]["checkpoint_fp32"] = int(sum(p.numel() * 4 for p in model.parameters()))
-    package = PolicyRuntime.load(tmp, backend="onnx", cache="none")
+    package = PolicyRuntime.load(tmp, cache="none")
     report |= measure(source, package, picked)
     report["data"] = str(dataset) if dataset else None
     from vlaforge.config.loading import write_atomic
@@ -225,7 +248,7 @@ def _check_out(out: Path, ckpt: Path) -> None:
     if out.resolve() == ckpt.resolve() or ckpt.resolve().is_relative_to(out.resolve()):
         raise VlaforgeError(f"--out {out} would replace the checkpoint it exports; choose a new folder")
     if out.exists() and not (out / MANIFEST).is_file():
-        raise VlaforgeError(f"--out {out} exists and is not an ONNX package `vlaforge export` wrote; choose a new "
+        raise VlaforgeError(f"--out {out} exists and is not a package `vlaforge export` wrote; choose a new "
                             "folder")
 
 
@@ -281,27 +304,24 @@ def measure(reference, package, frames: list) -> dict[str, Any]:
     p50 = lambda v: round(float(np.percentile(v, 50)), 3)  # noqa: E731
     return {"frames": len(frames), "action_error": action_error(ref, got) | {
                 "max_abs_normalized": float(np.abs(ref - got).max())},
-            "latency_ms": {"pytorch_p50": p50(t_ref), "onnx_p50": p50(t_pkg),
+            "latency_ms": {"pytorch_p50": p50(t_ref), "package_p50": p50(t_pkg),
                            "speedup_p50": round(p50(t_ref) / max(p50(t_pkg), 1e-9), 3),
                            "threads": torch.get_num_threads()}}
 
 
 class _Recorder:
-    """Wraps a region's ONNX Runtime session and keeps the inputs it is fed (calibration data)."""
+    """Wraps a region's graph and keeps the inputs it is fed (calibration data)."""
 
-    def __init__(self, session, keep: list[dict[str, np.ndarray]]):
-        self.session, self.keep = session, keep
+    def __init__(self, graph, keep: list[dict[str, np.ndarray]]):
+        self.graph, self.keep = graph, keep
 
-    def run(self, outputs, feed):
+    def __call__(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         self.keep.append({k: np.array(v, copy=True) for k, v in feed.items()})
-        return self.session.run(outputs, feed)
-
-    def __getattr__(self, name):
-        return getattr(self.session, name)
+        return self.graph(feed)
 
 
 def quantize_package(folder: Path, manifest: dict[str, Any], frames: list) -> dict[str, Any]:
-    """Replace the package's graphs by int8 QDQ graphs calibrated on the inputs the float package receives on
+    """Replace an ONNX package's graphs by int8 QDQ graphs calibrated on the inputs the float package receives on
     `frames`; the manifest is rewritten with the new files and hashes."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.calibrate import CalibrationDataReader
@@ -314,7 +334,7 @@ def quantize_package(folder: Path, manifest: dict[str, Any], frames: list) -> di
     runtime = PolicyRuntime.load(folder, backend="onnx", cache="none")
     recorded: dict[str, list] = {name: [] for name in manifest["graphs"]}
     regions = runtime.model
-    regions.sessions = {n: _Recorder(s, recorded[n]) for n, s in regions.sessions.items()}
+    regions.graphs = {n: _Recorder(g, recorded[n]) for n, g in regions.graphs.items()}
     predict_all(runtime, frames, seed=0)
     del runtime, regions
 
@@ -360,13 +380,13 @@ def render(report: dict[str, Any]) -> str:
     """The report in a few lines: package, bytes, parity, latency."""
     e, lat, b = report["action_error"], report["latency_ms"], report["bytes"]
     graphs = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in b.items() if k not in ("total", "checkpoint_fp32"))
-    kind = "int8 QDQ" if report.get("int8") else report["dtype"]
+    kind = f"{report['format']}, " + ("int8 QDQ" if report.get("int8") else report["dtype"])
     on = f"{report['frames']} dataset frames" if report["data"] else f"{report['frames']} random observations"
     return "\n".join([
         f"wrote {report['package']} ({kind}, {report['head']} head; exported in {report['export_s']} s)",
         f"graphs: {graphs}; total {b['total'] / 2**20:.2f} MiB (checkpoint fp32 {b['checkpoint_fp32'] / 2**20:.2f} MiB)",
         f"against the checkpoint on {on}: max |error| {e['max_abs_normalized']:.3g} (normalized), cosine mean "
         f"{e['cosine_mean']:.5f} min {e['cosine_min']:.5f}",
-        f"latency p50: PyTorch {lat['pytorch_p50']} ms, ONNX Runtime {lat['onnx_p50']} ms ({lat['speedup_p50']}x, "
+        f"latency p50: PyTorch {lat['pytorch_p50']} ms, package {lat['package_p50']} ms ({lat['speedup_p50']}x, "
         f"{lat['threads']} threads)",
         f"report: {report['package']}/{REPORT}"])

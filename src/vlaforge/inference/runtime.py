@@ -26,7 +26,7 @@ from vlaforge.inference.feature_cache import CacheConfig, SessionCache, TokenReu
 
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-BACKENDS = ("auto", "torch", "onnx")
+BACKENDS = ("auto", "torch", "onnx", "executorch")
 
 
 class ObservationError(VlaforgeError):
@@ -125,7 +125,7 @@ class PolicyRuntime:
         if compile not in COMPILE_MODES:
             raise VlaforgeError(f"compile mode {compile!r} is not one of {', '.join(COMPILE_MODES)}")
         self.cache_config = cache if isinstance(cache, CacheConfig) else CacheConfig(mode=cache)
-        self.backend = getattr(model, "backend", "torch")  # "onnx": an exported package's OnnxRegions
+        self.backend = getattr(model, "backend", "torch")  # onnx / executorch: an exported package's PackageRegions
         if self.backend == "torch":
             self.device = pick_device(device)
             self.dtype = pick_dtype(dtype, self.device)
@@ -156,31 +156,32 @@ class PolicyRuntime:
     def _check_package_options(self, regions, dtype: str, compile: str) -> None:
         pkg = regions.manifest["dtype"]
         if dtype not in ("auto", pkg):
-            raise VlaforgeError(f"--dtype {dtype}: this ONNX package was exported in {pkg}; drop --dtype or export "
+            raise VlaforgeError(f"--dtype {dtype}: this package was exported in {pkg}; drop --dtype or export "
                                 f"again with --dtype {dtype}")
         if compile != "off":
-            raise VlaforgeError("--compile applies to the torch backend; ONNX Runtime optimizes a package's graphs "
+            raise VlaforgeError("--compile applies to the torch backend; a package's runtime optimizes its graphs "
                                 "itself")
         if self.cache_config.mode == "token":
             raise VlaforgeError("--cache token reruns parts of the PyTorch vision tower, which a package does not "
-                                "have; use --cache exact or frame with an ONNX package")
+                                "have; use --cache exact or frame with a package")
 
     @classmethod
     def load(cls, checkpoint: str | Path, *, device: str = "auto", dtype: str = "auto", compile: str = "off",
              cache: CacheConfig | str = "exact", backend: str = "auto") -> "PolicyRuntime":
         """Any checkpoint `vlaforge eval` takes (a run folder or a checkpoints/step_* folder; full or sharded), or an
-        ONNX package (`vlaforge export --format onnx`). `backend`: auto (onnx for a package, else torch), torch or
-        onnx (which then needs a package)."""
-        from vlaforge.inference.onnx_backend import is_package, load_package
+        exported package (`vlaforge export --format onnx|executorch`). `backend`: auto (the package's runtime for
+        a package, else torch), torch, onnx or executorch (which then need a package of that runtime)."""
+        from vlaforge.inference.packages import is_package, load_package
 
         if backend not in BACKENDS:
             raise VlaforgeError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-        if backend == "onnx" or (backend == "auto" and is_package(checkpoint)):
-            regions, spec, tokenizer = load_package(checkpoint, device)
+        if backend in ("onnx", "executorch") or (backend == "auto" and is_package(checkpoint)):
+            regions, spec, tokenizer = load_package(checkpoint, device, backend)
             return cls(regions, spec, tokenizer, device=device, dtype=dtype, compile=compile, cache=cache,
                        source=str(checkpoint))
         if is_package(checkpoint):
-            raise VlaforgeError(f"{checkpoint} is an ONNX package; run it with --backend onnx (or auto)")
+            raise VlaforgeError(f"{checkpoint} is an exported package, not a checkpoint; drop --backend torch (auto "
+                                "runs it in its runtime)")
         from vlaforge.config.loading import load_config
         from vlaforge.data.tokenizer import load_tokenizer
         from vlaforge.models.build import build_vla
@@ -210,7 +211,7 @@ class PolicyRuntime:
                 "compile": self.compile_mode, "compile_s": self.compile_s, "cache": self.cache_config.mode,
                 "backend": self.backend,
                 **({"quantization": layout.summary() if (layout := getattr(self.model, "quantization", None)) else None}
-                   if self.backend == "torch" else {"onnx": self.model.describe(),
+                   if self.backend == "torch" else {"package": self.model.describe(),
                                                     "quantization": self.model.manifest.get("quantization")})}
 
     # ---- sessions ----------------------------------------------------------------------------------------
@@ -375,8 +376,8 @@ class PolicyRuntime:
 
 
 def resolve_policy(path: str | Path) -> Path:
-    """A policy folder: an ONNX package as it is, else the checkpoint folder of a run (`resolve_checkpoint`)."""
-    from vlaforge.inference.onnx_backend import is_package
+    """A policy folder: an exported package as it is, else the checkpoint folder of a run (`resolve_checkpoint`)."""
+    from vlaforge.inference.packages import is_package
     from vlaforge.training.checkpoint import resolve_checkpoint
 
     return Path(path) if is_package(path) else resolve_checkpoint(str(path), ".", what="CHECKPOINT")

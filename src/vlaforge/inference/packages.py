@@ -1,7 +1,9 @@
-"""The ONNX Runtime backend of `PolicyRuntime`: an exported policy package (`vlaforge export --format onnx`, see
-`export/onnx.py` for the format) behind the same two regions as a checkpoint - `encode_frames` (vision tower +
-projector, one frame per row; its output is what the frame-feature cache keeps) and `actions_from_tokens` - so
-`vlaforge eval` and `vlaforge serve` run a package exactly like a checkpoint.
+"""The package backends of `PolicyRuntime`: an exported policy package (`vlaforge export --format onnx` or
+`executorch`, see `export/onnx.py` for the format) behind the same two regions as a checkpoint - `encode_frames`
+(vision tower + projector, one frame per row; its output is what the frame-feature cache keeps) and
+`actions_from_tokens` - so `vlaforge eval` and `vlaforge serve` run a package exactly like a checkpoint. The graphs
+run in ONNX Runtime (`.onnx`) or in ExecuTorch's runtime (`.pte`, XNNPACK delegate), as the manifest's `runtime`
+says.
 
 Nothing of vlaforge's model code runs: the observation contract and normalization come from `manifest.json`, the
 tokenizer from `tokenizer.json` with the manifest's pad / eos ids, and the graphs from their files, each checked
@@ -34,6 +36,8 @@ GRAPHS = {
                       "denoise": (["x_t", "t", "condition"], ["velocity"])},
 }
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+RUNTIMES = {"onnxruntime": "onnx", "executorch": "executorch"}  # manifest runtime -> PolicyRuntime backend
+PTE_DTYPES = {6: "float32", 5: "float16", 4: "int64"}  # ExecuTorch ScalarType codes
 _FIX = "export the run again with `vlaforge export RUN --format onnx --out DIR`"
 
 
@@ -59,7 +63,7 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
-        raise VlaforgeError(f"{folder} is not an ONNX policy package (no {MANIFEST}); {_FIX}")
+        raise VlaforgeError(f"{folder} is not an exported policy package (no {MANIFEST}); {_FIX}")
     try:
         m = json.loads(path.read_text())
     except (ValueError, OSError) as exc:
@@ -76,6 +80,8 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     if head not in GRAPHS or set(m["graphs"]) != set(GRAPHS[head]):
         raise VlaforgeError(f"{path}: action head {head!r} with graphs {sorted(m['graphs'])}; a package holds "
                             f"{', '.join(GRAPHS.get(head, GRAPHS['regression']))}; {_FIX}")
+    if m.get("runtime", "onnxruntime") not in RUNTIMES:
+        raise VlaforgeError(f"{path}: runtime {m.get('runtime')!r} is not one of {', '.join(RUNTIMES)}; {_FIX}")
     if m["dtype"] not in TORCH_DTYPES:
         raise VlaforgeError(f"{path}: dtype {m['dtype']!r} is not one of {', '.join(TORCH_DTYPES)}; {_FIX}")
     for name, g in m["graphs"].items():
@@ -97,9 +103,21 @@ def signature(session) -> dict[str, dict[str, Any]]:
             "outputs": {a.name: arg(a) for a in session.get_outputs()}}
 
 
-def _check_graph(folder: Path, entry: dict[str, Any], session) -> None:
-    """The graph's inputs and outputs as ONNX Runtime reads them must be the manifest's (names, dtypes, shapes)."""
-    have = signature(session)
+def pte_signature(method, inputs: list[str], outputs: list[str]) -> dict[str, dict[str, Any]]:
+    """The same for an ExecuTorch method: a .pte keeps no argument names (the graph's order is the manifest's) and
+    holds the batch dimension at its planned maximum, written back as "batch"."""
+    meta = method.metadata
+
+    def arg(t):
+        sizes = list(t.sizes())
+        return {"dtype": PTE_DTYPES.get(t.dtype(), str(t.dtype())), "shape": ["batch", *sizes[1:]]}
+
+    return {"inputs": {n: arg(meta.input_tensor_meta(i)) for i, n in enumerate(inputs[:meta.num_inputs()])},
+            "outputs": {n: arg(meta.output_tensor_meta(i)) for i, n in enumerate(outputs[:meta.num_outputs()])}}
+
+
+def _check_graph(folder: Path, entry: dict[str, Any], have: dict[str, dict[str, Any]]) -> None:
+    """The graph's inputs and outputs as its runtime reads them must be the manifest's (names, dtypes, shapes)."""
     for kind in ("inputs", "outputs"):
         got, want = have[kind], entry[kind]
         diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
@@ -133,14 +151,53 @@ def _to_numpy(x: torch.Tensor, dtype=None) -> np.ndarray:
     return np.ascontiguousarray(a if dtype is None else a.astype(dtype, copy=False))
 
 
-class OnnxRegions:
+class OrtGraph:
+    """One graph in an ONNX Runtime session: `graph(feed) -> outputs` (numpy)."""
+
+    def __init__(self, path: Path, device: str):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = torch.get_num_threads()  # the process's budget (eval workers set theirs)
+        options.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(str(path), options, providers=providers(device))
+        self.providers = self.session.get_providers()
+
+    def signature(self, entry: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return signature(self.session)
+
+    def __call__(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.session.run(None, feed)
+
+
+class PteGraph:
+    """One graph as an ExecuTorch program (XNNPACK-delegated) run by ExecuTorch's Python runtime."""
+
+    def __init__(self, path: Path, device: str):
+        if device not in ("auto", "cpu"):
+            raise VlaforgeError(f"--device {device}: an ExecuTorch package runs on the CPU (XNNPACK); use --device "
+                                "cpu")
+        from executorch.runtime import Runtime
+
+        self.method = Runtime.get().load_program(str(path)).load_method("forward")
+        self.providers = ["ExecuTorch XNNPACK"]
+        self.order: list[str] = []
+
+    def signature(self, entry: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        self.order = list(entry["inputs"])
+        return pte_signature(self.method, self.order, list(entry["outputs"]))
+
+    def __call__(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return [t.numpy() for t in self.method.execute([torch.from_numpy(feed[k]) for k in self.order])]
+
+
+class PackageRegions:
     """A package's graphs as the runtime's two regions (the torch model's `encode_frames` / `actions_from_tokens`
     signatures, torch tensors in and out)."""
 
-    backend = "onnx"
-
-    def __init__(self, folder: Path, manifest: dict[str, Any], sessions: dict[str, Any]):
-        self.folder, self.manifest, self.sessions = folder, manifest, sessions
+    def __init__(self, folder: Path, manifest: dict[str, Any], graphs: dict[str, Any]):
+        self.folder, self.manifest, self.graphs = folder, manifest, graphs
+        self.backend = RUNTIMES[manifest.get("runtime", "onnxruntime")]
         self.dtype = TORCH_DTYPES[manifest["dtype"]]
         self._np_dtype = np.float16 if manifest["dtype"] == "fp16" else np.float32
         head = manifest["action_head"]
@@ -154,8 +211,7 @@ class OnnxRegions:
         return self.kind == "flow_matching"
 
     def encode_frames(self, pixels: torch.Tensor) -> torch.Tensor:
-        out = self.sessions["vision"].run(None, {"pixels": _to_numpy(pixels, self._np_dtype)})[0]
-        return torch.from_numpy(out)
+        return torch.from_numpy(self.graphs["vision"]({"pixels": _to_numpy(pixels, self._np_dtype)})[0])
 
     def actions_from_tokens(self, vision_tokens: torch.Tensor, instruction_ids: torch.Tensor,
                             instruction_mask: torch.Tensor | None, state: torch.Tensor,
@@ -169,23 +225,22 @@ class OnnxRegions:
         feed = {"tokens": _to_numpy(vision_tokens, self._np_dtype), "ids": ids, "mask": mask,
                 "state": _to_numpy(state, self._np_dtype)}
         if self.kind == "regression":
-            return torch.from_numpy(self.sessions["policy"].run(None, feed)[0])
+            return torch.from_numpy(self.graphs["policy"](feed)[0])
         from vlaforge.models.action_heads import euler_sample
 
-        cond = torch.from_numpy(self.sessions["encoder"].run(None, feed)[0])
-        denoise = self.sessions["denoise"]
+        cond = torch.from_numpy(self.graphs["encoder"](feed)[0])
+        denoise = self.graphs["denoise"]
 
         def velocity(x_t: torch.Tensor, t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-            return torch.from_numpy(denoise.run(None, {"x_t": _to_numpy(x_t, self._np_dtype),
-                                                       "t": _to_numpy(t, self._np_dtype),
-                                                       "condition": _to_numpy(c, self._np_dtype)})[0])
+            return torch.from_numpy(denoise({"x_t": _to_numpy(x_t, self._np_dtype), "t": _to_numpy(t, self._np_dtype),
+                                             "condition": _to_numpy(c, self._np_dtype)})[0])
 
         return euler_sample(velocity, cond, self.chunk, self.action_dim, self.flow_steps, prefix, prefix_weight)
 
     def describe(self) -> dict[str, Any]:
         m = self.manifest
-        return {"package": str(self.folder), "graphs": sorted(m["graphs"]), "dtype": m["dtype"],
-                "providers": sorted({p for s in self.sessions.values() for p in s.get_providers()}),
+        return {"package": str(self.folder), "runtime": m.get("runtime", "onnxruntime"), "graphs": sorted(m["graphs"]),
+                "dtype": m["dtype"], "providers": sorted({p for g in self.graphs.values() for p in g.providers}),
                 "quantization": m.get("quantization"), "source": m.get("source", {}).get("checkpoint")}
 
 
@@ -202,17 +257,14 @@ def providers(device: str) -> list[str]:
     raise VlaforgeError(f"--device {device!r} is not one of auto, cpu, cuda for an ONNX package")
 
 
-def load_package(folder: str | Path, device: str = "auto"):
-    """(OnnxRegions, ObservationSpec, TextTokenizer) of a package, every file checked against the manifest.
+def load_package(folder: str | Path, device: str = "auto", backend: str = "auto"):
+    """(PackageRegions, ObservationSpec, TextTokenizer) of a package, every file checked against the manifest.
+    `backend` (onnx / executorch) must be the package's runtime when given.
 
     Raises:
         VlaforgeError: the package is incomplete or changed (see `read_manifest`), a graph does not match the
-            manifest, or ONNX Runtime cannot load it.
+            manifest, the runtime is missing or another than asked for, or it cannot load a graph.
     """
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        raise VlaforgeError("the onnx backend needs onnxruntime (pip install onnxruntime)") from None
     from tokenizers import Tokenizer
 
     from vlaforge.data.tokenizer import TextTokenizer
@@ -220,6 +272,15 @@ def load_package(folder: str | Path, device: str = "auto"):
 
     folder = Path(folder)
     m = read_manifest(folder)
+    runtime = m.get("runtime", "onnxruntime")
+    if backend not in ("auto", RUNTIMES[runtime]):
+        raise VlaforgeError(f"{folder} is a {runtime} package; run it with --backend {RUNTIMES[runtime]} (or auto)")
+    graph_class = OrtGraph if runtime == "onnxruntime" else PteGraph
+    try:
+        __import__("onnxruntime" if runtime == "onnxruntime" else "executorch.runtime")
+    except ImportError:
+        raise VlaforgeError(f"this package runs in {runtime}, which is not installed (pip install "
+                            f"{'onnxruntime' if runtime == 'onnxruntime' else 'executorch'})") from None
     try:
         spec = ObservationSpec(**m["observation"])
     except TypeError as exc:
@@ -230,18 +291,16 @@ def load_package(folder: str | Path, device: str = "auto"):
                                   m["tokenizer"]["eos_id"])
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad files
         raise VlaforgeError(f"{tok_file} is not a tokenizer file ({first_line(exc)[:120]}); {_FIX}") from None
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = torch.get_num_threads()  # the process's budget (eval workers set theirs)
-    options.inter_op_num_threads = 1
-    sessions = {}
+    graphs = {}
     for name, entry in m["graphs"].items():
         try:
-            sessions[name] = ort.InferenceSession(str(folder / entry["file"]), options, providers=providers(device))
+            graphs[name] = graph_class(folder / entry["file"], device)
+            have = graphs[name].signature(entry)
         except VlaforgeError:
             raise
-        except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
-            raise VlaforgeError(f"ONNX Runtime cannot load {folder / entry['file']} ({first_line(exc)[:200]}); "
+        except Exception as exc:  # noqa: BLE001 - onnxruntime / executorch raise their own exception types
+            raise VlaforgeError(f"{runtime} cannot load {folder / entry['file']} ({first_line(exc)[:200]}); "
                                 f"{_FIX}") from None
-        _check_graph(folder, entry, sessions[name])
+        _check_graph(folder, entry, have)
     _check_contract(folder / MANIFEST, m)
-    return OnnxRegions(folder, m, sessions), spec, tokenizer
+    return PackageRegions(folder, m, graphs), spec, tokenizer
