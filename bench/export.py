@@ -39,7 +39,9 @@ def write_checkpoint(name: str, folder: Path):
     from vlaforge.data.tokenizer import train_bpe
     from vlaforge.data.transforms import ObservationSpec
     from vlaforge.models.build import build_vla
-    from vlaforge.training.checkpoint import CONFIG_FILE, MODEL_FILE, save_full_weights
+    from safetensors.torch import save_model
+
+    from vlaforge.training.checkpoint import CONFIG_FILE, MODEL_FILE
 
     cfg = _config(name, 1)
     torch.manual_seed(0)
@@ -52,7 +54,7 @@ def write_checkpoint(name: str, folder: Path):
                     render_size=size, instruction_tokens=12, text_tokens=0, chunk=8, state_mean=[0.0] * 4,
                     state_std=[1.0] * 4, action_mean=[0.0] * 4, action_std=[1.0] * 4).save(folder)
     train_bpe(["press the button from the top", "reach the goal"], 300).save(folder)
-    save_full_weights(model.state_dict(), folder / MODEL_FILE)
+    save_model(model, str(folder / MODEL_FILE))  # as training does: tied weights once
     params = sum(p.numel() for p in model.parameters())
     del model
     return cams, size, params

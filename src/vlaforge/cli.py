@@ -326,6 +326,28 @@ def profile(ctx: typer.Context,
 
 
 @app.command()
+def diagnose(run: Path = typer.Argument(..., help="a run folder (its metrics.jsonl and config.toml)"),
+             compare: Optional[Path] = typer.Option(None, help="a second run to set side by side (drawn dashed)"),
+             html: Optional[Path] = typer.Option(None, help="the HTML report to write (default RUN/report.html)"),
+             gpu: Optional[str] = typer.Option(None, help="the catalog GPU the run ran on, for the planner's step "
+                                                          "time and memory (default: cpu for a CPU run)"),
+             calibration: Optional[Path] = typer.Option(None, help="a `vlaforge plan --calibrate` TOML: with an entry "
+                                                                   "for the GPU, a >30% step-time gap is a finding"),
+             as_json: bool = typer.Option(False, "--json", help="print the JSON instead of the summary")):
+    """What went wrong in a run and what to try: loss spikes, divergence, a loss that does not move, oscillation,
+    learning rates far apart, a dominating loss term, fp16 underflow / overflow, loss-scale trouble, data stalls,
+    straggler ranks, step time and memory against the planner. Writes RUN/diagnose.json and the HTML report."""
+    from vlaforge.config.loading import write_atomic
+    from vlaforge.diagnostics.diagnose import diagnose as run_diagnose, render
+    from vlaforge.diagnostics.report import write_html
+
+    report, signals = run_diagnose(run, compare, gpu, str(calibration) if calibration else None)
+    report["html"] = str(write_html(report, signals, html or run / "report.html"))
+    write_atomic(run / "diagnose.json", json.dumps(report, indent=1) + "\n")
+    typer.echo(json.dumps(report, indent=1) if as_json else render(report) + f"\nreport: {report['html']}")
+
+
+@app.command()
 def plan(model: str = typer.Option("vla-7b", help="a flavor (tiny | small | vla-7b | vla-30b | vla-70b) or a TOML "
                                                    "recipe whose model, data and components sections are the base"),
          gpu: str = typer.Option("h100-80", help="catalog GPU: a100-40 | a100-80 | h100-80 | h100-pcie | h200-141 | "

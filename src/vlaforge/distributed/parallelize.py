@@ -86,6 +86,14 @@ class GradReducer:
             torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(chunks, grads)])
 
     @staticmethod
+    def spread(value: float, device: torch.device) -> tuple[float, float, int]:
+        """(largest, smallest, rank of the largest) of one number over every rank (one all-reduce)."""
+        t = torch.zeros(dist.get_world_size(), device=device)
+        t[dist.get_rank()] = value
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.max()), float(t.min()), int(t.argmax())
+
+    @staticmethod
     def any_rank(flag: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag

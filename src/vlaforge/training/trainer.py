@@ -334,6 +334,9 @@ def _train(cfg: VLAConfig, evaluate: Evaluator | None) -> dict[str, float]:
                         # per optimizer step: compute (`vlaforge plan --calibrate` reads it) and data wait
                         "perf/step_s": busy["step"] / window_steps, "perf/data_s": busy["data"] / window_steps,
                         "perf/world_size": float(run.world.size)}
+                if run.guards.reducer is not None:  # stragglers: every rank's own step time (vlaforge diagnose)
+                    hi, lo, slowest = run.guards.reducer.spread(busy["step"] / window_steps, run.device)
+                    last |= {"perf/step_s_rank_max": hi, "perf/step_s_rank_min": lo, "perf/slowest_rank": slowest}
                 if run.device.type == "cuda":  # this rank's peak, for `plan --calibrate`'s memory comparison
                     last["perf/peak_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
                 if logger:

@@ -1,0 +1,139 @@
+"""Throughput and memory findings: data-loader stalls (`perf/data_s` against `perf/step_s`), straggler ranks
+(`perf/step_s_rank_max` / `_min`, logged under torchrun), the achieved step time against the planner's prediction for
+the same config (a finding above a 30% gap, once the planner is calibrated for the hardware: uncalibrated, the gap is
+shown, not judged), and the measured CUDA peak against the planner's memory with the biggest lever named."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from vlaforge.diagnostics.findings import Finding
+from vlaforge.diagnostics.signals import RunSignals
+
+DATA_SHARE = 0.2  # the step waits for data more than 20% of the time
+STRAGGLER = 1.2  # the slowest rank's step time over the fastest's
+PLAN_GAP = 0.3  # achieved vs predicted step time
+MEMORY_GAP = 0.3
+
+LEVERS = {"activations": "activation checkpointing (components.<c>.checkpointing = 'selective' or 'full') or "
+                         "activation offload",
+          "optimizer": "shard the optimizer state (FSDP2 dp_shard, or DeepSpeed ZeRO 1/2) or offload it",
+          "params": "shard the parameters (FSDP2 dp_shard > 1, ZeRO 3) or tensor parallel",
+          "grads": "shard the gradients (FSDP2, ZeRO 2)", "buffers": "a smaller micro-batch (train.batch_size)"}
+
+
+def _steady(values: np.ndarray) -> np.ndarray:
+    return values[1:] if len(values) > 1 else values  # the first window holds warm-up
+
+
+def data_stall(signals: RunSignals) -> list[Finding]:
+    data, step = signals.get("perf/data_s"), signals.get("perf/step_s")
+    if data is None or step is None:
+        return []
+    steps, idata, istep = np.intersect1d(data.steps, step.steps, return_indices=True)
+    share = data.values[idata] / np.maximum(data.values[idata] + step.values[istep], 1e-12)
+    steady = _steady(share)
+    if not len(steady) or float(np.median(steady)) <= DATA_SHARE:
+        return []
+    med = float(np.median(steady))
+    return [Finding(
+        "data_stall", "warning", f"the trainer waits for data {med:.0%} of the time (median over {len(steady)} "
+        f"logged windows; {np.median(_steady(data.values[idata])) * 1000:.0f} ms per step)",
+        (int(steps[0]), int(steps[-1])), {"data_share_median": med, "data_s_median": float(np.median(
+            _steady(data.values[idata]))), "step_s_median": float(np.median(_steady(step.values[istep])))},
+        ["too few loader workers for the decode (video) and augmentation cost",
+         "the decoded-frame cache is too small, or the dataset sits on slow storage"],
+        ["raise data.num_workers (one per free core)", "raise data.cache_mb so decoded frames stay in memory",
+         "keep the dataset on local disk"], score=med)]
+
+
+def stragglers(signals: RunSignals) -> list[Finding]:
+    hi, lo = signals.get("perf/step_s_rank_max"), signals.get("perf/step_s_rank_min")
+    if hi is None or lo is None:
+        return []
+    steps, ih, il = np.intersect1d(hi.steps, lo.steps, return_indices=True)
+    ratio = _steady(hi.values[ih] / np.maximum(lo.values[il], 1e-12))
+    if not len(ratio) or float(np.median(ratio)) <= STRAGGLER:
+        return []
+    slow = signals.get("perf/slowest_rank")
+    rank = int(np.bincount(slow.values.astype(int)).argmax()) if slow is not None else None
+    return [Finding(
+        "straggler", "warning", f"rank {rank if rank is not None else '?'} is the slowest: the slowest rank's step "
+        f"takes {np.median(ratio):.2f}x the fastest's (median over {len(ratio)} windows)",
+        (int(steps[0]), int(steps[-1])), {"ratio_median": float(np.median(ratio)), "slowest_rank": rank},
+        ["a slower or throttled device, or a busy host (data workers, other jobs) on that rank's node",
+         "an uneven split (sequence / pipeline stages) that gives one rank more work"],
+        [f"check the node of rank {rank} (nvidia-smi clocks, other processes)", "balance the pipeline stages or "
+         "use an even sequence split"], subject=f"rank {rank}", score=float(np.median(ratio)))]
+
+
+def planner_gap(signals: RunSignals, gpu: str | None, calibration: str | None) -> tuple[list[Finding], dict]:
+    """The achieved step time against the planner's for the run's config; a finding only when calibrated."""
+    step = signals.get("perf/step_s")
+    cfg = signals.cfg
+    if step is None or cfg is None:
+        return [], {}
+    from vlaforge.planner.calibrate import calibrated
+    from vlaforge.planner.estimate import estimate
+    from vlaforge.planner.hardware import get_gpu
+    from vlaforge.planner.types import Assumptions, Cluster, PlanModel
+
+    name = gpu or ("cpu" if signals.get("perf/peak_gb") is None else None)
+    if name is None:
+        return [], {"note": "a CUDA run: give --gpu (a catalog entry) to compare with the planner"}
+    world = signals.get("perf/world_size")
+    ranks = int(world.values[-1]) if world is not None else 1
+    assume, source = calibrated(calibration, name, Assumptions())
+    try:
+        est = estimate(PlanModel(cfg), cfg, Cluster(get_gpu(name), gpus_per_node=ranks, nodes=1), assume)
+    except Exception as exc:  # noqa: BLE001 - a config the planner cannot model: shown, not fatal
+        return [], {"note": f"the planner cannot model this run ({str(exc).splitlines()[0][:160]})"}
+    measured = float(np.median(_steady(step.values)))
+    gap = measured / est.step_time_s - 1
+    info: dict[str, Any] = {"gpu": name, "measured_step_s": measured, "predicted_step_s": est.step_time_s,
+                            "gap": gap, "calibration": source, "predicted_memory_gb": est.memory,
+                            "predicted_time_s": est.time_s}
+    peak = signals.get("perf/peak_gb")
+    out = []
+    if peak is not None:
+        info["measured_peak_gb"] = float(np.max(peak.values))
+        out += _memory(info, est)
+    if source is None:
+        info["note"] = ("uncalibrated: the gap is shown, not judged; run `vlaforge plan --calibrate RUN --gpu "
+                        f"{name}` on runs of this machine and pass --calibration")
+        return out, info
+    if gap > PLAN_GAP:
+        out.append(Finding(
+            "slow_step", "warning", f"steps take {measured:.3g} s, {gap:.0%} longer than the calibrated planner "
+            f"predicts for this config on {name} ({est.step_time_s:.3g} s)", (int(step.steps[0]), int(step.steps[-1])),
+            {k: info[k] for k in ("measured_step_s", "predicted_step_s", "gap")},
+            ["communication the planner does not see overlapping (slow links, a wrong NCCL topology)",
+             "data or host overhead inside the step (see data_stall)", "a straggler rank sets the pace"],
+            ["profile a few steps ([diagnostics] profile_steps) and look at the communication share",
+             "check the interconnect (NCCL_DEBUG=INFO) and the launch topology"], score=gap))
+    return out, info
+
+
+def _memory(info: dict[str, Any], est) -> list[Finding]:
+    measured, predicted = info["measured_peak_gb"], est.memory["total"]
+    parts = {k: est.memory[k] for k in LEVERS if k in est.memory}
+    biggest = max(parts, key=parts.get)
+    info["biggest_memory_part"] = biggest
+    info["lever"] = LEVERS[biggest]
+    if measured <= predicted * (1 + MEMORY_GAP):
+        return []
+    return [Finding(
+        "memory_gap", "info", f"the measured peak ({measured:.1f} GB) is {measured / predicted - 1:.0%} above the "
+        f"planner's {predicted:.1f} GB; the biggest part is {biggest}", None,
+        {"measured_peak_gb": measured, "predicted_gb": predicted, "parts_gb": parts},
+        ["allocator fragmentation or memory the model does not count (buffers, workspaces, a second copy)"],
+        [f"the biggest lever: {LEVERS[biggest]}", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"],
+        score=measured / predicted)]
+
+
+def throughput_findings(signals: RunSignals, gpu: str | None = None, calibration: str | None = None
+                        ) -> tuple[list[Finding], dict]:
+    gap, info = planner_gap(signals, gpu, calibration)
+    return data_stall(signals) + stragglers(signals) + gap, info
