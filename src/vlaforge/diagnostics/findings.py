@@ -31,12 +31,14 @@ def ranked(findings: list[Finding]) -> list[Finding]:
 
 
 def checklist(findings: list[Finding], n: int = 3) -> list[str]:
-    """The first fixes to try: the top finding's first fix, then the next findings', without repeats."""
+    """The first things to try: each finding's first fix in rank order, then their second fixes, ..., without
+    repeats, at most `n`."""
     out: list[str] = []
-    for f in ranked(findings):
-        for fix in f.fixes[:1]:
-            if fix not in out:
-                out.append(fix)
-        if len(out) == n:
-            break
+    order = ranked(findings)
+    for i in range(max((len(f.fixes) for f in order), default=0)):
+        for f in order:
+            if i < len(f.fixes) and f.fixes[i] not in out:
+                out.append(f.fixes[i])
+            if len(out) == n:
+                return out
     return out

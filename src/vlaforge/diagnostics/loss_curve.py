@@ -142,7 +142,7 @@ def divergence(series: Series, name: str) -> list[Finding]:
          "rise": float(smooth[-1] / smooth[turn])},
         ["the learning rate is too high once warm-up ends", "the loss scale or precision lets updates blow up",
          "the data changed (a new dataset shard, a broken episode)"],
-        ["lower the peak learning rate (start at a third) and resume from a checkpoint before the rise",
+        ["lower the peak learning rate (start at a third)", "resume from a checkpoint before the rise",
          "clip gradients (train.grad_clip = 1.0)", "compare with a known good run: vlaforge diagnose RUN --compare GOOD"],
         subject=name, score=float(smooth[-1] / smooth[turn]))]
 
