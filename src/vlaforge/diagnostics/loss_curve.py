@@ -143,7 +143,8 @@ def divergence(series: Series, name: str) -> list[Finding]:
         ["the learning rate is too high once warm-up ends", "the loss scale or precision lets updates blow up",
          "the data changed (a new dataset shard, a broken episode)"],
         ["lower the peak learning rate (start at a third)", "resume from a checkpoint before the rise",
-         "clip gradients (train.grad_clip = 1.0)", "compare with a known good run: vlaforge diagnose RUN --compare GOOD"],
+         "clip gradients (train.grad_clip = 1.0)",
+         "compare with a known good run: vlaforge diagnose RUN --compare GOOD"],
         subject=name, score=float(smooth[-1] / smooth[turn]))]
 
 

@@ -97,7 +97,8 @@ def write_html(report: dict[str, Any], runs: list[RunSignals], path: str | Path)
             parts.append(f"<img alt='{e(title)}' width='{WIDTH_PX}' height='{HEIGHT_PX}' "
                          f"src='data:image/png;base64,{png}'>")
     style = ("body{font-family:sans-serif;max-width:960px;margin:2em auto}table{border-collapse:collapse}"
-             "td,th{border:1px solid #ccc;padding:4px;vertical-align:top;font-size:13px}img{display:block;margin:1em 0}")
+             "td,th{border:1px solid #ccc;padding:4px;vertical-align:top;font-size:13px}"
+             "img{display:block;margin:1em 0}")
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>vlaforge diagnose</title><style>{style}</style>"
             f"</head><body>{''.join(parts)}</body></html>\n")
     write_atomic(path, page)

@@ -29,8 +29,11 @@ from the float package itself running on dataset frames, so they are exactly wha
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import io
+import logging
 import json
 import shutil
 import time
@@ -101,7 +104,9 @@ def export_graph(region: torch.nn.Module, inputs: list[str], outputs: list[str],
 
     batch = torch.export.Dim("batch", min=1, max=4096)
     args = tuple(examples[k] for k in inputs)
-    with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+    chatter = io.StringIO()  # the exporter prints its progress; a failure's cause is in the exception
+    with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad(), \
+            contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(region.eval(), args, str(path), dynamo=True, external_data=True, opset_version=OPSET,
@@ -323,14 +328,13 @@ class _Recorder:
 def quantize_package(folder: Path, manifest: dict[str, Any], frames: list) -> dict[str, Any]:
     """Replace an ONNX package's graphs by int8 QDQ graphs calibrated on the inputs the float package receives on
     `frames`; the manifest is rewritten with the new files and hashes."""
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.calibrate import CalibrationDataReader
 
     from vlaforge.evaluation.quantization import predict_all
     from vlaforge.inference.runtime import PolicyRuntime
 
     if not frames:
-        raise VlaforgeError("--int8 needs calibration frames: --calibrate N with N > 0")
+        raise VlaforgeError("--quantized needs calibration frames: --calibrate N with N > 0")
     runtime = PolicyRuntime.load(folder, backend="onnx", cache="none")
     recorded: dict[str, list] = {name: [] for name in manifest["graphs"]}
     regions = runtime.model
@@ -346,26 +350,13 @@ def quantize_package(folder: Path, manifest: dict[str, Any], frames: list) -> di
             return next(self.feeds, None)
 
     t0 = time.perf_counter()
-    for name, entry in manifest["graphs"].items():
-        src = folder / entry["file"]
-        dst = folder / f"{name}.int8.onnx"
-        try:
-            quantize_static(str(src), str(dst), Reader(recorded[name]), quant_format=QuantFormat.QDQ,
-                            op_types_to_quantize=["MatMul", "Gemm", "Conv"], per_channel=True,
-                            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-                            calibrate_method=CalibrationMethod.MinMax, use_external_data_format=True,
-                            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
-        except Exception as exc:  # noqa: BLE001 - onnxruntime.quantization raises plain exceptions
-            raise VlaforgeError(f"int8 quantization of {name} failed ({first_line(exc)[:300]})") from None
-        import onnx
-
-        quantized = onnx.load(str(dst))  # with its external data, whatever the quantizer named that file
-        for f in entry["sha256"]:
-            (folder / f).unlink()
-        for f in folder.glob(f"{name}.int8.onnx*"):
-            f.unlink()
-        onnx.save_model(quantized, str(src), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=f"{name}.onnx.data", size_threshold=1024)
+    root = logging.getLogger()
+    level, root.level = root.level, logging.ERROR  # the quantizer logs advice through the root logger
+    try:
+        for name, entry in manifest["graphs"].items():
+            _quantize_graph(folder, name, entry, recorded[name], Reader)
+    finally:
+        root.setLevel(level)
     manifest["graphs"] = {name: graph_entry(folder, name) for name in manifest["graphs"]}
     manifest["quantization"] = {"method": "onnxruntime.quantization.quantize_static", "format": "QDQ",
                                 "ops": ["MatMul", "Gemm", "Conv"], "weights": "int8 symmetric per channel",
@@ -376,6 +367,29 @@ def quantize_package(folder: Path, manifest: dict[str, Any], frames: list) -> di
             "calibration_inputs": {n: len(v) for n, v in recorded.items()}}
 
 
+def _quantize_graph(folder: Path, name: str, entry: dict[str, Any], feeds: list, reader) -> None:
+    """`name`'s graph replaced by its int8 QDQ form (weights beside it in `<name>.onnx.data`)."""
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    src, dst = folder / entry["file"], folder / f"{name}.int8.onnx"
+    try:
+        quantize_static(str(src), str(dst), reader(feeds), quant_format=QuantFormat.QDQ,
+                        op_types_to_quantize=["MatMul", "Gemm", "Conv"], per_channel=True,
+                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                        calibrate_method=CalibrationMethod.MinMax, use_external_data_format=True,
+                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+    except Exception as exc:  # noqa: BLE001 - onnxruntime.quantization raises plain exceptions
+        raise VlaforgeError(f"int8 quantization of {name} failed ({first_line(exc)[:300]})") from None
+    quantized = onnx.load(str(dst))  # with its external data, whatever the quantizer named that file
+    for f in entry["sha256"]:
+        (folder / f).unlink()
+    for f in folder.glob(f"{name}.int8.onnx*"):
+        f.unlink()
+    onnx.save_model(quantized, str(src), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=f"{name}.onnx.data", size_threshold=1024)
+
+
 def render(report: dict[str, Any]) -> str:
     """The report in a few lines: package, bytes, parity, latency."""
     e, lat, b = report["action_error"], report["latency_ms"], report["bytes"]
@@ -384,7 +398,8 @@ def render(report: dict[str, Any]) -> str:
     on = f"{report['frames']} dataset frames" if report["data"] else f"{report['frames']} random observations"
     return "\n".join([
         f"wrote {report['package']} ({kind}, {report['head']} head; exported in {report['export_s']} s)",
-        f"graphs: {graphs}; total {b['total'] / 2**20:.2f} MiB (checkpoint fp32 {b['checkpoint_fp32'] / 2**20:.2f} MiB)",
+        f"graphs: {graphs}; total {b['total'] / 2**20:.2f} MiB (checkpoint fp32 "
+        f"{b['checkpoint_fp32'] / 2**20:.2f} MiB)",
         f"against the checkpoint on {on}: max |error| {e['max_abs_normalized']:.3g} (normalized), cosine mean "
         f"{e['cosine_mean']:.5f} min {e['cosine_min']:.5f}",
         f"latency p50: PyTorch {lat['pytorch_p50']} ms, package {lat['package_p50']} ms ({lat['speedup_p50']}x, "
