@@ -105,6 +105,7 @@ def export_graph(region: torch.nn.Module, inputs: list[str], outputs: list[str],
     batch = torch.export.Dim("batch", min=1, max=4096)
     args = tuple(examples[k] for k in inputs)
     chatter = io.StringIO()  # the exporter prints its progress; a failure's cause is in the exception
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed" for its custom ops
     with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad(), \
             contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
         warnings.simplefilter("ignore")
