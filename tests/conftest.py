@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +43,26 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpro
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "vlaforge", *args], capture_output=True, text=True,
                           cwd=cwd or ROOT, env=env, timeout=timeout)
+
+
+@contextlib.contextmanager
+def served(path, *args: str):
+    """`vlaforge serve PATH ARGS` in a subprocess on a free port: yields its ws:// URI; SIGTERM afterwards must stop
+    it cleanly (exit code 0, "stopped")."""
+    server = subprocess.Popen([sys.executable, "-m", "vlaforge", "serve", str(path), "--port=0", *args], cwd=ROOT,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    try:
+        found = None
+        for line in server.stderr:
+            found = re.search(r"on (ws://[\d.]+:\d+)", line)
+            if found:
+                break
+        assert found, "the server did not start"
+        yield found.group(1)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        rc = server.wait(timeout=60)
+    assert rc == 0 and "stopped" in server.stderr.read()
 
 
 @pytest.fixture(autouse=True)

@@ -122,32 +122,14 @@ def test_generate_train_eval_end_to_end(tmp_path):
 def _eval_through_a_server(run, in_process: dict, tmp_path):
     """`vlaforge serve RUN` in a subprocess; `vlaforge eval --server` gives the in-process outcomes on the same
     seeds; SIGTERM stops the server with exit code 0."""
-    import os
-    import re
-    import signal
-    import subprocess
-    import sys
+    from conftest import served
 
-    from conftest import ROOT
-
-    server = subprocess.Popen([sys.executable, "-m", "vlaforge", "serve", str(run), "--port=0", "--device=cpu"],
-                              cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    try:
-        for line in server.stderr:
-            found = re.search(r"on (ws://[\d.]+:\d+)", line)
-            if found:
-                break
-        assert found, "the server did not start"
+    with served(run, "--device=cpu") as uri:
         proc = run_cli("eval", str(run), "--episodes=2", "--max-steps=6", "--workers=1", "--no-progress",
-                       "--no-video", f"--server={found.group(1)}", f"--out={tmp_path / 'remote'}", timeout=300)
+                       "--no-video", f"--server={uri}", f"--out={tmp_path / 'remote'}", timeout=300)
         assert proc.returncode == 0, proc.stderr
         remote = json.loads((tmp_path / "remote" / "report.json").read_text())
         for task, r in in_process["tasks"].items():
             assert {k: remote["tasks"][task][k] for k in ("successes", "mean_length")} == \
                 {k: r[k] for k in ("successes", "mean_length")}
-        assert remote["inference"]["options"]["server"] == found.group(1)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        rc = server.wait(timeout=60)
-    assert rc == 0 and "stopped" in server.stderr.read()
+        assert remote["inference"]["options"]["server"] == uri

@@ -6,12 +6,7 @@ client from a package."""
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,7 +15,7 @@ import torch
 from vlaforge.errors import VlaforgeError
 from vlaforge.inference.runtime import Observation, PolicyRuntime
 
-from conftest import ROOT, TINY_RECIPE, run_cli
+from conftest import TINY_RECIPE, run_cli, served
 from fake_lerobot import SIZE, write_dataset
 
 pytest.importorskip("onnxruntime")
@@ -191,26 +186,15 @@ def test_a_package_is_evaluated_and_served_like_its_checkpoint(packages, tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["inference"]["options"]["backend"] == "auto" and report["tasks"]["reach-v3"]["episodes"] == 1
-    server = subprocess.Popen([sys.executable, "-m", "vlaforge", "serve", str(package), "--backend=onnx",
-                               "--port=0", "--http-port=0"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    try:
-        for line in server.stderr:
-            found_uri = re.search(r"on ws://([\d.]+):(\d+)", line)
-            if found_uri:
-                break
-        assert found_uri, "the server did not start"
-        client = WebsocketClientPolicy(found_uri.group(1), int(found_uri.group(2)))
+    with served(package, "--backend=onnx", "--http-port=0") as uri:
+        host, port = uri.removeprefix("ws://").split(":")
+        client = WebsocketClientPolicy(host, int(port))
         assert client.get_server_metadata()["backend"] == "onnx"
         reference = PolicyRuntime.load(run, device="cpu")
         std = np.asarray(reference.spec.action_std)
         for obs in _episode(3, seed=5):
             reply = client.infer(wire_observation(obs))
             assert np.abs((reply["actions"] - reference.predict(obs).actions) / std).max() <= TOL
-    finally:
-        server.send_signal(signal.SIGTERM)
-        rc = server.wait(timeout=60)
-    assert rc == 0
 
 
 def test_an_executorch_package_predicts_what_its_checkpoint_predicts(packages):
