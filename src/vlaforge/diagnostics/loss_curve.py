@@ -26,7 +26,7 @@ LEVEL_WINDOW = 9  # previous logged values whose median is the level (odd: a tra
 NOISE_WINDOW = 201  # previous residuals whose median absolute value is the noise
 REL_FLOOR = 0.01  # the noise scale is at least 1% of the level (a flat curve has MAD 0)
 RISE = 0.5  # divergence: the smoothed loss 50% above its best so far ...
-RISE_SUSTAIN = 3  # ... for this many logged values, up to the last
+RISE_SUSTAIN = 3  # ... for this many logged values (2% of them on a long curve), up to the last
 INSTABILITY = 4.0  # a blow-up: the smoothed loss this many times its best so far, then back
 STUCK_MIN_POINTS = 10
 LR_RATIO = 50.0
@@ -128,10 +128,11 @@ def divergence(series: Series, name: str) -> list[Finding]:
     steps, x = series.steps[finite], series.values[finite]
     if len(x) < 2 * RISE_SUSTAIN + 2 or np.any(x <= 0):
         return []
-    smooth = trailing_median(x, 5)
+    span = max(RISE_SUSTAIN, len(x) // 50)  # a long, noisy curve needs a longer median and a longer rise
+    smooth = trailing_median(x, 2 * (span // 2) + 3)
     best = np.minimum.accumulate(smooth)
     above = smooth > best * (1 + RISE)
-    if not above[-RISE_SUSTAIN:].all():
+    if not above[-span:].all():
         return []
     start = len(above) - int(np.argmax(~above[::-1])) if not above.all() else 0
     turn = int(np.argmin(smooth[:max(start, 1)]))
