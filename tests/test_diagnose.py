@@ -203,3 +203,39 @@ def test_the_html_report_renders_its_plots_in_a_headless_browser(healthy, tmp_pa
     # cover at least the plots' height
     drawn = ((image < 200).sum(axis=1) >= 2).sum()
     assert drawn >= 0.8 * 300 * len(pngs), (drawn, len(pngs))
+
+
+def test_memory_steps_match_the_planner_per_component_and_a_gap_is_named(tmp_path, monkeypatch):
+    run = _train_in_process(tmp_path, monkeypatch, "mem", diagnostics={"memory_steps": [3]})
+    report = diagnose_signals(read_signals(run))
+    memory = report["planner"]["memory"]
+    assert memory["step"] == 3 and not [f for f in report["findings"] if f["kind"] == "memory_model_gap"]
+    for part, row in memory["per_component"].items():  # the accounting and the planner agree on this config
+        assert row["measured_gb"] == pytest.approx(row["predicted_gb"], rel=0.02), part
+    parts = {p: r["measured_gb"] for p, r in memory["per_component"].items()}
+    component, kind = max(parts, key=parts.get).split("/")
+    assert memory["biggest"] == f"{component} {kind}"  # the largest part, and the lever for that kind
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:  # memory the planner does not know about: three times the LLM's activations
+        if "memory/llm/activations_gb" in r:
+            r["memory/llm/activations_gb"] *= 3
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (f,) = [f for f in diagnose_signals(read_signals(run))["findings"] if f["kind"] == "memory_model_gap"]
+    assert f["subject"] == "llm" and f["steps"] == [3, 3]
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_record_traces_communication_and_their_step_time_spread(tmp_path):
+    from launch import train_distributed
+
+    run = tmp_path / "ddp"
+    train_distributed(run, "--parallel.backend=ddp", "--parallel.dp_replicate=2", "--train.steps=4",
+                      "--diagnostics.profile_steps=[3]")
+    assert sorted(p.name for p in (run / "traces").iterdir()) == ["step_00000003_rank_0.json",
+                                                                  "step_00000003_rank_1.json"]
+    signals = read_signals(run)
+    share = signals.get("perf/comm_share")
+    assert list(share.steps) == [3] and 0 < share.values[0] < 1  # gloo's all-reduces are in the trace
+    assert 0 <= signals.get("perf/comm_overlap").values[0] <= 1
+    hi, lo = signals.get("perf/step_s_rank_max"), signals.get("perf/step_s_rank_min")
+    assert len(hi) == 4 and np.all(hi.values >= lo.values) and set(signals.get("perf/slowest_rank").values) <= {0, 1}

@@ -380,6 +380,27 @@ class NumericsConfig(Section):
                                                  "sync per step)")
 
 
+class DiagnosticsConfig(Section):
+    """What the trainer records for `vlaforge diagnose` beyond its per-window metrics (training/recorder.py)."""
+
+    memory_steps: list[int] = Field(default_factory=list, description="steps whose memory is logged per component "
+                                                                      "and kind (params, grads, optimizer, "
+                                                                      "activations; on CUDA the peak and the rest)")
+    profile_steps: list[int] = Field(default_factory=list, description="steps traced with torch.profiler "
+                                                                       "(RUN/traces/, Chrome format) and read for "
+                                                                       "the communication share and overlap")
+    oom_snapshot: bool = Field(True, description="CUDA: record the allocator's history and dump "
+                                                 "RUN/oom_snapshot.pickle (pytorch.org/memory_viz) when a step runs "
+                                                 "out of memory")
+
+    @field_validator("memory_steps", "profile_steps")
+    @classmethod
+    def _positive_steps(cls, v: list[int]) -> list[int]:
+        if any(s < 1 for s in v):
+            raise ValueError("steps count from 1 (the step number metrics.jsonl logs)")
+        return sorted(set(v))
+
+
 class TrainConfig(Section):
     @model_validator(mode="after")
     def _sync_keeps_the_math(self) -> "TrainConfig":
@@ -436,7 +457,7 @@ class TrainConfig(Section):
 
 class VLAConfig(Section):
     """A whole run: `[model]`, `[components.*]`, `[loss]`, `[parallel]`, `[data]`, `[train]`, `[loss_scale]`,
-    `[numerics]`, `[eval]`."""
+    `[numerics]`, `[eval]`, `[diagnostics]`."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     components: ComponentsConfig = Field(default_factory=ComponentsConfig)
@@ -447,6 +468,7 @@ class VLAConfig(Section):
     loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig)
     numerics: NumericsConfig = Field(default_factory=NumericsConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "VLAConfig":

@@ -1,7 +1,9 @@
-"""Throughput and memory findings: data-loader stalls (`perf/data_s` against `perf/step_s`), straggler ranks
-(`perf/step_s_rank_max` / `_min`, logged under torchrun), the achieved step time against the planner's prediction for
-the same config (a finding above a 30% gap, once the planner is calibrated for the hardware: uncalibrated, the gap is
-shown, not judged), and the measured CUDA peak against the planner's memory with the biggest lever named."""
+"""Throughput, communication and memory findings: data-loader stalls (`perf/data_s` against `perf/step_s`), straggler
+ranks (`perf/step_s_rank_max` / `_min`, logged under torchrun), the communication share and overlap of profiled steps
+(`[diagnostics] profile_steps`), the achieved step time against the planner's prediction for the same config (a
+finding above a 30% gap, once the planner is calibrated for the hardware: uncalibrated, the gap is shown, not judged),
+memory per component and kind (`[diagnostics] memory_steps`) and the CUDA peak against the planner's, with the
+biggest lever named."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ DATA_SHARE = 0.2  # the step waits for data more than 20% of the time
 STRAGGLER = 1.2  # the slowest rank's step time over the fastest's
 PLAN_GAP = 0.3  # achieved vs predicted step time
 MEMORY_GAP = 0.3
+COMM_SHARE = 0.3  # communication during more than 30% of a profiled step
 
 LEVERS = {"activations": "activation checkpointing (components.<c>.checkpointing = 'selective' or 'full') or "
                          "activation offload",
@@ -96,7 +99,7 @@ def planner_gap(signals: RunSignals, gpu: str | None, calibration: str | None) -
                             "gap": gap, "calibration": source, "predicted_memory_gb": est.memory,
                             "predicted_time_s": est.time_s}
     peak = signals.get("perf/peak_gb")
-    out = []
+    out = memory_breakdown(signals, est, info)
     if peak is not None:
         info["measured_peak_gb"] = float(np.max(peak.values))
         out += _memory(info, est)
@@ -116,6 +119,54 @@ def planner_gap(signals: RunSignals, gpu: str | None, calibration: str | None) -
     return out, info
 
 
+def measured_memory(signals: RunSignals) -> tuple[int, dict[str, dict[str, float]]] | None:
+    """The last `[diagnostics] memory_steps` record: (step, {component: {kind: GB}})."""
+    keys = [k for k in signals.keys("memory/") if k.count("/") == 2]
+    if not keys:
+        return None
+    step = int(max(signals.series[k].steps[-1] for k in keys))
+    out: dict[str, dict[str, float]] = {}
+    for k in keys:
+        s = signals.series[k]
+        if s.steps[-1] == step:
+            _, comp, kind = k.split("/")
+            out.setdefault(comp, {})[kind.removesuffix("_gb")] = float(s.values[-1])
+    return step, out
+
+
+def memory_breakdown(signals: RunSignals, est, info: dict[str, Any]) -> list[Finding]:
+    """Measured memory per component and kind against the planner's for the same config; the biggest lever."""
+    found = measured_memory(signals)
+    if found is None:
+        return []
+    step, measured = found
+    rows, gaps = {}, []
+    total = sum(v for kinds in measured.values() for v in kinds.values()) or 1e-30
+    for comp, kinds in measured.items():
+        for kind, gb in kinds.items():
+            predicted = est.by_component.get(comp, {}).get(kind)
+            rows[f"{comp}/{kind}"] = {"measured_gb": gb, "predicted_gb": predicted}
+            if predicted is not None and gb > 0.01 * total and abs(gb / max(predicted, 1e-30) - 1) > MEMORY_GAP:
+                gaps.append((comp, kind, gb, predicted))
+    by_kind = {k: sum(kinds.get(k, 0.0) for kinds in measured.values()) for k in LEVERS}
+    biggest = max(by_kind, key=by_kind.get)
+    top_comp = max(measured, key=lambda c: measured[c].get(biggest, 0.0))
+    info["memory"] = {"step": step, "per_component": rows, "biggest": f"{top_comp} {biggest}",
+                      "lever": LEVERS[biggest].replace("<c>", top_comp)}
+    if not gaps:
+        return []
+    worst = max(gaps, key=lambda g: abs(g[2] / max(g[3], 1e-30) - 1))
+    return [Finding(
+        "memory_model_gap", "info", f"at step {step}, {len(gaps)} component part(s) differ from the planner by more "
+        f"than 30%, most {worst[0]} {worst[1]}: {worst[2]:.3g} GB measured, {worst[3]:.3g} GB predicted",
+        (step, step), {"gaps": [{"component": c, "kind": k, "measured_gb": m, "predicted_gb": p}
+                                for c, k, m, p in gaps], "biggest": info["memory"]["biggest"]},
+        ["memory the planner does not model (a technique's buffers, allocator caching, a second copy)",
+         "a config the planner reads differently from the trainer (report it)"],
+        [f"the biggest lever here: {info['memory']['lever']}", "plan with the measured numbers: vlaforge plan "
+         "--measure"], subject=worst[0], score=float(len(gaps)))]
+
+
 def _memory(info: dict[str, Any], est) -> list[Finding]:
     measured, predicted = info["measured_peak_gb"], est.memory["total"]
     parts = {k: est.memory[k] for k in LEVERS if k in est.memory}
@@ -133,7 +184,28 @@ def _memory(info: dict[str, Any], est) -> list[Finding]:
         score=measured / predicted)]
 
 
+def communication(signals: RunSignals) -> list[Finding]:
+    """The communication share of the profiled steps (`[diagnostics] profile_steps`) and its overlap."""
+    share, overlap = signals.get("perf/comm_share"), signals.get("perf/comm_overlap")
+    if share is None or float(np.max(share.values)) <= COMM_SHARE:
+        return []
+    worst = int(np.argmax(share.values))
+    over = float(overlap.values[min(worst, len(overlap) - 1)]) if overlap is not None else None
+    hidden = f", {over:.0%} of it overlapped by computation" if over is not None else ""
+    return [Finding(
+        "communication_bound", "warning", f"communication takes {share.values[worst]:.0%} of profiled step "
+        f"{share.steps[worst]}{hidden}", (int(share.steps[0]), int(share.steps[-1])),
+        {"comm_share": float(share.values[worst]), "comm_overlap": over, "traces": "RUN/traces/"},
+        ["too little work per collective (a small micro-batch for the model size)",
+         "collectives not overlapped with computation (FSDP2 prefetch off, blocking all-reduce)",
+         "a slow link between the ranks (sharding across nodes)"],
+        ["raise train.batch_size or train.grad_accum with train.sync_every = 0 (reduce once per step)",
+         "shard within a node and replicate across nodes (parallel.dp_replicate = nodes, dp_shard = GPUs per node)",
+         "open the trace (chrome://tracing or ui.perfetto.dev) and look for gaps around the collectives"],
+        score=float(share.values[worst]))]
+
+
 def throughput_findings(signals: RunSignals, gpu: str | None = None, calibration: str | None = None
                         ) -> tuple[list[Finding], dict]:
     gap, info = planner_gap(signals, gpu, calibration)
-    return data_stall(signals) + stragglers(signals) + gap, info
+    return data_stall(signals) + stragglers(signals) + communication(signals) + gap, info

@@ -233,7 +233,8 @@ def lr_ratio(signals: RunSignals) -> list[Finding]:
         return []
     hi, lo = max(peaks, key=peaks.get), min(peaks, key=peaks.get)
     ratio = peaks[hi] / peaks[lo]
-    if ratio <= LR_RATIO:
+    limit = signals.cfg.train.lr_ratio_warning if signals.cfg is not None else LR_RATIO  # the trainer's warning
+    if ratio <= limit:
         return []
     return [Finding(
         "lr_ratio", "warning", f"components.{hi}'s learning rate peaks at {ratio:.0f}x components.{lo}'s "

@@ -35,6 +35,7 @@ from vlaforge.techniques.precision import PrecisionSetup
 from vlaforge.training import checkpoint as ckpt
 from vlaforge.training.metrics import MetricsLogger, to_floats
 from vlaforge.training.optim import build_optimizer, build_param_groups, build_scheduler
+from vlaforge.training.recorder import oom_snapshot, recorded_step
 from vlaforge.training.loss_scale import LossScaler
 from vlaforge.training.memory_check import check_memory, memory_errors
 from vlaforge.training.step import DeepSpeedExecutor, Executor, LocalExecutor, StepGuards, train_step
@@ -304,55 +305,60 @@ def _train(cfg: VLAConfig, evaluate: Evaluator | None) -> dict[str, float]:
     last: dict[str, float] = {}
     window_start, window_steps = time.perf_counter(), 0
     busy = {"data": 0.0, "step": 0.0}  # seconds of the window waiting for batches / in train_step
-    with progress_bar(show, "train", t.steps, run.start_step) as advance:
-        for step in range(run.start_step, t.steps):
-            if step in changes:
-                apply_freezing(run.model, policies, step)
-            t0 = time.perf_counter()
-            micro = [next(batches).to(run.device, non_blocking=True) for _ in range(t.grad_accum)]
-            t1 = time.perf_counter()
-            if step == run.start_step:
-                micro[0].validate()  # the data contract, checked once with a readable error
-            run.guards.step = step
-            metrics = train_step(run.model, micro, run.optimizer, run.scheduler, run.weighting, t.grad_clip,
-                                 run.guards, run.executor)
-            if run.device.type == "cuda":
-                torch.cuda.synchronize(run.device)  # the step's kernels, not their launches, are timed
-            busy["data"], busy["step"] = busy["data"] + t1 - t0, busy["step"] + time.perf_counter() - t1
-            window_steps += 1
-            done = step + 1
-            numerics = {k: v for k, v in metrics.items() if k.startswith("numerics/")}
-            if numerics and logger and not (done % t.log_every == 0 or done == t.steps):
-                logger.log(done, to_floats(numerics))
-            if done % t.log_every == 0 or done == t.steps:
-                if run.guards.reducer is not None:  # every rank's losses, averaged (a collective: all ranks)
-                    metrics = run.guards.reducer.mean_over_ranks(metrics)
-                elapsed = time.perf_counter() - window_start
-                samples = window_steps * global_batch(cfg, run.dims)
-                last = {**to_floats(metrics), **group_lrs(run.optimizer), "perf/samples_per_s": samples / elapsed,
-                        "perf/tokens_per_s": samples * run.tokens_per_sample / elapsed,
-                        # per optimizer step: compute (`vlaforge plan --calibrate` reads it) and data wait
-                        "perf/step_s": busy["step"] / window_steps, "perf/data_s": busy["data"] / window_steps,
-                        "perf/world_size": float(run.world.size)}
-                if run.guards.reducer is not None:  # stragglers: every rank's own step time (vlaforge diagnose)
-                    hi, lo, slowest = run.guards.reducer.spread(busy["step"] / window_steps, run.device)
-                    last |= {"perf/step_s_rank_max": hi, "perf/step_s_rank_min": lo, "perf/slowest_rank": slowest}
-                if run.device.type == "cuda":  # this rank's peak, for `plan --calibrate`'s memory comparison
-                    last["perf/peak_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
-                if logger:
-                    logger.log(done, last)
-                window_start, window_steps = time.perf_counter(), 0
-                busy = {"data": 0.0, "step": 0.0}
-            evaluate_now = cfg.eval.every and done % cfg.eval.every == 0
-            if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or evaluate_now:
-                path = save(run, done)
-                if evaluate_now and main:
-                    scores = run.evaluate(path)
-                    logger.log(done, scores)
-                    last |= scores
-                if evaluate_now and run.dims.distributed:
-                    torch.distributed.barrier()  # the other ranks wait for rank 0's rollouts
-            advance(f"loss {last['loss/total']:.4f}" if last else "")
+    with oom_snapshot(cfg, run.device, run.run_dir):
+        with progress_bar(show, "train", t.steps, run.start_step) as advance:
+            for step in range(run.start_step, t.steps):
+                if step in changes:
+                    apply_freezing(run.model, policies, step)
+                t0 = time.perf_counter()
+                micro = [next(batches).to(run.device, non_blocking=True) for _ in range(t.grad_accum)]
+                t1 = time.perf_counter()
+                if step == run.start_step:
+                    micro[0].validate()  # the data contract, checked once with a readable error
+                run.guards.step = step
+                with recorded_step(cfg, step + 1, run.model, run.optimizer, run.device, run.run_dir,
+                                   run.world.rank) as recorded:
+                    metrics = train_step(run.model, micro, run.optimizer, run.scheduler, run.weighting, t.grad_clip,
+                                         run.guards, run.executor)
+                if run.device.type == "cuda":
+                    torch.cuda.synchronize(run.device)  # the step's kernels, not their launches, are timed
+                busy["data"], busy["step"] = busy["data"] + t1 - t0, busy["step"] + time.perf_counter() - t1
+                window_steps += 1
+                done = step + 1
+                if recorded and logger:
+                    logger.log(done, recorded)
+                numerics = {k: v for k, v in metrics.items() if k.startswith("numerics/")}
+                if numerics and logger and not (done % t.log_every == 0 or done == t.steps):
+                    logger.log(done, to_floats(numerics))
+                if done % t.log_every == 0 or done == t.steps:
+                    if run.guards.reducer is not None:  # every rank's losses, averaged (a collective: all ranks)
+                        metrics = run.guards.reducer.mean_over_ranks(metrics)
+                    elapsed = time.perf_counter() - window_start
+                    samples = window_steps * global_batch(cfg, run.dims)
+                    last = {**to_floats(metrics), **group_lrs(run.optimizer), "perf/samples_per_s": samples / elapsed,
+                            "perf/tokens_per_s": samples * run.tokens_per_sample / elapsed,
+                            # per optimizer step: compute (`vlaforge plan --calibrate` reads it) and data wait
+                            "perf/step_s": busy["step"] / window_steps, "perf/data_s": busy["data"] / window_steps,
+                            "perf/world_size": float(run.world.size)}
+                    if run.guards.reducer is not None:  # stragglers: every rank's own step time (vlaforge diagnose)
+                        hi, lo, slowest = run.guards.reducer.spread(busy["step"] / window_steps, run.device)
+                        last |= {"perf/step_s_rank_max": hi, "perf/step_s_rank_min": lo, "perf/slowest_rank": slowest}
+                    if run.device.type == "cuda":  # this rank's peak, for `plan --calibrate`'s memory comparison
+                        last["perf/peak_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
+                    if logger:
+                        logger.log(done, last)
+                    window_start, window_steps = time.perf_counter(), 0
+                    busy = {"data": 0.0, "step": 0.0}
+                evaluate_now = cfg.eval.every and done % cfg.eval.every == 0
+                if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or evaluate_now:
+                    path = save(run, done)
+                    if evaluate_now and main:
+                        scores = run.evaluate(path)
+                        logger.log(done, scores)
+                        last |= scores
+                    if evaluate_now and run.dims.distributed:
+                        torch.distributed.barrier()  # the other ranks wait for rank 0's rollouts
+                advance(f"loss {last['loss/total']:.4f}" if last else "")
     if logger:
         logger.close()
     if torch.distributed.is_initialized():
