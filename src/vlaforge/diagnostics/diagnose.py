@@ -38,6 +38,20 @@ def summary(signals: RunSignals) -> dict[str, Any]:
         v = signals.series[key].values
         finite = v[np.isfinite(v)]
         out["losses"][key.removeprefix("loss/")] = float(finite[-1]) if len(finite) else None
+    llm = signals.get("grad_norm/llm")
+    if llm is not None:  # each component's gradient norm over the LLM's, first and last quarter (medians)
+        ratios = {}
+        for key in signals.keys("grad_norm/"):
+            comp = key.removeprefix("grad_norm/")
+            if comp in ("llm", "total"):
+                continue
+            steps, ia, ib = np.intersect1d(signals.series[key].steps, llm.steps, return_indices=True)
+            r = signals.series[key].values[ia] / np.where(llm.values[ib] > 0, llm.values[ib], np.nan)
+            q = max(len(r) // 4, 1)
+            if len(r):
+                ratios[comp] = {"first_quarter": float(np.nanmedian(r[:q])), "last_quarter": float(np.nanmedian(
+                    r[-q:]))}
+        out["grad_norm_ratio_to_llm"] = ratios
     for key in ("perf/step_s", "perf/data_s", "perf/tokens_per_s"):
         s = signals.get(key)
         if s is not None:
