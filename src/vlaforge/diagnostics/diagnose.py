@@ -82,23 +82,38 @@ def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 def render(report: dict[str, Any]) -> str:
-    """The terminal summary: checklist first, then each finding in one block."""
+    """The terminal summary: the checklist, a table of the findings, then each finding's likely cause and fixes."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
     lines = [f"{report['run']}: {len(report['findings'])} finding(s) over {report['last_step']} steps"]
     if report["checklist"]:
         lines.append("first things to try:")
         lines += [f"  {i}. {fix}" for i, fix in enumerate(report["checklist"], 1)]
     else:
         lines.append("nothing to fix: no spikes, divergence, numerics trouble or stalls found")
-    for f in report["findings"]:
-        where = f" [steps {f['steps'][0]}-{f['steps'][1]}]" if f["steps"] else ""
-        lines.append(f"- {f['severity'].upper()} {f['kind']}{where}: {f['title']}")
-        if f["causes"]:
-            lines.append(f"    likely: {f['causes'][0]}")
-        lines += [f"    try: {fix}" for fix in f["fixes"][:2]]
+    if report["findings"]:
+        table = Table(title_justify="left")
+        for col in ("#", "severity", "kind", "steps", "finding"):
+            table.add_column(col, overflow="fold")
+        for i, f in enumerate(report["findings"], 1):
+            table.add_row(str(i), f["severity"], f["kind"], f"{f['steps'][0]}-{f['steps'][1]}" if f["steps"] else "",
+                          f["title"])
+        buf = io.StringIO()
+        Console(file=buf, width=140, force_terminal=False, color_system=None).print(table)
+        lines.append(buf.getvalue().rstrip())
+        for i, f in enumerate(report["findings"], 1):
+            lines.append(f"{i}. likely: {f['causes'][0]}" if f["causes"] else f"{i}.")
+            lines += [f"   try: {fix}" for fix in f["fixes"][:2]]
     plan = report.get("planner") or {}
     if "predicted_step_s" in plan:
         lines.append(f"step time: measured {plan['measured_step_s']:.4g} s, planner {plan['predicted_step_s']:.4g} s "
                      f"on {plan['gpu']} ({plan['gap']:+.0%}; {plan['calibration'] or 'uncalibrated'})")
+    if "memory" in plan:
+        lines.append(f"memory at step {plan['memory']['step']}: the biggest part is {plan['memory']['biggest']}; "
+                     f"lever: {plan['memory']['lever']}")
     if "compare" in report:
         c = report["compare"]
         lines.append(f"compared with {c['run']}: {len(c['findings'])} finding(s); B/A " +
