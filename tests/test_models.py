@@ -150,3 +150,30 @@ def test_prediction_path_equals_the_training_forward(tmp_path):
         no_mask = model.actions_from_tokens(tokens, batch.instruction_ids, None, batch.state)
         torch.testing.assert_close(no_mask, model.actions_from_tokens(tokens, batch.instruction_ids, full,
                                                                       batch.state), atol=1e-5, rtol=1e-5)
+
+
+def test_a_conv_stem_replaces_only_the_patch_embedding_and_ends_on_the_same_grid():
+    from vlaforge.models.vision import ConvStem
+
+    patch, conv = (build_vla(tiny_config(model={"vision_stem": s}).model) for s in ("patch", "conv"))
+    stem = conv.vision.embeddings.patch_embedding
+    assert isinstance(stem, ConvStem) and len([m for m in stem.stages if isinstance(m, torch.nn.Conv2d)]) == 4
+    names = lambda m: {n for n, _ in m.vision.named_parameters() if "patch_embedding" not in n}  # noqa: E731
+    assert names(patch) == names(conv)  # the SigLIP tower's names, loading and FSDP units are unchanged
+    pixels = torch.rand(3, 3, patch.layout.image_size, patch.layout.image_size)
+    a, b = patch.encode_frames(pixels), conv.encode_frames(pixels)
+    assert a.shape == b.shape and conv.layout.patches_per_frame == patch.layout.patches_per_frame
+    b.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in stem.parameters())
+    counts = parameter_counts(conv)["vision"] - parameter_counts(patch)["vision"]
+    assert counts == sum(p.numel() for p in stem.parameters()) - sum(
+        p.numel() for p in patch.vision.embeddings.patch_embedding.parameters())
+
+
+def test_a_conv_stem_is_refused_where_it_cannot_apply():
+    from vlaforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="a pretrained tower keeps its own"):
+        load_config(None, ["--model.vision_stem=conv", "--model.vision.pretrained=/a"])
+    with pytest.raises(ConfigError, match="power of 2, not 12"):
+        load_config(None, ["--model.vision_stem=conv", "--model.image_size=48", "--model.patch_size=12"])

@@ -148,6 +148,31 @@ def test_block_activation_bytes_equal_the_fake_tensor_accounting(flavor, seq, pr
         assert got["0"] == want + once_bytes(shape, batch, length, strategy), comp
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_conv_stem_s_activation_bytes_equal_the_accounting(precision):
+    """model.vision_stem = 'conv': the planner's vision bytes (the stem's stages included) equal what autograd keeps
+    on the real modules (fake tensors), byte for byte."""
+    from vlaforge.planner.activations import model_activation_bytes
+    from vlaforge.techniques import accounting as memory
+    from vlaforge.models.build import fake_build, synthetic_batch
+    from vlaforge.training.trainer import build_model
+
+    comps = {c: {"precision": precision} for c in COMPONENTS}
+    got = {}
+    for stem in ("patch", "conv"):
+        cfg = tiny_config(model={"vision_stem": stem}, components=comps)
+        with fake_build():
+            model, _ = build_model(cfg, torch.device("cpu"))
+            batch = synthetic_batch(cfg, model, 2)
+            with memory.count_saved(model) as acc:
+                model.compute_loss(batch)
+        want = model_activation_bytes(model, sequence_of(model, batch), dict(cfg.components.items()),
+                                      model.objective.active("contrastive"))
+        got[stem] = acc.per_component()["vision"]
+        assert got[stem] == want["vision"], stem
+    assert got["conv"] > got["patch"]  # the stem's feature maps
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("flavor", ["tiny", "small", "vla-7b", "vla-30b", "vla-70b"])
 @pytest.mark.parametrize("frames", [1, 4])
@@ -189,7 +214,8 @@ def _counted_flops(flavor: str, seq: int | None, components: dict):
             loss, _ = model.compute_loss(batch)
         with FlopCounterMode(display=False) as backward:
             loss.backward()
-    return model, sequence_of(model, batch), dict(cfg.components.items()), forward.get_total_flops(), backward.get_total_flops()
+    return (model, sequence_of(model, batch), dict(cfg.components.items()), forward.get_total_flops(),
+            backward.get_total_flops())
 
 
 @pytest.mark.parametrize("flavor, seq, components", [

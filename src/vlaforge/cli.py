@@ -428,11 +428,12 @@ def config_show(ctx: typer.Context, config: Optional[Path] = typer.Argument(None
 
 @model_app.command("summary")
 def model_summary(flavor: str = typer.Argument(..., help="tiny | small | vla-7b | vla-30b | vla-70b"),
+                  vision_stem: str = typer.Option("patch", help="model.vision_stem: patch or conv"),
                   as_json: bool = typer.Option(False, "--json", help="print JSON")):
     """Parameters and bytes per component, built on fake tensors (no weights allocated)."""
     from vlaforge.models.summary import render_summary, summarize
 
-    summary = summarize(flavor)
+    summary = summarize(flavor, vision_stem)
     typer.echo(json.dumps(summary, indent=2) if as_json else render_summary(summary))
 
 

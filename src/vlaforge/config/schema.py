@@ -78,6 +78,10 @@ class ModelConfig(Section):
     patch_size: int | None = Field(None, ge=2, description="vision patch size of a tower built from the flavor "
                                                            "(smaller: finer localization, more tokens); None "
                                                            "takes the flavor's")
+    vision_stem: Literal["patch", "conv"] = Field(
+        "patch", description="a vision tower built from the flavor embeds patches with one strided convolution "
+                             "(patch) or with a stack of stride-2 3x3 convolutions ending on the same patch grid "
+                             "(conv: 'early convolutions', Xiao et al. 2021; needs a power-of-2 patch size)")
     action_chunk: int = Field(8, ge=1, le=MAX_TOKENS, description="T: actions predicted per step")
     action_dim: Dim | Auto = Field(4, description="'auto' (the default with data.source = 'lerobot'): the "
                                                   "dataset's action size")
@@ -101,6 +105,9 @@ class ModelConfig(Section):
         if self.patch_size is not None and self.vision.pretrained:
             raise ValueError("model.patch_size cannot change a pretrained vision tower; drop it or "
                              "model.vision.pretrained")
+        if self.vision_stem == "conv" and self.vision.pretrained:
+            raise ValueError("model.vision_stem = 'conv' replaces the patch embedding of a tower trained from "
+                             "scratch; a pretrained tower keeps its own: drop one of the two")
         if not self.vision.pretrained:  # a pretrained tower's patch size is checked when it is loaded
             from vlaforge.config.flavors import FLAVORS
 
@@ -111,6 +118,9 @@ class ModelConfig(Section):
             if size % patch:
                 raise ValueError(f"the image size {size} is not a multiple of the patch size {patch}; set "
                                  f"model.image_size to a multiple such as {max(patch, size - size % patch)}")
+            if self.vision_stem == "conv" and patch & (patch - 1):
+                raise ValueError(f"model.vision_stem = 'conv' halves the image per convolution down to the patch "
+                                 f"grid, so the patch size must be a power of 2, not {patch}; set model.patch_size")
         return self
 
     @property

@@ -5,8 +5,9 @@ from __future__ import annotations
 from vlaforge import COMPONENTS
 
 
-def summarize(flavor: str) -> dict:
-    """{'flavor', 'components': {name: {'params', 'fp32_bytes', 'bf16_bytes', 'nominal_params'?}}, 'total'}."""
+def summarize(flavor: str, vision_stem: str = "patch") -> dict:
+    """{'flavor', 'components': {name: {'params', 'fp32_bytes', 'bf16_bytes', 'nominal_params'?}}, 'total'};
+    `vision_stem`: model.vision_stem (a conv stem has more vision parameters than a patch embedding)."""
     from vlaforge.config.schema import ModelConfig
     from vlaforge.errors import VlaforgeError
     from vlaforge.models.build import build_vla, parameter_counts
@@ -15,14 +16,20 @@ def summarize(flavor: str) -> dict:
     if flavor not in FLAVORS:
         raise VlaforgeError(FLAVORS.unknown_message(flavor))
     spec = FLAVORS.get(flavor)
-    counts = parameter_counts(build_vla(ModelConfig(flavor=flavor), fake=True))
+    try:
+        model_cfg = ModelConfig(flavor=flavor, vision_stem=vision_stem)
+    except ValueError as exc:  # pydantic's ValidationError: the stem does not fit the flavor
+        from vlaforge.config.loading import format_validation_error
+
+        raise VlaforgeError(format_validation_error(exc)) from None
+    counts = parameter_counts(build_vla(model_cfg, fake=True))
     rows = {}
     for name in (*COMPONENTS, "total"):
         row = {"params": counts[name], "fp32_bytes": 4 * counts[name], "bf16_bytes": 2 * counts[name]}
         if name in spec.nominal_params:
             row["nominal_params"] = int(spec.nominal_params[name])
         rows[name] = row
-    return {"flavor": flavor, "description": spec.description, "components": rows}
+    return {"flavor": flavor, "vision_stem": vision_stem, "description": spec.description, "components": rows}
 
 
 def render_summary(summary: dict) -> str:

@@ -8,9 +8,35 @@ from vlaforge.config.flavors import Flavor
 from vlaforge.models.hf_loading import load_pretrained
 
 
+class ConvStem(nn.Module):
+    """Early convolutions (Xiao et al. 2021, "Early convolutions help transformers see better"): stride-2 3x3
+    convolutions, each with GroupNorm and GELU, channels doubling up to the tower's width, then a 1x1 projection -
+    in place of a SigLIP tower's patch embedding, ending on the same patch grid, so the tower stays a `transformers`
+    SigLIP (names, loading, FSDP units and checkpointing unchanged)."""
+
+    def __init__(self, in_channels: int, width: int, patch: int):
+        super().__init__()
+        stages = patch.bit_length() - 1  # patch = 2 ** stages
+        chans = [max(8, width >> (stages - i)) for i in range(1, stages + 1)]
+        layers, prev = [], in_channels
+        for c in chans:
+            layers += [nn.Conv2d(prev, c, 3, stride=2, padding=1, bias=False), nn.GroupNorm(min(8, c), c), nn.GELU()]
+            prev = c
+        self.stages = nn.Sequential(*layers)
+        self.proj = nn.Conv2d(prev, width, 1)
+
+    @property
+    def weight(self):  # SigLIP casts the pixels to its patch embedding's weight dtype
+        return self.proj.weight
+
+    def forward(self, pixels):
+        return self.proj(self.stages(pixels))
+
+
 def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
-                 patch_size: int | None = None) -> nn.Module:
-    """SigLIP vision tower without its pooling head (the VLA uses every patch token)."""
+                 patch_size: int | None = None, stem: str = "patch") -> nn.Module:
+    """SigLIP vision tower without its pooling head (the VLA uses every patch token); `stem` 'conv' swaps its patch
+    embedding for a `ConvStem` (towers built from scratch only)."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     if pretrained:
@@ -27,7 +53,10 @@ def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
     if patch_size is not None:
         kwargs["patch_size"] = patch_size
     config = SiglipVisionConfig(vision_use_head=False, attn_implementation="sdpa", **kwargs)
-    return SiglipVisionModel(config)
+    model = SiglipVisionModel(config)
+    if stem == "conv":
+        model.embeddings.patch_embedding = ConvStem(config.num_channels, config.hidden_size, config.patch_size)
+    return model
 
 
 def vision_blocks(vision: nn.Module) -> nn.ModuleList:

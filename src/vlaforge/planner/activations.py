@@ -147,7 +147,8 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     and FFN columns' share (the norms' and projections' inputs stay whole: no sequence parallel); under context
     parallel `cp` it holds its 1 / cp share of the padded layout and no mask (the layout is compacted). The vision
     tower, projector and heads are replicated (every tp / cp rank computes them whole). `sequence_parallel`:
-    Megatron SP inside the tp group (`block_bytes`'s `sp`). `allgather`: the all-gather cp method, whose ranks keep the whole K/V of every block. `zigzag`: the ring's
+    Megatron SP inside the tp group (`block_bytes`'s `sp`). `allgather`: the all-gather cp method, whose ranks keep
+    the whole K/V of every block. `zigzag`: the ring's
     layout, padded to a multiple of 2 x cp tokens (the other methods pad to a multiple of cp)."""
     vis, llm = model.vision.config, model.llm.config
     b, s = seq.batch, seq.llm_tokens
@@ -164,6 +165,7 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     out["vision"] = (vis.num_hidden_layers * block_bytes(vshape, images, seq.patches, policies["vision"].precision,
                                                          strat["vision"])
                      + c["vision"] * images * 3 * seq.image_size ** 2  # pixels, cast for the patch conv
+                     + conv_stem_bytes(model.vision, images, seq.image_size, c["vision"])
                      + 8 * seq.patches  # position ids
                      + (4 * vshape.hidden + 8) * tv)  # post-LayerNorm
     hp = model.projector.mlp[0].out_features
@@ -194,6 +196,26 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
         other += 6 * 4 * b * D  # pooled, normalized embeddings and their products (fp32)
     out["other"] = other
     return out
+
+
+def conv_stem_bytes(vision, images: int, image_size: int, cb: int) -> int:
+    """What a conv stem (`models.vision.ConvStem`, model.vision_stem = 'conv') saves beyond the pixels: per stage
+    the GroupNorm's input, the GELU's input and the next convolution's input (the GELU's output), each the stage's
+    channels x its (halved) grid, plus the GroupNorm's mean and rstd per group; 0 for a patch embedding."""
+    from torch import nn
+
+    stem = getattr(getattr(vision, "embeddings", None), "patch_embedding", None)
+    stages = getattr(stem, "stages", None)
+    if stages is None:
+        return 0
+    total, side = 0, image_size
+    for m in stages:
+        if isinstance(m, nn.Conv2d):
+            side = (side + 2 * m.padding[0] - m.kernel_size[0]) // m.stride[0] + 1
+            channels = m.out_channels
+        elif isinstance(m, nn.GroupNorm):
+            total += 3 * channels * side * side * cb + 2 * m.num_groups * cb
+    return images * total
 
 
 def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = True) -> dict[str, int]:
