@@ -342,8 +342,12 @@ def diagnose(run: Path = typer.Argument(..., help="a run folder (its metrics.jso
     from vlaforge.diagnostics.report import write_html
 
     report, signals = run_diagnose(run, compare, gpu, str(calibration) if calibration else None)
-    report["html"] = str(write_html(report, signals, html or run / "report.html"))
-    write_atomic(run / "diagnose.json", json.dumps(report, indent=1) + "\n")
+    try:
+        report["html"] = str(write_html(report, signals, html or run / "report.html"))
+        write_atomic(run / "diagnose.json", json.dumps(report, indent=1) + "\n")
+    except OSError as exc:
+        raise VlaforgeError(f"cannot write the report ({exc.strerror or exc}: {exc.filename}); give a writable "
+                            "--html FILE, and a run folder this user may write diagnose.json into") from None
     typer.echo(json.dumps(report, indent=1) if as_json else render(report) + f"\nreport: {report['html']}")
 
 

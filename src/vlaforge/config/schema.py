@@ -399,9 +399,9 @@ class DiagnosticsConfig(Section):
     profile_steps: list[int] = Field(default_factory=list, description="steps traced with torch.profiler "
                                                                        "(RUN/traces/, Chrome format) and read for "
                                                                        "the communication share and overlap")
-    oom_snapshot: bool = Field(True, description="CUDA: record the allocator's history and dump "
-                                                 "RUN/oom_snapshot.pickle (pytorch.org/memory_viz) when a step runs "
-                                                 "out of memory")
+    oom_snapshot: bool = Field(False, description="CUDA: record the allocator's history (a little host time per "
+                                                  "allocation) and dump RUN/oom_snapshot.pickle "
+                                                  "(pytorch.org/memory_viz) when a step runs out of memory")
 
     @field_validator("memory_steps", "profile_steps")
     @classmethod

@@ -163,10 +163,10 @@ def export_package(checkpoint: str | Path, out: str | Path, *, format: str = "on
                    seed: int = 0) -> dict[str, Any]:
     """Write the package `out` from a checkpoint and measure it against the checkpoint through `PolicyRuntime`:
     returns the report (also `out/export.json`): export seconds, bytes per graph, and on `frames` dataset frames the
-    action error of the package against the PyTorch policy (normalized units) and both latencies."""
-    from vlaforge import __version__
+    action error of the package against the PyTorch policy (normalized units) and both latencies. Written into a
+    temporary folder beside `out` and renamed when complete; a failure leaves `out` as it was."""
     from vlaforge.inference.runtime import PolicyRuntime
-    from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint
+    from vlaforge.training.checkpoint import resolve_checkpoint
 
     if format not in FORMATS:
         raise VlaforgeError(f"--format {format!r} is not one of safetensors, {', '.join(FORMATS)}")
@@ -189,11 +189,31 @@ def export_package(checkpoint: str | Path, out: str | Path, *, format: str = "on
     if getattr(source.model, "quantization", None) is not None:
         raise VlaforgeError(f"{ckpt} is a `vlaforge quantize` folder: torchao's quantized tensors do not trace to "
                             "ONNX; export the float run, with --quantized for an int8 package")
-    model, spec = source.model, source.spec
-    kind = "flow_matching" if getattr(model.action_head, "supports_prefix", False) else "regression"
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        report = _write_package(ckpt, tmp, source, format, dtype, int8, calibrate, frames, data, seed)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind; `out` is untouched
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    report["package"] = str(out)
+    return report
+
+
+def _write_package(ckpt: Path, tmp: Path, source, format: str, dtype: str, int8: bool, calibrate: int, frames: int,
+                   data: str | None, seed: int) -> dict[str, Any]:
+    from vlaforge import __version__
+    from vlaforge.inference.runtime import PolicyRuntime
+    from vlaforge.training.checkpoint import CONFIG_FILE
+
+    from vlaforge.export import executorch
+
+    model, spec = source.model, source.spec
+    kind = "flow_matching" if getattr(model.action_head, "supports_prefix", False) else "regression"
     t0 = time.perf_counter()
     traced = copy.deepcopy(model).to(DTYPES[dtype]).eval()
     examples = example_inputs(traced, spec, DTYPES[dtype])
@@ -243,10 +263,6 @@ def export_package(checkpoint: str | Path, out: str | Path, *, format: str = "on
     from vlaforge.config.loading import write_atomic
 
     write_atomic(tmp / REPORT, json.dumps(report, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    report["package"] = str(out)
     return report
 
 
