@@ -62,7 +62,8 @@ def test_two_stages_match_one_process(tmp_path, single_accum2, schedule):
     assert "pipeline: stage 0: blocks 0-0" in done.stdout
     assert_same_weights(tmp_path, single_accum2)
     got, want = metrics(tmp_path), metrics(single_accum2)
-    assert got[0].keys() == want[0].keys()
+    ranks_only = {"perf/step_s_rank_max", "perf/step_s_rank_min", "perf/slowest_rank"}  # the straggler spread
+    assert got[0].keys() == want[0].keys() | ranks_only
     for g, w in zip(got, want):
         assert g["loss/total"] == pytest.approx(w["loss/total"], abs=1e-5)
         for comp in ("vision", "llm", "action_head", "total"):
