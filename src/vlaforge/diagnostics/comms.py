@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from vlaforge.diagnostics.findings import Finding
-from vlaforge.diagnostics.signals import RunSignals
+from vlaforge.diagnostics.signals import RunSignals, aligned
 
 DATA_SHARE = 0.2  # the step waits for data more than 20% of the time
 STRAGGLER = 1.2  # the slowest rank's step time over the fastest's
@@ -35,17 +35,17 @@ def data_stall(signals: RunSignals) -> list[Finding]:
     data, step = signals.get("perf/data_s"), signals.get("perf/step_s")
     if data is None or step is None:
         return []
-    steps, idata, istep = np.intersect1d(data.steps, step.steps, return_indices=True)
-    share = data.values[idata] / np.maximum(data.values[idata] + step.values[istep], 1e-12)
+    steps, wait, busy = aligned(data, step)
+    share = wait / np.maximum(wait + busy, 1e-12)
     steady = _steady(share)
     if not len(steady) or float(np.median(steady)) <= DATA_SHARE:
         return []
     med = float(np.median(steady))
     return [Finding(
         "data_stall", "warning", f"the trainer waits for data {med:.0%} of the time (median over {len(steady)} "
-        f"logged windows; {np.median(_steady(data.values[idata])) * 1000:.0f} ms per step)",
-        (int(steps[0]), int(steps[-1])), {"data_share_median": med, "data_s_median": float(np.median(
-            _steady(data.values[idata]))), "step_s_median": float(np.median(_steady(step.values[istep])))},
+        f"logged windows; {np.median(_steady(wait)) * 1000:.0f} ms per step)",
+        (int(steps[0]), int(steps[-1])), {"data_share_median": med, "data_s_median": float(np.median(_steady(wait))),
+                                          "step_s_median": float(np.median(_steady(busy)))},
         ["too few loader workers for the decode (video) and augmentation cost",
          "the decoded-frame cache is too small, or the dataset sits on slow storage"],
         ["raise data.num_workers (one per free core)", "raise data.cache_mb so decoded frames stay in memory",
@@ -56,8 +56,8 @@ def stragglers(signals: RunSignals) -> list[Finding]:
     hi, lo = signals.get("perf/step_s_rank_max"), signals.get("perf/step_s_rank_min")
     if hi is None or lo is None:
         return []
-    steps, ih, il = np.intersect1d(hi.steps, lo.steps, return_indices=True)
-    ratio = _steady(hi.values[ih] / np.maximum(lo.values[il], 1e-12))
+    steps, slowest, fastest = aligned(hi, lo)
+    ratio = _steady(slowest / np.maximum(fastest, 1e-12))
     if not len(ratio) or float(np.median(ratio)) <= STRAGGLER:
         return []
     slow = signals.get("perf/slowest_rank")

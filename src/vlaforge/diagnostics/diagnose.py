@@ -19,7 +19,7 @@ from vlaforge.diagnostics.comms import throughput_findings
 from vlaforge.diagnostics.findings import checklist, ranked
 from vlaforge.diagnostics.loss_curve import loss_findings
 from vlaforge.diagnostics.numerics import numerics_findings
-from vlaforge.diagnostics.signals import RunSignals, read_signals
+from vlaforge.diagnostics.signals import RunSignals, aligned, read_signals
 
 
 def diagnose_signals(signals: RunSignals, gpu: str | None = None, calibration: str | None = None) -> dict[str, Any]:
@@ -45,8 +45,8 @@ def summary(signals: RunSignals) -> dict[str, Any]:
             comp = key.removeprefix("grad_norm/")
             if comp in ("llm", "total"):
                 continue
-            steps, ia, ib = np.intersect1d(signals.series[key].steps, llm.steps, return_indices=True)
-            r = signals.series[key].values[ia] / np.where(llm.values[ib] > 0, llm.values[ib], np.nan)
+            _, mine, theirs = aligned(signals.series[key], llm)
+            r = mine / np.where(theirs > 0, theirs, np.nan)
             q = max(len(r) // 4, 1)
             if len(r):
                 ratios[comp] = {"first_quarter": float(np.nanmedian(r[:q])), "last_quarter": float(np.nanmedian(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from vlaforge.diagnostics.findings import Finding
-from vlaforge.diagnostics.signals import RunSignals, Series
+from vlaforge.diagnostics.signals import RunSignals, Series, aligned
 
 SPIKE_Z = 7.0  # OLMo 2's threshold, in robust standard deviations
 SPIKE_MIN_RATIO = 2.0  # and at least this many times the previous values' median
@@ -253,10 +253,9 @@ def dominant_term(signals: RunSignals) -> list[Finding]:
         return []
     shares = {}
     for t in terms:
-        w, loss = signals.series[f"weight/{t}"], signals.series[f"loss/{t}"]
-        common, iw, il = np.intersect1d(w.steps, loss.steps, return_indices=True)
+        common, w, loss = aligned(signals.series[f"weight/{t}"], signals.series[f"loss/{t}"])
         half = common >= (common[-1] + common[0]) / 2 if len(common) else common
-        shares[t] = float(np.nanmedian(np.abs(w.values[iw][half] * loss.values[il][half]))) if half.any() else 0.0
+        shares[t] = float(np.nanmedian(np.abs(w[half] * loss[half]))) if half.any() else 0.0
     total = sum(shares.values())
     if total <= 0:
         return []

@@ -9,7 +9,7 @@ import numpy as np
 from vlaforge import COMPONENTS
 from vlaforge.diagnostics.findings import Finding
 from vlaforge.diagnostics.loss_curve import _episodes
-from vlaforge.diagnostics.signals import RunSignals, Series
+from vlaforge.diagnostics.signals import RunSignals, aligned
 
 SKIPPED_SHARE = 0.05  # more than 5% of the logged steps skipped by the loss scaler
 SCALE_FLOOR = 1.0  # a dynamic loss scale that ends at or below 1 no longer protects fp16 gradients
@@ -20,11 +20,6 @@ def _precisions(signals: RunSignals) -> dict[str, str]:
     if cfg is None:
         return {}
     return {c: getattr(getattr(cfg.components, c), "precision", "fp32") for c in COMPONENTS}
-
-
-def _aligned(a: Series, b: Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    steps, ia, ib = np.intersect1d(a.steps, b.steps, return_indices=True)
-    return steps, a.values[ia], b.values[ib]
 
 
 def underflow(signals: RunSignals) -> list[Finding]:
@@ -46,7 +41,7 @@ def underflow(signals: RunSignals) -> list[Finding]:
                 reasons.add("zero_frac")
         mine, llm = signals.get(f"grad_norm/{comp}"), signals.get("grad_norm/llm")
         if comp != "llm" and mine is not None and llm is not None:
-            steps, a, b = _aligned(mine, llm)
+            steps, a, b = aligned(mine, llm)
             low = (b > 0) & (a / np.where(b > 0, b, 1) < norm_ratio)
             hit_steps += steps[low].tolist()
             if low.any():

@@ -35,6 +35,12 @@ class Series:
         return Series(self.steps[keep], self.values[keep])
 
 
+def aligned(a: Series, b: Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps both logged, a's values there, b's values there)."""
+    steps, ia, ib = np.intersect1d(a.steps, b.steps, return_indices=True)
+    return steps, a.values[ia], b.values[ib]
+
+
 @dataclass
 class RunSignals:
     path: Path

@@ -210,15 +210,22 @@ def _copy_run_files(ckpt: Path, dest: Path) -> None:
             (shutil.copytree if src.is_dir() else shutil.copy2)(src, dest / src.name)
 
 
+def side_by_side(reference: PolicyRuntime, candidate: PolicyRuntime, frames: list[Frame], seed: int | None = None,
+                 rounds: int = 3) -> tuple[np.ndarray, np.ndarray, list[float], list[float]]:
+    """Both runtimes' normalized actions and per-prediction latencies on the same frames: a warm-up, then `rounds`
+    interleaved passes so the machine's noise falls on both alike (`seed`: see `predict_all`)."""
+    predict_all(reference, frames[:4], seed), predict_all(candidate, frames[:4], seed)
+    ref, t_ref = predict_all(reference, frames, seed)
+    got, t_got = predict_all(candidate, frames, seed)
+    for _ in range(rounds - 1):
+        t_ref += predict_all(reference, frames, seed)[1]
+        t_got += predict_all(candidate, frames, seed)[1]
+    return ref, got, t_ref, t_got
+
+
 def _measure(float_rt: PolicyRuntime, quant_rt: PolicyRuntime, frames: list[Frame]) -> dict[str, Any]:
-    """Action error and per-prediction latency of both runtimes on the same frames, interleaved in rounds so
-    the machine's noise falls on both alike."""
-    predict_all(float_rt, frames[:4]), predict_all(quant_rt, frames[:4])  # warm-up
-    ref, t_float = predict_all(float_rt, frames)
-    actions, t_quant = predict_all(quant_rt, frames)
-    for _ in range(2):
-        t_float += predict_all(float_rt, frames)[1]
-        t_quant += predict_all(quant_rt, frames)[1]
+    """Action error and per-prediction latency of both runtimes on the same frames."""
+    ref, actions, t_float, t_quant = side_by_side(float_rt, quant_rt, frames)
     p50 = lambda v: round(float(np.percentile(v, 50)), 3)  # noqa: E731
     p99 = lambda v: round(float(np.percentile(v, 99)), 3)  # noqa: E731
     expert = np.stack([f.expert for f in frames])

@@ -316,13 +316,9 @@ def _frames(dataset: str | None, spec, count: int, seed: int) -> list:
 def measure(reference, package, frames: list) -> dict[str, Any]:
     """Action error of `package` against `reference` on `frames` (normalized units; the same noise for flow heads)
     and per-prediction latency of both, interleaved so the machine's noise falls on both alike."""
-    from vlaforge.evaluation.quantization import action_error, predict_all
+    from vlaforge.evaluation.quantization import action_error, side_by_side
 
-    ref, t_ref = predict_all(reference, frames, seed=0)
-    got, t_pkg = predict_all(package, frames, seed=0)
-    for _ in range(2):
-        t_ref += predict_all(reference, frames, seed=0)[1]
-        t_pkg += predict_all(package, frames, seed=0)[1]
+    ref, got, t_ref, t_pkg = side_by_side(reference, package, frames, seed=0)
     p50 = lambda v: round(float(np.percentile(v, 50)), 3)  # noqa: E731
     return {"frames": len(frames), "action_error": action_error(ref, got) | {
                 "max_abs_normalized": float(np.abs(ref - got).max())},
