@@ -337,17 +337,11 @@ def diagnose(run: Path = typer.Argument(..., help="a run folder (its metrics.jso
     """What went wrong in a run and what to try: loss spikes, divergence, a loss that does not move, oscillation,
     learning rates far apart, a dominating loss term, fp16 underflow / overflow, loss-scale trouble, data stalls,
     straggler ranks, step time and memory against the planner. Writes RUN/diagnose.json and the HTML report."""
-    from vlaforge.config.loading import write_atomic
     from vlaforge.diagnostics.diagnose import diagnose as run_diagnose, render
-    from vlaforge.diagnostics.report import write_html
+    from vlaforge.diagnostics.report import write_reports
 
     report, signals = run_diagnose(run, compare, gpu, str(calibration) if calibration else None)
-    try:
-        report["html"] = str(write_html(report, signals, html or run / "report.html"))
-        write_atomic(run / "diagnose.json", json.dumps(report, indent=1) + "\n")
-    except OSError as exc:
-        raise VlaforgeError(f"cannot write the report ({exc.strerror or exc}: {exc.filename}); give a writable "
-                            "--html FILE, and a run folder this user may write diagnose.json into") from None
+    write_reports(report, signals, run, html)
     typer.echo(json.dumps(report, indent=1) if as_json else render(report) + f"\nreport: {report['html']}")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +104,20 @@ def write_html(report: dict[str, Any], runs: list[RunSignals], path: str | Path)
             f"</head><body>{''.join(parts)}</body></html>\n")
     write_atomic(path, page)
     return Path(path)
+
+
+def write_reports(report: dict[str, Any], runs: list[RunSignals], run: Path, html_path: Path | None = None) -> None:
+    """`RUN/diagnose.json` and the HTML report (default `RUN/report.html`, its path put in the report as "html").
+
+    Raises:
+        VlaforgeError: a file cannot be written (one line naming it).
+    """
+    from vlaforge.config.loading import write_atomic
+    from vlaforge.errors import VlaforgeError
+
+    try:
+        report["html"] = str(write_html(report, runs, html_path or Path(run) / "report.html"))
+        write_atomic(Path(run) / "diagnose.json", json.dumps(report, indent=1) + "\n")
+    except OSError as exc:
+        raise VlaforgeError(f"cannot write the report ({exc.strerror or exc}: {exc.filename}); give a writable "
+                            "--html FILE, and a run folder this user may write diagnose.json into") from None
