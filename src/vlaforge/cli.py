@@ -65,8 +65,6 @@ def train(ctx: typer.Context,
     """Train a VLA. Overrides: --section.key=value (e.g. --train.steps=10), applied after --deepspeed. Under
     torchrun: data parallel (--parallel.dp_shard / dp_replicate, --parallel.backend=fsdp2|ddp|deepspeed), tensor
     parallel (--parallel.tp) and pipeline parallel (--parallel.pp)."""
-    from vlaforge.training.trainer import train as run_training
-
     from vlaforge.distributed.parallel_dims import world_from_env
 
     first: list[str] = []
@@ -78,6 +76,26 @@ def train(ctx: typer.Context,
     cfg = _load(config, ctx, resume, first)
     if deepspeed is not None:
         check_resolved(cfg, ds, world_from_env().size, where)
+    _train_and_report(cfg)
+
+
+@app.command(context_settings=OVERRIDES)
+def distill(ctx: typer.Context,
+            teacher: str = typer.Argument(..., help="the teacher: a run folder, a checkpoints/step_* folder or a "
+                                                    "`vlaforge quantize` folder"),
+            student: Path = typer.Option(..., help="the student's TOML recipe, e.g. "
+                                                   "recipes/tiny_metaworld_student.toml")):
+    """Distil TEACHER into the student of --student: `vlaforge train STUDENT --distill.teacher=TEACHER`, with the
+    recipe's [distill] section and the overrides (e.g. --distill.weights.kl=0 --distill.cache=F), so precision,
+    checkpointing, data parallel (torchrun), resume and logging are the normal ones."""
+    _train_and_report(_load(student, ctx, first=[f"--distill.teacher={json.dumps(teacher)}"]))
+
+
+def _train_and_report(cfg) -> None:
+    """Train as `cfg` says (evaluating during training when eval.every is set); rank 0 prints one summary line."""
+    from vlaforge.distributed.parallel_dims import world_from_env
+    from vlaforge.training.trainer import train as run_training
+
     evaluate = None
     if cfg.eval.every:
         from vlaforge.evaluation.closed_loop import during_training

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from vlaforge import COMPONENTS
+from vlaforge.config.base import Section
+from vlaforge.config.distill import DistillConfig
+from vlaforge.config.monitors import DiagnosticsConfig, LossScaleConfig, NumericsConfig
 from vlaforge.registry import did_you_mean
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
@@ -38,11 +41,6 @@ ZERO_TUNING = ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "al
 ZERO_AUTO_FROM_HIDDEN = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 Dim = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
 SYNTHETIC_SHAPES = {"cameras": ["corner"], "state_dim": 4, "action_dim": 4}  # what "auto" means without a dataset
-
-
-class Section(BaseModel):
-    # NOTE: allow_inf_nan=False: inf / nan (and 1e400, which TOML reads as inf) are refused in every float field
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class PretrainedSource(Section):
@@ -363,54 +361,6 @@ class EvalConfig(Section):
         return v
 
 
-class LossScaleConfig(Section):
-    """Dynamic loss scaling (Megatron-style: growth window + hysteresis) for fp16 compute."""
-
-    mode: Literal["auto", "always", "off"] = Field(
-        "auto", description="auto: scale when a trainable component computes in fp16, else scale 1.0; always: "
-                            "scale in bf16/fp32 too; off: never (fp16 gradients may underflow)")
-    initial: float = Field(1024.0, gt=0, description="starting scale (2^10)")
-    growth_factor: float = Field(2.0, gt=1)
-    backoff_factor: float = Field(0.5, gt=0, lt=1)
-    growth_interval: int = Field(1000, ge=1, description="finite steps in a row before the scale grows")
-    hysteresis: int = Field(2, ge=1, description="overflowing steps tolerated before the scale backs off")
-    min_scale: float = Field(1.0, gt=0, description="floor; overflowing at the floor is an error")
-
-
-class NumericsConfig(Section):
-    """Gradient numerics monitor (diagnostics/numerics.py)."""
-
-    every: int = Field(50, ge=0, description="measure per-component gradient statistics every N steps (0: never)")
-    zero_jump: float = Field(0.2, gt=0, le=1, description="warn when a component's exactly-zero gradient fraction "
-                                                          "rises this much above its lowest value")
-    norm_ratio: float = Field(1e-3, gt=0, description="warn when an fp16 component's gradient norm falls below "
-                                                      "this fraction of the llm's")
-    check_finite: bool = Field(True, description="without loss scaling: stop at the first non-finite gradient, "
-                                                 "before the optimizer step, naming the parameters (one host "
-                                                 "sync per step)")
-
-
-class DiagnosticsConfig(Section):
-    """What the trainer records for `vlaforge diagnose` beyond its per-window metrics (training/recorder.py)."""
-
-    memory_steps: list[int] = Field(default_factory=list, description="steps whose memory is logged per component "
-                                                                      "and kind (params, grads, optimizer, "
-                                                                      "activations; on CUDA the peak and the rest)")
-    profile_steps: list[int] = Field(default_factory=list, description="steps traced with torch.profiler "
-                                                                       "(RUN/traces/, Chrome format) and read for "
-                                                                       "the communication share and overlap")
-    oom_snapshot: bool = Field(False, description="CUDA: record the allocator's history (a little host time per "
-                                                  "allocation) and dump RUN/oom_snapshot.pickle "
-                                                  "(pytorch.org/memory_viz) when a step runs out of memory")
-
-    @field_validator("memory_steps", "profile_steps")
-    @classmethod
-    def _positive_steps(cls, v: list[int]) -> list[int]:
-        if any(s < 1 for s in v):
-            raise ValueError("steps count from 1 (the step number metrics.jsonl logs)")
-        return sorted(set(v))
-
-
 class TrainConfig(Section):
     @model_validator(mode="after")
     def _sync_keeps_the_math(self) -> "TrainConfig":
@@ -467,7 +417,7 @@ class TrainConfig(Section):
 
 class VLAConfig(Section):
     """A whole run: `[model]`, `[components.*]`, `[loss]`, `[parallel]`, `[data]`, `[train]`, `[loss_scale]`,
-    `[numerics]`, `[eval]`, `[diagnostics]`."""
+    `[numerics]`, `[eval]`, `[diagnostics]`, `[distill]`."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     components: ComponentsConfig = Field(default_factory=ComponentsConfig)
@@ -479,6 +429,7 @@ class VLAConfig(Section):
     numerics: NumericsConfig = Field(default_factory=NumericsConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "VLAConfig":
@@ -492,6 +443,7 @@ class VLAConfig(Section):
                 setattr(self.model, key, "auto")  # unset: taken from the dataset (data/shapes.py)
             elif self.data.source != "lerobot" and getattr(self.model, key) == "auto":
                 setattr(self.model, key, list(value) if isinstance(value, list) else value)  # no dataset to ask
+        self.distill.check(self)
         if self.model.shapes_known():  # else checked again once the dataset has resolved them
             self._tokens_fit()
         return self

@@ -15,7 +15,8 @@ class Batch:
 
     images (B, F, C, H, W) float, already normalized; state (B, S); instruction_ids/mask (B, L);
     actions (B, T, A) and action_mask (B, T) (None at inference); text_ids/mask (B, Lt): optional targets of
-    the language loss (e.g. a description of the expert's current phase).
+    the language loss (e.g. a description of the expert's current phase); index (B,): each sample's row in its
+    dataset (what a teacher-output cache is keyed by; None where the samples have no rows, as at inference).
     """
 
     images: torch.Tensor
@@ -26,6 +27,7 @@ class Batch:
     action_mask: torch.Tensor | None = None
     text_ids: torch.Tensor | None = None
     text_mask: torch.Tensor | None = None
+    index: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -49,6 +51,8 @@ class Batch:
         if self.text_ids is not None:
             _expect(self.text_ids, "text_ids", 2, b)
             _expect(self.text_mask, "text_mask", 2, b, shape=self.text_ids.shape)
+        if self.index is not None:
+            _expect(self.index, "index", 1, b)
         return self
 
     @classmethod

@@ -11,6 +11,7 @@ otherwise each process decodes episodes on demand into an LRU cache of `cache_mb
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -102,6 +103,12 @@ class DemoDataset(Dataset):
     def __len__(self) -> int:
         return self.reader.num_frames
 
+    def without_augmentation(self) -> "DemoDataset":
+        """The same samples with no shift or colour augmentation (shares the decoded frames)."""
+        plain = copy.copy(self)
+        plain.shift = plain.color = 0
+        return plain
+
     def locate(self, row: int) -> tuple[int, int]:
         """Global frame row -> (episode position, frame in episode)."""
         ep = int(np.searchsorted(self.starts, row, side="right") - 1)
@@ -129,4 +136,5 @@ class DemoDataset(Dataset):
             text_ids, text_mask = self.text[0][k], self.text[1][k]
         return Batch(images=images, state=self.state[row],
                      instruction_ids=self.instr_ids[task], instruction_mask=self.instr_mask[task],
-                     actions=actions, action_mask=valid, text_ids=text_ids, text_mask=text_mask)
+                     actions=actions, action_mask=valid, text_ids=text_ids, text_mask=text_mask,
+                     index=torch.tensor(row))

@@ -33,6 +33,9 @@ class SyntheticDataset(Dataset):
     def __len__(self) -> int:
         return self.n
 
+    def without_augmentation(self) -> "SyntheticDataset":
+        return self  # no augmentation: every sample is a pure function of (seed, index)
+
     def __getitem__(self, index: int) -> Batch:
         index %= self.n  # the same sample every epoch
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
@@ -51,7 +54,7 @@ class SyntheticDataset(Dataset):
         text_mask = None if text is None else torch.ones(self.text_tokens, dtype=torch.bool)
         return Batch(images=images, state=hand, instruction_ids=self.instructions[task],
                      instruction_mask=self.instruction_mask[task], actions=actions * action_mask[:, None],
-                     action_mask=action_mask, text_ids=text, text_mask=text_mask)
+                     action_mask=action_mask, text_ids=text, text_mask=text_mask, index=torch.tensor(index))
 
     def _render(self, goal: torch.Tensor, task: int, g: torch.Generator) -> torch.Tensor:
         """(F, 3, H, W) in [-1, 1]: noise background with a square of the task colour at the goal."""

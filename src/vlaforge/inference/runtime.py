@@ -19,10 +19,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from vlaforge import COMPONENTS
 from vlaforge.data.transforms import ObservationSpec, to_model_images
 from vlaforge.errors import VlaforgeError
 from vlaforge.inference.feature_cache import CacheConfig, SessionCache, TokenReuseEncoder
+from vlaforge.techniques.quantized_format import place
 
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -103,19 +103,6 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def place(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """`model` on `device` in `dtype`; the components of a quantized model (`vlaforge quantize`) that are quantized or
-    cast keep their own dtype (each computes behind its dtype boundary, techniques/quantize.py)."""
-    layout = getattr(model, "quantization", None)
-    if layout is None:
-        return model.to(device, dtype)
-    model.to(device)
-    for name in COMPONENTS:
-        if layout.mode(name) == "none":
-            getattr(model, name).to(dtype)
-    return model
-
-
 class PolicyRuntime:
     """A trained VLA behind one interface: `predict(obs, session)`, `predict_batch`, `reset(session)`."""
 
@@ -182,21 +169,12 @@ class PolicyRuntime:
         if is_package(checkpoint):
             raise VlaforgeError(f"{checkpoint} is an exported package, not a checkpoint; drop --backend torch (auto "
                                 "runs it in its runtime)")
-        from vlaforge.config.loading import load_config
         from vlaforge.data.tokenizer import load_tokenizer
-        from vlaforge.models.build import build_vla
-        from vlaforge.techniques.quantized_format import is_quantized, load_quantized
-        from vlaforge.training.checkpoint import CONFIG_FILE, load_weights, resolve_checkpoint
+        from vlaforge.training.checkpoint import load_policy_model
 
-        ckpt = resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT")
-        cfg = load_config(ckpt / CONFIG_FILE)
+        model, cfg, ckpt = load_policy_model(checkpoint, pick_device(device))
         spec = ObservationSpec.load(ckpt)
         tokenizer = load_tokenizer(ckpt, cfg.model.llm.pretrained)
-        model = build_vla(cfg.model, cfg.loss)
-        if is_quantized(ckpt):
-            load_quantized(ckpt, model, pick_device(device))
-        else:
-            load_weights(ckpt, model)
         return cls(model, spec, tokenizer, device=device, dtype=dtype, compile=compile, cache=cache,
                    source=str(ckpt))
 

@@ -22,6 +22,8 @@ class ActionHeadOutput:
     prediction: torch.Tensor  # (B, T, A)
     target: torch.Tensor  # (B, T, A)
     actions: torch.Tensor  # (B, T, A)
+    x_t: torch.Tensor | None = None  # flow matching: the noisy actions (B, T, A) the velocity was predicted at
+    t: torch.Tensor | None = None  # flow matching: their flow times (B,)
 
 
 class ActionHead(nn.Module):
@@ -118,7 +120,7 @@ class FlowMatchingHead(ActionHead):
         tt = t[:, None, None].to(actions.dtype)
         x_t = tt * noise + (1 - tt) * actions
         v = self.velocity(x_t, t, cond)
-        return ActionHeadOutput(prediction=v, target=noise - actions, actions=x_t - tt * v)
+        return ActionHeadOutput(prediction=v, target=noise - actions, actions=x_t - tt * v, x_t=x_t, t=t)
 
     def sample(self, cond: torch.Tensor, prefix: torch.Tensor | None = None,
                prefix_weight: torch.Tensor | None = None) -> torch.Tensor:

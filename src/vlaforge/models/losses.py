@@ -104,3 +104,13 @@ def language_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tenso
     """Next-token cross-entropy; logits (B, L, V) already aligned with targets (B, L), mask (B, L)."""
     ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
     return masked_mean(ce.view_as(targets), mask, denominator)
+
+
+def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
+                    temperature: float, denominator: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(teacher || student) of logits (B, L, V) both divided by `temperature`, times temperature^2 (so its
+    gradients keep their scale as T changes; Hinton et al. 2015), averaged over valid positions of mask (B, L)."""
+    log_s = (student_logits.float() / temperature).log_softmax(-1)
+    log_t = (teacher_logits.float() / temperature).log_softmax(-1)
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1) * temperature ** 2  # (B, L)
+    return masked_mean(kl, mask, denominator)

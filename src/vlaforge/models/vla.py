@@ -15,8 +15,11 @@ import torch
 from torch import nn
 
 from vlaforge.data.batch import Batch
-from vlaforge.models.action_heads import ActionHead
+from vlaforge.models.action_heads import ActionHead, ActionHeadOutput
 from vlaforge.models import losses as L
+
+# (student VLA, batch, run_llm's pieces, the action head's output, denominators) -> more unweighted loss terms
+ExtraTerms = Callable[["VLA", Batch, dict, ActionHeadOutput, dict], dict[str, torch.Tensor]]
 
 
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
@@ -97,8 +100,10 @@ class VLA(nn.Module):
             masks.append(batch.text_mask.bool())
         return torch.cat(masks, dim=1)
 
-    def run_llm(self, batch: Batch, with_text: bool) -> dict[str, torch.Tensor]:
-        """One LLM pass over the full layout; returns the pieces the losses and the action head need."""
+    def run_llm(self, batch: Batch, with_text: bool, keep_hidden: bool = False) -> dict[str, torch.Tensor]:
+        """One LLM pass over the full layout; returns the pieces the losses and the action head need (and, with
+        `keep_hidden`, every block's output hidden states as 'hidden_states': the embeddings, blocks 1..L-1, the
+        final normed one)."""
         embeds, vision_tokens, instruction = self.input_embeddings(batch.images, batch.instruction_ids,
                                                                    batch.text_ids if with_text else None)
         mask = self.token_mask(batch, with_text)
@@ -106,6 +111,8 @@ class VLA(nn.Module):
         out = self.llm(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids(mask),
                        output_hidden_states=True, logits_to_keep=n_text + 1, use_cache=False)
         h = self.split_outputs(out.hidden_states[-1], out.logits, n_text)
+        if keep_hidden:
+            h["hidden_states"] = out.hidden_states
         if self.objective.active("contrastive"):
             h.update(self.contrastive_inputs(vision_tokens, instruction, batch.instruction_mask))
         return h
@@ -125,15 +132,19 @@ class VLA(nn.Module):
                 "text_logits": logits[:, :-1] if n_text else None}
 
     # ---- policy interface ---------------------------------------------------------------------------------
-    def forward(self, batch: Batch, denominators: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def forward(self, batch: Batch, denominators: dict[str, torch.Tensor] | None = None,
+                extra: ExtraTerms | None = None) -> dict[str, torch.Tensor]:
         """The unweighted loss terms of the objective, plus detached monitoring values (names ending in _m).
 
         `denominators`: per masked-mean term, the count to divide by instead of this batch's own (the trainer's
-        global normalization over micro-batches and ranks)."""
-        return self.loss_terms(batch, self.run_llm(batch, self.uses_text(batch)), denominators)
+        global normalization over micro-batches and ranks). `extra`: terms of an objective outside the model
+        (distillation) from this forward's pieces, which then include every block's hidden states."""
+        h = self.run_llm(batch, self.uses_text(batch), keep_hidden=extra is not None)
+        return self.loss_terms(batch, h, denominators, extra)
 
     def loss_terms(self, batch: Batch, h: dict[str, torch.Tensor],
-                   denominators: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                   denominators: dict[str, torch.Tensor] | None = None,
+                   extra: ExtraTerms | None = None) -> dict[str, torch.Tensor]:
         """The objective's terms from `run_llm`'s pieces (or a pipeline's last stage's): the action head runs here."""
         obj = self.objective
         den = denominators or {}
@@ -151,6 +162,8 @@ class VLA(nn.Module):
             terms["language"] = L.language_loss(h["text_logits"], batch.text_ids, batch.text_mask, den.get("language"))
         terms["action_l1_m"] = L.masked_mean((head.actions.detach() - batch.actions).abs(), batch.action_mask,
                                              den.get("action"))
+        if extra is not None:
+            terms.update(extra(self, batch, h, head, den))
         return terms
 
     def uses_text(self, batch: Batch) -> bool:
@@ -159,8 +172,10 @@ class VLA(nn.Module):
 
     def compute_loss(self, batch: Batch, weighting: Callable | None = None,
                      denominators: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
-        """(weighted total loss, metrics). `weighting` maps the term dict to (loss, weights); static by default."""
-        return self.weigh(self(batch, denominators=denominators), weighting)
+        """(weighted total loss, metrics). `weighting` maps the term dict to (loss, weights); static by default. A
+        weighting with `extra_terms` (the distillation objective) adds its terms to this forward's."""
+        extra = getattr(weighting, "extra_terms", None)
+        return self.weigh(self(batch, denominators=denominators, extra=extra), weighting)
 
     def weigh(self, out: dict[str, torch.Tensor], weighting: Callable | None = None) -> tuple[torch.Tensor, dict]:
         """`forward`'s terms -> (weighted total loss, metrics)."""

@@ -176,3 +176,16 @@ def _read_state(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
         raise VlaforgeError(f"{path}: the quantized layout in its metadata is damaged or names a class outside "
                             f"torchao's allow-list ({first_line(exc, 120)}); re-run `vlaforge quantize`") from None
     return {**state, **leftover}
+
+
+def place(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """`model` on `device` in `dtype`; the components of a quantized model (`vlaforge quantize`) that are quantized or
+    cast keep their own dtype (each computes behind its dtype boundary, techniques/quantize.py)."""
+    layout = getattr(model, "quantization", None)
+    if layout is None:
+        return model.to(device, dtype)
+    model.to(device)
+    for name in COMPONENTS:
+        if layout.mode(name) == "none":
+            getattr(model, name).to(dtype)
+    return model

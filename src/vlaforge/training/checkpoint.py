@@ -358,3 +358,36 @@ def _made_by_export(path: Path) -> bool:
             return (f.metadata() or {}).get("vlaforge") == EXPORT_MARK["vlaforge"]
     except Exception:  # noqa: BLE001 - not a safetensors file at all
         return False
+
+
+def load_policy_model(checkpoint: str | Path, device: torch.device | str = "cpu", what: str = "CHECKPOINT"):
+    """The trained VLA of a run folder, a checkpoints/step_* folder (full or sharded) or a `vlaforge quantize`
+    folder, with its saved config: (model, config, checkpoint folder). What `PolicyRuntime` and a distillation
+    teacher load; `what` names the option in errors."""
+    from vlaforge.config.loading import load_config
+    from vlaforge.models.build import build_vla
+    from vlaforge.techniques.quantized_format import is_quantized, load_quantized
+
+    ckpt = resolve_checkpoint(str(checkpoint), ".", what=what)
+    cfg = load_config(ckpt / CONFIG_FILE)
+    model = build_vla(cfg.model, cfg.loss)
+    if is_quantized(ckpt):
+        load_quantized(ckpt, model, torch.device(device))
+    else:
+        load_weights(ckpt, model)
+    return model, cfg, ckpt
+
+
+def weights_digest(ckpt: Path) -> str:
+    """sha256 over a checkpoint's weight files (safetensors, DCP shards) and its config: changes with any weight."""
+    import hashlib
+
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(ckpt).rglob("*") if p.is_file() and (p.suffix in (".safetensors", ".distcp")
+                                                                          or p.name in (CONFIG_FILE, ".metadata")))
+    for path in files:
+        h.update(str(path.relative_to(ckpt)).encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()

@@ -62,8 +62,10 @@ def check_lr_spread(components, limit: float) -> str | None:
             f"{lo} instead")
 
 
-def build_optimizer(model: nn.Module, cfg, extra_params: list[nn.Parameter] = ()) -> torch.optim.AdamW:
-    """AdamW over per-component groups; `extra_params` (learned loss weights) get a 'loss_weighting' group."""
+def build_optimizer(model: nn.Module, cfg, extra_params: list[nn.Parameter] = (),
+                    projections: list[nn.Parameter] = ()) -> torch.optim.AdamW:
+    """AdamW over per-component groups; `extra_params` (learned loss weights) get a 'loss_weighting' group, and
+    `projections` (distillation's feature maps) a 'distill_projections' group at the llm's lr."""
     message = check_lr_spread(cfg.components, cfg.train.lr_ratio_warning)
     if message:
         warnings.warn(message, LRSpreadWarning, stacklevel=2)
@@ -72,6 +74,9 @@ def build_optimizer(model: nn.Module, cfg, extra_params: list[nn.Parameter] = ()
     if extra:
         groups.append({"params": extra, "lr": cfg.loss.weighting_lr, "weight_decay": 0.0,
                        "name": "loss_weighting", "component": "loss_weighting"})
+    if projections:
+        groups.append({"params": list(projections), "lr": cfg.components.llm.lr, "weight_decay": 0.0,
+                       "name": "distill_projections", "component": "distill"})
     # NOTE: foreach (multi-tensor) kernels; torch picks them by default on CUDA only.
     return torch.optim.AdamW(groups, betas=cfg.train.betas, eps=cfg.train.eps, foreach=True)
 

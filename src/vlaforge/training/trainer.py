@@ -33,6 +33,7 @@ from vlaforge.distributed.state import (full_model_state, full_optimizer_state, 
 from vlaforge.techniques.freezing import ever_trains
 from vlaforge.techniques.precision import PrecisionSetup
 from vlaforge.training import checkpoint as ckpt
+from vlaforge.training.distill import Distiller, Teacher, build_teacher, split_parameters
 from vlaforge.training.metrics import MetricsLogger, to_floats
 from vlaforge.training.optim import build_optimizer, build_param_groups, build_scheduler
 from vlaforge.training.recorder import oom_snapshot, recorded_step
@@ -80,12 +81,17 @@ def build_guards(cfg: VLAConfig, precision: PrecisionSetup) -> StepGuards:
     return StepGuards(scaler, NumericsMonitor(cfg.numerics, precision.used), sync_every=cfg.train.sync_every)
 
 
-def build_loss_weighting(cfg: VLAConfig, model: nn.Module, device: torch.device) -> nn.Module:
+def build_loss_weighting(cfg: VLAConfig, model: nn.Module, device: torch.device,
+                         teacher: Teacher | None = None) -> nn.Module:
+    """The loss weighting of the data terms; with a distillation teacher, the `Distiller` around it."""
     terms = [t for t, w in cfg.loss.weights.items() if w > 0]
     if cfg.data.max_text_tokens == 0 and "language" in terms:
         terms.remove("language")
     shared = lambda: [model.projector.mlp[-1].weight]  # the last layer every loss term flows through  # noqa: E731
-    return build_weighting(cfg.loss.weighting, terms, cfg.loss, shared=shared).to(device)
+    weighting = build_weighting(cfg.loss.weighting, terms, cfg.loss, shared=shared)
+    if teacher is not None:
+        weighting = Distiller(cfg.distill, model, teacher, weighting)
+    return weighting.to(device)
 
 
 # A saved checkpoint -> metrics (eval/success/<task>, eval/success). NOTE: evaluation sits on a floor above training
@@ -135,6 +141,7 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
     model = build_bare(cfg, device)
     if cfg.train.init_from and resume_from is None:
         ckpt.load_weights(ckpt.resolve_checkpoint(cfg.train.init_from, ".", what="train.init_from"), model)
+    teacher = build_teacher(cfg, model, device, fresh=resume_from is None, verbose=world.is_main)
     tps = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
     check_memory(cfg, model, device, tps)
     try:
@@ -148,7 +155,7 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
         describe_layout(applied, dims)
     guards = build_guards(cfg, applied.precision)
     guards.reducer = GradReducer() if dims.backend == "deepspeed" else applied.reducer  # DeepSpeed: world sums
-    weighting = build_loss_weighting(cfg, model, device)
+    weighting = build_loss_weighting(cfg, model, device, teacher)
     executor, optimizer, scheduler = build_executor(cfg, dims, model, weighting, applied, mesh, device)
     start = samples = 0
     if resume_from is not None:
@@ -161,6 +168,8 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
         write_atomic(run_dir / "config.toml", dump_toml(cfg))
         write_atomic(run_dir / "precision.json", json.dumps(applied.precision.to_json(), indent=2))
     data = build_data(cfg, model)
+    if teacher is not None:  # the teacher against the student's data, and its output cache (rank 0 builds it)
+        weighting.bind(cfg, data, world.is_main, torch.distributed.barrier if dims.distributed else lambda: None)
     return Run(cfg=cfg, run_dir=run_dir, device=device, world=world, dims=dims, model=model,
                precision=applied.precision, guards=guards, executor=executor, weighting=weighting, optimizer=optimizer,
                scheduler=scheduler, start_step=start, start_sample=samples, tokens_per_sample=tps, data=data,
@@ -188,7 +197,7 @@ def build_executor(cfg: VLAConfig, dims: ParallelDims, model: nn.Module, weighti
         engine, scheduler = build_engine(model, cfg, dims.dp, build_param_groups(model, cfg.components),
                                          lambda o: build_scheduler(o, cfg.train), device)
         return DeepSpeedExecutor(engine), scheduler.optimizer, scheduler  # ZeRO partitions our optimizer's state
-    optimizer = build_optimizer(model, cfg, list(weighting.parameters()))
+    optimizer = build_optimizer(model, cfg, *split_parameters(weighting))
     pipeline = None
     if applied.stage is not None:
         pipeline = Pipeline(model, applied.stage, dims.pp, cfg.train.grad_accum, cfg.parallel.pp_schedule, mesh,
