@@ -4,7 +4,7 @@ Strategies (`components.<name>.checkpointing`):
 - `full`: a block keeps only its inputs and recomputes everything in backward;
 - `selective`: an op-level policy (`create_selective_checkpoint_contexts`) keeps the attention's matmuls (the
   q/k/v/o projections) and the SDPA output and recomputes the FFN and every elementwise op (norms, rotary,
-  activations, residual adds);
+  activations, residual adds); its dispatch mode runs over the attention sub-layer only (`_RoutedMode`);
 - `selective_attn`: recompute only the attention sub-layer (checkpointed as a module: it keeps its input), and
   the rest of the block saves what autograd saves;
 - `selective_ffn`: the same for the FFN sub-layer;
@@ -55,11 +55,53 @@ def sublayer(block: nn.Module, region: str) -> nn.Module:
     raise ValueError(f"{type(block).__name__} has no {region} sub-layer (looked for {SUBLAYERS[region]})")
 
 
+class _RoutedMode:
+    """The context a selective checkpoint enters around its block (forward, then recomputation): it does not push
+    the SAC dispatch mode over the whole block but makes it the one the block's attention sub-layer enters
+    (`_in_sac_mode`). Only attention's ops then pass through torch's Python dispatch mode - the ops the policy may
+    keep - and every other op runs at native speed; those are recomputed either way (the non-reentrant checkpoint's
+    saved-tensor hooks see them), so what is kept and what is re-run is exactly the whole-block mode's."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        _modes.append(self.mode)
+
+    def __exit__(self, *exc):
+        _modes.pop()
+
+
+_modes: list = []  # the SAC dispatch mode of the selective checkpoint running now (forward or recompute)
+
+
+def routed_contexts():
+    """`context_fn` of a selective checkpoint: torch's SAC modes (one storage), routed to the attention sub-layer."""
+    forward, recompute = create_selective_checkpoint_contexts(selective_policy)
+    return _RoutedMode(forward), _RoutedMode(recompute)
+
+
+def _in_sac_mode(module: nn.Module) -> None:
+    """Run `module` (a block's attention sub-layer) inside the running selective checkpoint's dispatch mode."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not _modes:
+            return inner(*args, **kwargs)
+        with _modes[-1]:
+            return inner(*args, **kwargs)
+
+    module.forward = forward
+
+
 def checkpoint_block(block: nn.Module, strategy: str) -> None:
     if strategy in ("full", "every_nth"):
         checkpoint_module(block)
     elif strategy == "selective":
-        memory.push_pop_hooks(sublayer(block, "attn"), _region, "attn")
+        attn = sublayer(block, "attn")
+        memory.push_pop_hooks(attn, _region, "attn")
+        _in_sac_mode(attn)
         checkpoint_module(block, selective=True)
     else:  # selective_attn / selective_ffn
         checkpoint_module(sublayer(block, strategy.removeprefix("selective_")))
@@ -68,13 +110,15 @@ def checkpoint_block(block: nn.Module, strategy: str) -> None:
 def checkpoint_module(module: nn.Module, selective: bool = False) -> None:
     """Make `module`'s forward recompute in backward: all of it, or what `selective_policy` does not keep."""
     inner = module.forward
-    context_fn = functools.partial(create_selective_checkpoint_contexts, selective_policy) if selective else None
+    whole = functools.partial(create_selective_checkpoint_contexts, selective_policy)
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # inference: nothing to save, nothing to recompute
             return inner(*args, **kwargs)
-        extra = {"context_fn": context_fn} if context_fn else {}
+        # NOTE: torch.compile takes only torch's own SAC modes over the whole region (the policy's region check
+        # then keeps the same ops)
+        extra = {"context_fn": whole if torch.compiler.is_compiling() else routed_contexts} if selective else {}
         # checkpoint keeps keyword tensors (Llama's attention input, mask, rotary cos/sin) alive by reference,
         # outside autograd's saved tensors (positional ones go through them): report them to the accounting
         for value in torch.utils._pytree.tree_leaves(kwargs):
