@@ -66,20 +66,40 @@ def test_first_frame_shows_this_episodes_goal():
 
 
 @pytest.mark.slow
+def test_hidden_distractors_change_the_picture_not_the_physics():
+    """reach's puck drawn transparent: the same observations step by step, pictures that differ only where the
+    puck was, and no trace of the puck's colour left there."""
+    from vlaforge.data.metaworld import MetaWorldEnv
+
+    shown, hidden = (MetaWorldEnv("reach-v3", ["corner", "topview"], 64, hide_distractors=h) for h in (False, True))
+    for env in (shown, hidden):
+        env.reset(5)
+    action = np.array([0.3, -0.2, 0.1, 0.0], np.float32)
+    for _ in range(3):
+        assert np.array_equal(shown.step(action)[0], hidden.step(action)[0])
+    a, b = shown.views()["corner"].astype(int), hidden.views()["corner"].astype(int)
+    changed = np.abs(a - b).max(-1) > 30
+    assert 0 < changed.sum() < 0.02 * changed.size  # a small region: the 4 cm puck at 64 px
+    assert (b[changed] - a[changed]).mean() > 20  # the dark puck gave way to the lighter table behind it
+    for env in (shown, hidden):
+        env.close()
+
+
+@pytest.mark.slow
 def test_generate_train_eval_end_to_end(tmp_path):
     """Meta-World for real: generation is reproducible and leak-free, training reads it, eval reports."""
     gen = ["data", "generate", "--tasks=reach-v3", "--episodes=2", "--image-size=32", "--cameras=corner,topview",
            "--workers=1", "--no-progress", "--seed=3"]
-    for name in ("a", "b"):
-        proc = run_cli(*gen, f"--out={tmp_path / name}", timeout=300)
+    for name, scene in (("a", "--hide-distractors"), ("b", "--no-hide-distractors")):
+        proc = run_cli(*gen, f"--out={tmp_path / name}", scene, timeout=300)
         assert proc.returncode == 0, proc.stderr
     a, b = (pq.read_table(next((tmp_path / n / "data").rglob("*.parquet"))) for n in ("a", "b"))
-    assert a.equals(b)  # same seed, same demonstrations
+    assert a.equals(b)  # same seed, same demonstrations (hiding the puck changes the pictures, not the physics)
     d = LeRobotDataset(tmp_path / "a")
     assert len(d.episodes) == 2 and d.columns["observation.state"].shape[1] == 4  # hand xyz + gripper only
     phases = set(d.columns["annotation.phase"])
     assert phases <= {"move the hand to the goal", "hold the hand at the goal"} and phases
-    assert d.info["vlaforge"]["tasks"] == ["reach-v3"]
+    assert d.info["vlaforge"]["tasks"] == ["reach-v3"] and d.info["vlaforge"]["hide_distractors"] is True
     # the recorded frames are the env's: re-decoding the first frame gives an image of the scene, not zeros
     first = decode_frames(d.episodes[0].videos["observation.images.corner"][0], 0.0, 1, d.fps)
     assert first.std() > 10
@@ -99,6 +119,7 @@ def test_generate_train_eval_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     r = report["tasks"]["reach-v3"]
+    assert report["distractors"] == "hidden"  # evaluated in the scene the dataset was rendered in
     assert r["episodes"] == 2 and 0 <= r["success_rate"] <= 1 and len(r["ci95"]) == 2
     assert r["mean_length"] <= 6
     video = tmp_path / "eval" / "videos" / "reach-v3.mp4"

@@ -84,9 +84,9 @@ def distill(ctx: typer.Context,
             teacher: str = typer.Argument(..., help="the teacher: a run folder, a checkpoints/step_* folder or a "
                                                     "`vlaforge quantize` folder"),
             student: Path = typer.Option(..., help="the student's TOML recipe, e.g. "
-                                                   "recipes/tiny_metaworld_student.toml")):
+                                                   "recipes/distill_student.toml")):
     """Distil TEACHER into the student of --student: `vlaforge train STUDENT --distill.teacher=TEACHER`, with the
-    recipe's [distill] section and the overrides (e.g. --distill.weights.kl=0 --distill.cache=F), so precision,
+    recipe's distill section and the overrides (e.g. --distill.weights.kl=0 --distill.cache=F), so precision,
     checkpointing, data parallel (torchrun), resume and logging are the normal ones."""
     _train_and_report(_load(student, ctx, first=[f"--distill.teacher={json.dumps(teacher)}"]))
 
@@ -137,6 +137,8 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                                                     "(real-time chunking; flow-matching heads)"),
           latency_ms: float = typer.Option(0.0, min=0.0, help="simulated inference delay added to each prediction "
                                                               "(robot clock)"),
+          distractors: str = typer.Option("auto", help="auto (as the training dataset was rendered), shown, hidden: "
+                                                       "the tasks' distractor bodies (reach's puck)"),
           server: Optional[str] = typer.Option(None, help="ws://HOST:PORT: predict through a running vlaforge serve "
                                                           "(of this checkpoint) instead of in this process"),
           api_key: Optional[str] = typer.Option(None, envvar="VLAFORGE_API_KEY", help="the server's API key"),
@@ -152,6 +154,9 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     ckpt = resolve_policy(checkpoint)
     cfg = load_config(ckpt / CONFIG_FILE)
     e = cfg.eval
+    scenes = {"auto": None, "shown": False, "hidden": True}
+    if distractors not in scenes:
+        raise VlaforgeError(f"--distractors {distractors!r} is not one of auto, shown, hidden")
     names = parse_tasks(tasks) if tasks else eval_tasks(cfg)
     pick = lambda v, d: d if v is None else v  # noqa: E731
     options = InferenceOptions(cache=cache, compile=compile, dtype=dtype, device=device,
@@ -160,7 +165,8 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                                server=server, api_key=api_key, backend=backend)
     report = evaluate(ckpt, names, pick(episodes, e.episodes), options=options,
                       max_steps=pick(max_steps, e.max_steps), workers=pick(workers, e.workers),
-                      seed=pick(seed, e.seed), out=out, video=pick(video, e.video), progress=progress)
+                      seed=pick(seed, e.seed), out=out, video=pick(video, e.video), progress=progress,
+                      hide_distractors=scenes[distractors])
     typer.echo(render_table(report))
     typer.echo(f"report: {report['report']}")
 
@@ -464,6 +470,8 @@ def data_generate(
         seed: int = typer.Option(0, min=0, max=MAX_ENV_SEED, help="base seed of the initial positions"),
         workers: int = typer.Option(2, min=1, help="recording processes"),
         max_steps: int = typer.Option(200, min=1, help="steps before an expert attempt counts as failed"),
+        hide_distractors: bool = typer.Option(False, help="render the tasks' distractor bodies (reach's puck) "
+                                                          "invisible; recorded, and `vlaforge eval` renders alike"),
         overwrite: bool = typer.Option(False, help="replace a non-empty --out"),
         progress: bool = typer.Option(True, help="show a progress bar")):
     """Record scripted-expert demonstrations in Meta-World (successful episodes only)."""
@@ -474,7 +482,7 @@ def data_generate(
         raise VlaforgeError(f"--image-size {image_size} must be even (the videos use yuv420p)")
     summary = generate(parse_task_counts(tasks, episodes), episodes, out, cameras=parse_cameras(cameras),
                        image_size=image_size, seed=seed, workers=workers, max_steps=max_steps, overwrite=overwrite,
-                       progress=progress)
+                       progress=progress, hide_distractors=hide_distractors)
     typer.echo(json.dumps(summary))
 
 

@@ -35,11 +35,12 @@ class Attempt:
     cameras: tuple[str, ...]
     image_size: int
     max_steps: int
+    hide_distractors: bool = False
 
 
 def record(a: Attempt) -> dict[str, Any] | None:
     """Run the expert for one seeded episode; the recording if it succeeded, else None."""
-    env, expert = cached_env(a.task, list(a.cameras), a.image_size), make_expert(a.task)
+    env, expert = cached_env(a.task, list(a.cameras), a.image_size, a.hide_distractors), make_expert(a.task)
     obs = env.reset(episode_seed("train", a.task_index, a.attempt, a.seed))
     images: dict[str, list] = {c: [] for c in a.cameras}
     states, actions, phases = [], [], []
@@ -68,6 +69,12 @@ def recorded_tasks(info: dict[str, Any]) -> list[str]:
     return list(info.get("vlaforge", {}).get("tasks", []))
 
 
+def recorded_hidden_distractors(info: dict[str, Any]) -> bool:
+    """Whether a dataset was rendered with the tasks' distractors hidden (meta/info.json's
+    `vlaforge.hide_distractors`; False for datasets that do not say)."""
+    return bool(info.get("vlaforge", {}).get("hide_distractors", False))
+
+
 def check_output(out: Path, overwrite: bool) -> None:
     """`out` must be new or empty (or --overwrite) and writable; a `.partial` folder a killed run left is removed.
 
@@ -91,9 +98,10 @@ def check_output(out: Path, overwrite: bool) -> None:
 
 def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, *, cameras: list[str], image_size: int,
              seed: int = 0, workers: int = 2, max_steps: int = 200, overwrite: bool = False,
-             progress: bool = True) -> dict[str, Any]:
+             progress: bool = True, hide_distractors: bool = False) -> dict[str, Any]:
     """Record successful episodes into a new LeRobotDataset v3 at `out`: `tasks` maps each task to its episode
-    count (a plain list gets `episodes` each).
+    count (a plain list gets `episodes` each); `hide_distractors`: render the tasks' distractor bodies invisible
+    (recorded in meta/info.json; `vlaforge eval` then renders its episodes the same way).
 
     Returns a summary: episodes and frames per task, failed expert attempts, seconds, env steps per second.
     """
@@ -112,7 +120,8 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
         for t in tasks:
             missing = counts[t] - len(kept[t])
             for k in range(missing):
-                todo.append(Attempt(t, order[t], next_attempt[t] + k, seed, tuple(cameras), image_size, max_steps))
+                todo.append(Attempt(t, order[t], next_attempt[t] + k, seed, tuple(cameras), image_size, max_steps,
+                                    hide_distractors))
             next_attempt[t] += max(missing, 0)
         return todo
 
@@ -139,6 +148,7 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
                 writer.add_episode(rec["instruction"], rec["images"], rec["state"], rec["action"],
                                    {PHASE_COLUMN: rec["phase"]})
         writer.finish({"vlaforge": {"generator": "metaworld", "tasks": tasks, "seed": seed,
+                                    "hide_distractors": hide_distractors,
                                     "episode_tasks": [t for t in tasks for _ in kept[t]]}})
     seconds = time.perf_counter() - t0
     return {"out": str(out), "episodes": {t: len(kept[t]) for t in tasks},

@@ -38,6 +38,7 @@ class Task:
     expert: str  # class name in metaworld.policies
     instructions: tuple[str, ...]
     phase: Callable[[np.ndarray], str]  # full observation -> short description of the expert's phase
+    distractors: tuple[str, ...] = ()  # bodies the task never needs, which `hide_distractors` renders invisible
 
 
 def _near(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
@@ -69,7 +70,7 @@ def _door_phase(o: np.ndarray) -> str:
 TASKS: Registry[Task] = Registry("Meta-World task")
 TASKS.add("reach-v3", Task("SawyerReachV3Policy", (
     "reach the red goal", "move the gripper to the red dot", "put the hand on the target point",
-    "reach for the goal position"), _reach_phase))
+    "reach for the goal position"), _reach_phase, distractors=("obj",)))  # the puck: placed at random, never touched
 TASKS.add("button-press-topdown-v3", Task("SawyerButtonPressTopdownV3Policy", (
     "press the button from the top", "push the button down from above", "press the red button downwards",
     "press down on the button"), _button_phase))
@@ -118,9 +119,13 @@ def episode_seed(split: str, task_index: int, attempt: int, seed: int = 0) -> in
 
 
 class MetaWorldEnv:
-    """One seeded Meta-World task with multi-camera rendering; `reset(seed)` / `step(action)` / `views()`."""
+    """One seeded Meta-World task with multi-camera rendering; `reset(seed)` / `step(action)` / `views()`.
 
-    def __init__(self, task: str, cameras: list[str], image_size: int):
+    `hide_distractors`: the task's distractor bodies (reach's puck) are drawn fully transparent - physics, the
+    expert and success are unchanged. A policy trained on few episodes otherwise tells the episodes apart by the
+    puck's random position, an easier cue than the 2 cm goal, and does not generalize (README, issue 23)."""
+
+    def __init__(self, task: str, cameras: list[str], image_size: int, hide_distractors: bool = False):
         os.environ.setdefault("MUJOCO_GL", "egl")
         import metaworld
         import mujoco
@@ -133,6 +138,11 @@ class MetaWorldEnv:
         self.env.seeded_rand_vec = True
         self.env.model.light_castshadow[:] = 0
         self.env.model.mat_reflectance[:] = 0
+        if hide_distractors:
+            model = self.env.model
+            for body in TASKS.get(task).distractors:
+                index = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_BODY, body)
+                model.geom_rgba[model.geom_bodyid == index, 3] = 0.0
         self.max_steps = int(self.env.max_path_length)
         self._renderer = mujoco.Renderer(self.env.model, image_size, image_size)
         self.obs: np.ndarray | None = None
@@ -178,11 +188,11 @@ class MetaWorldEnv:
 _ENVS: dict[tuple, MetaWorldEnv] = {}
 
 
-def cached_env(task: str, cameras: list[str], image_size: int) -> MetaWorldEnv:
-    """This process's environment for (task, cameras, size), built on first use (worker processes reuse it)."""
-    key = (task, tuple(cameras), image_size)
+def cached_env(task: str, cameras: list[str], image_size: int, hide_distractors: bool = False) -> MetaWorldEnv:
+    """This process's environment for (task, cameras, size, scene), built on first use (worker processes reuse it)."""
+    key = (task, tuple(cameras), image_size, hide_distractors)
     if key not in _ENVS:
-        _ENVS[key] = MetaWorldEnv(task, list(cameras), image_size)
+        _ENVS[key] = MetaWorldEnv(task, list(cameras), image_size, hide_distractors)
     return _ENVS[key]
 
 

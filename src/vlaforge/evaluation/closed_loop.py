@@ -44,6 +44,15 @@ def eval_tasks(cfg) -> list[str]:
     return tasks
 
 
+def recorded_scene(cfg) -> bool:
+    """Whether the run's dataset was rendered with the tasks' distractors hidden (evaluation then renders alike)."""
+    from vlaforge.data.generate import recorded_hidden_distractors
+    from vlaforge.data.lerobot_v3 import read_info
+
+    info = Path(cfg.data.path or "") / "meta" / "info.json"
+    return recorded_hidden_distractors(read_info(Path(cfg.data.path))) if info.is_file() else False
+
+
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson score interval of a binomial proportion (95% for z = 1.96)."""
     if n == 0:
@@ -91,6 +100,7 @@ class Job:
     seed: int
     max_steps: int
     record: bool
+    hide_distractors: bool = False
 
 
 _WORKER: dict[str, Any] = {}
@@ -104,7 +114,7 @@ def _init_worker(ckpt: str, options: InferenceOptions, threads: int) -> None:
 def run_episode(job: Job) -> dict[str, Any]:
     """One held-out episode; returns success, length, the inference figures and (if `record`) the frames."""
     runtime: PolicyRuntime = _WORKER["runtime"]
-    env = cached_env(job.task, runtime.cameras, runtime.spec.render_size)
+    env = cached_env(job.task, runtime.cameras, runtime.spec.render_size, job.hide_distractors)
     torch.manual_seed(job.seed)  # flow-matching heads sample noise
     obs = env.reset(episode_seed("eval", job.task_index, job.episode, job.seed))
     instructions = TASKS.get(job.task).instructions
@@ -131,8 +141,10 @@ def run_episode(job: Job) -> dict[str, Any]:
 
 def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, options: InferenceOptions, max_steps: int,
              workers: int, seed: int = 0, out: str | Path | None = None, video: bool = True,
-             progress: bool = True) -> dict[str, Any]:
-    """Evaluate a checkpoint; writes `report.json` (and `videos/<task>.mp4`) to `out` (default CKPT/eval)."""
+             progress: bool = True, hide_distractors: bool | None = None) -> dict[str, Any]:
+    """Evaluate a checkpoint; writes `report.json` (and `videos/<task>.mp4`) to `out` (default CKPT/eval).
+    `hide_distractors`: render the tasks' distractors invisible; None: as the checkpoint's training dataset was
+    rendered (`recorded_scene`)."""
     ckpt = Path(ckpt)
     tasks = parse_tasks(tasks)
     # fail fast, in this process, with a clear message (a bad checkpoint, execute, merge or cache option)
@@ -141,7 +153,13 @@ def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, options: Infe
     if isinstance(runtime, RemoteRuntime):
         runtime.client.close()
     out = Path(out) if out else ckpt / "eval"
-    jobs = [Job(t, i, e, seed, max_steps, video and e == 0) for e in range(episodes) for i, t in enumerate(tasks)]
+    if hide_distractors is None:
+        from vlaforge.config.loading import load_config
+
+        hide_distractors = recorded_scene(load_config(ckpt / "config.toml")) if (ckpt / "config.toml").is_file() \
+            else False
+    jobs = [Job(t, i, e, seed, max_steps, video and e == 0, hide_distractors)
+            for e in range(episodes) for i, t in enumerate(tasks)]
     results: list[dict] = []
     succeeded = 0
     t0 = time.perf_counter()
@@ -154,6 +172,7 @@ def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, options: Infe
             advance(f"success {succeeded}/{len(results)}")
     report = summarize(results, tasks)
     report |= {"checkpoint": str(ckpt), "episodes_per_task": episodes, "execute": options.execute,
+               "distractors": "hidden" if hide_distractors else "shown",
                "max_steps": max_steps, "seed": seed, "seconds": round(time.perf_counter() - t0, 1),
                "inference": {"options": asdict(options), **inference_summary(results)}}
     out.mkdir(parents=True, exist_ok=True)
@@ -220,6 +239,8 @@ def render_table(report: dict[str, Any]) -> str:
         lo, hi = v["ci95"]
         lines.append(f"{t:<28} {v['success_rate']:>8.0%} {f'[{lo:.0%}, {hi:.0%}]':>12} {v['mean_length']:>9.1f}")
     lines.append(f"{'mean':<28} {report['mean_success_rate']:>8.0%}")
+    if report.get("distractors") == "hidden":
+        lines.append("scene: the tasks' distractor bodies hidden, as the training dataset was rendered")
     inf = report.get("inference")
     if inf:
         o = inf["options"]
