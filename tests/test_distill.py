@@ -119,8 +119,8 @@ def test_cached_targets_equal_the_online_teacher(tmp_path, teacher_run):
     from vlaforge.data.loader import build_data
 
     data = build_data(cfg, model)
-    key = cache_key(teacher, cfg, len(data.dataset), distiller.needs())
-    TeacherCache.ensure(path, key, teacher, data.dataset, distiller.needs(), progress=False)
+    key = cache_key(teacher, cfg, len(data.dataset))
+    TeacherCache.ensure(path, key, teacher, data.dataset, progress=False)
     distiller.cache = TeacherCache.open(path, key)
     cached = distiller.extra_terms(model, batch, model.run_llm(batch, True, keep_hidden=True), _head(model, batch), {})
     for k in online:
@@ -143,20 +143,20 @@ def test_cache_is_rebuilt_when_the_teacher_changes(tmp_path, teacher_run, capsys
 
     dataset = build_data(cfg, model).dataset
     path = tmp_path / "cache.safetensors"
-    key = cache_key(teacher, cfg, len(dataset), distiller.needs())
-    TeacherCache.ensure(path, key, teacher, dataset, distiller.needs(), progress=False)
+    key = cache_key(teacher, cfg, len(dataset))
+    TeacherCache.ensure(path, key, teacher, dataset, progress=False)
     before = load_file(str(path))["actions"]
     assert TeacherCache.stale(path, key) is None
     weights = load_file(str(changed / "model.safetensors"))
     weights["action_head.mlp.3.bias"] += 0.5
     save_file(weights, str(changed / "model.safetensors"))
     other = Teacher(distill_config(tmp_path, changed).distill, torch.device("cpu"))
-    new_key = cache_key(other, cfg, len(dataset), distiller.needs())
+    new_key = cache_key(other, cfg, len(dataset))
     assert new_key["teacher"] != key["teacher"]
     assert TeacherCache.stale(path, new_key) == "made for another teacher"
     with pytest.raises(VlaforgeError, match="made for another teacher"):
         TeacherCache.open(path, new_key)
-    TeacherCache.ensure(path, new_key, other, dataset, distiller.needs(), progress=False)
+    TeacherCache.ensure(path, new_key, other, dataset, progress=False)
     assert "rebuilding it" in capsys.readouterr().out
     after = load_file(str(path))["actions"]
     assert not torch.allclose(before, after)
@@ -233,3 +233,29 @@ def test_bad_distillation_inputs_are_one_line(tmp_path, teacher_run):
         assert done.returncode == 2, (args, done.stderr[-500:])
         assert words in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_quantized_teacher_distils(tmp_path, teacher_run):
+    """A `vlaforge quantize`-style folder (int8 LLM) is a teacher like any checkpoint: it loads with its quantized
+    layout and gives targets close to the float teacher's."""
+    import shutil
+
+    from vlaforge.techniques.quantize import apply_quantization
+    from vlaforge.techniques.quantized_format import save_quantized
+    from vlaforge.training.checkpoint import CONFIG_FILE, load_policy_model
+
+    model, _, ckpt = load_policy_model(teacher_run)
+    apply_quantization(model, {"llm": "int8"})
+    folder = tmp_path / "quantized"
+    folder.mkdir()
+    shutil.copy(ckpt / CONFIG_FILE, folder)
+    save_quantized(model, folder)
+    float_cfg, quant_cfg = distill_config(tmp_path, teacher_run), distill_config(tmp_path, folder)
+    student, float_teacher, _ = student_with(float_cfg)
+    quant_teacher = Teacher(quant_cfg.distill, torch.device("cpu"))
+    assert quant_teacher.model.quantization.mode("llm") == "int8"
+    batch = make_batch(float_cfg, student)
+    want, got = (t.outputs(batch, actions=True, condition=False, logits=True, layers=[1, 2])
+                 for t in (float_teacher, quant_teacher))
+    assert not torch.equal(want.actions, got.actions)  # quantized
+    torch.testing.assert_close(got.actions, want.actions, rtol=0.1, atol=0.05)

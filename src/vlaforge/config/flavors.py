@@ -43,6 +43,18 @@ FLAVORS.add("tiny", Flavor(
     action_hidden=128,
 ))
 
+# The distillation teacher that trains on CPU (recipes/distill_teacher.toml): twice tiny's width, 2-3x its depth,
+# the same vocabulary (so the teacher's and a tiny student's language logits compare).
+FLAVORS.add("mini", Flavor(
+    description="~5M-parameter LLM; trains on CPU within an hour; the distillation teacher of tiny students",
+    vision=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                image_size=64, patch_size=16),
+    llm=dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
+             num_key_value_heads=4, vocab_size=1024, max_position_embeddings=1024),
+    projector_hidden=256,
+    action_hidden=256,
+))
+
 # SigLIP-base/16 at 224 px + a Qwen2-0.5B-shaped Llama (GQA 14/2, tied embeddings).
 FLAVORS.add("small", Flavor(
     description="~0.5B LLM; real-GPU experiments and benchmarks",

@@ -154,7 +154,7 @@ class Distiller(nn.Module):
 
     def targets(self, batch: Batch) -> TeacherOutputs:
         if self.cache is not None:
-            return self.cache.outputs(batch)
+            return self.cache.outputs(batch, self.needs()["layers"])
         return self.teacher.outputs(batch, **self.needs())
 
     def extra_terms(self, student, batch: Batch, h: dict, head, den: dict) -> dict[str, torch.Tensor]:
@@ -204,10 +204,10 @@ class Distiller(nn.Module):
         check_compatible(self.teacher, data, self.cfg.active("kl"))
         if not self.cfg.cache:
             return
-        key = cache_key(self.teacher, cfg, len(data.dataset), self.needs())
+        key = cache_key(self.teacher, cfg, len(data.dataset))
         path = Path(self.cfg.cache)
         if main:
-            TeacherCache.ensure(path, key, self.teacher, data.dataset, self.needs(), cfg.train.progress)
+            TeacherCache.ensure(path, key, self.teacher, data.dataset, cfg.train.progress)
         barrier()
         self.cache = TeacherCache.open(path, key)
 
@@ -251,21 +251,23 @@ def check_compatible(teacher: Teacher, data, kl: bool) -> None:
                                 "and LLM vocabulary, or set distill.weights.kl = 0")
 
 
-def cache_key(teacher: Teacher, cfg, size: int, needs: dict) -> dict[str, str]:
-    """What the cached outputs depend on: the teacher's weights, the dataset and sample shapes, the targets."""
+def cache_key(teacher: Teacher, cfg, size: int) -> dict[str, str]:
+    """What the cached outputs depend on: the teacher's weights (and dtype), the dataset and the sample shapes. The
+    cache holds every target any combination of terms uses, so the ablations of one teacher share it."""
     data = cfg.data.model_dump(exclude={"augment_shift", "augment_color", "num_workers", "cache_mb"})
     info = Path(cfg.data.path or "") / "meta" / "info.json"
     shapes = {"samples": size, "data": data, "model": cfg.model.model_dump(include={"cameras", "frames",
                                                                                    "image_size", "action_chunk"}),
               "info": hashlib.sha256(info.read_bytes()).hexdigest() if info.is_file() else None}
     dataset = hashlib.sha256(json.dumps(shapes, sort_keys=True, default=str).encode()).hexdigest()
-    targets = json.dumps({**needs, "dtype": str(teacher.dtype)}, sort_keys=True)
+    targets = json.dumps({"dtype": str(teacher.dtype), "text_tokens": cfg.data.max_text_tokens}, sort_keys=True)
     return {"teacher": teacher.digest, "dataset": dataset, "targets": targets}
 
 
 class TeacherCache:
-    """The teacher's outputs on every dataset sample, computed once without augmentation: a safetensors file
-    (actions fp32; logits and features fp16) keyed by `cache_key` in its metadata."""
+    """The teacher's outputs on every dataset sample, computed once without augmentation: its action chunk (fp32;
+    a flow head's sample drawn with a fixed seed), its text logits and every block's output at the action queries
+    (fp16), in a safetensors file keyed by `cache_key` in its metadata."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
@@ -286,7 +288,7 @@ class TeacherCache:
         return f"made for another {' and '.join(changed)}" if changed else None
 
     @classmethod
-    def ensure(cls, path: Path, key: dict[str, str], teacher: Teacher, dataset, needs: dict, progress: bool) -> None:
+    def ensure(cls, path: Path, key: dict[str, str], teacher: Teacher, dataset, progress: bool) -> None:
         """Build the file unless it already serves `key`; written to a temporary name and renamed."""
         from safetensors.torch import save_file
 
@@ -299,10 +301,13 @@ class TeacherCache:
         parts: dict[str, list[torch.Tensor]] = {}
         device = next(teacher.model.parameters()).device
         step = 64
-        with progress_bar(progress, "teacher cache", -(-len(plain) // step)) as advance:
+        with progress_bar(progress, "teacher cache", -(-len(plain) // step)) as advance, torch.random.fork_rng():
+            torch.manual_seed(0)  # a flow head's samples: the same file for the same teacher and data
             for start in range(0, len(plain), step):
                 batch = Batch.collate([plain[i] for i in range(start, min(len(plain), start + step))]).to(device)
-                out = teacher.outputs(batch, **needs)
+                text = batch.text_ids is not None
+                out = teacher.outputs(batch, actions=True, condition=False, logits=text,
+                                      layers=list(range(1, teacher.layers + 1)))
                 for f in fields(out):
                     if (v := getattr(out, f.name)) is not None:
                         parts.setdefault(f.name, []).append(v.cpu())
@@ -323,13 +328,18 @@ class TeacherCache:
             raise VlaforgeError(f"distill.cache {path} is {why}; remove it and train again")
         return cls(load_file(str(path)))
 
-    def outputs(self, batch: Batch) -> TeacherOutputs:
-        """The cached outputs of the batch's samples (by `Batch.index`), in fp32 on the batch's device."""
+    def outputs(self, batch: Batch, layers: list[int]) -> TeacherOutputs:
+        """The cached outputs of the batch's samples (by `Batch.index`) with the features of teacher blocks
+        `layers` (1-based), in fp32 on the batch's device."""
         if batch.index is None:
             raise VlaforgeError("distill.cache needs each sample's dataset row (Batch.index), which this data source "
                                 "does not give; drop distill.cache to run the teacher on every batch")
         rows = batch.index.cpu()
-        return TeacherOutputs(**{k: v[rows].to(batch.images.device, torch.float32) for k, v in self.tensors.items()})
+        out = {k: v[rows] for k, v in self.tensors.items()}
+        if "features" in out:
+            out["features"] = out["features"][:, [k - 1 for k in layers]] if layers else None
+        return TeacherOutputs(**{k: None if v is None else v.to(batch.images.device, torch.float32)
+                                 for k, v in out.items()})
 
 
 def init_from_teacher(student: nn.Module, teacher: nn.Module) -> list[str]:
