@@ -80,10 +80,6 @@ class ModelConfig(Section):
         "patch", description="a vision tower built from the flavor embeds patches with one strided convolution "
                              "(patch) or with a stack of stride-2 3x3 convolutions ending on the same patch grid "
                              "(conv: 'early convolutions', Xiao et al. 2021; needs a power-of-2 patch size)")
-    vision_keypoints: int = Field(
-        0, ge=0, le=256, description="with vision_stem = 'conv': K spatial-softmax keypoints (expected x, y of a "
-                                     "learned score map, Levine et al. 2016) read from the stem and added to every "
-                                     "patch token of the frame; 0: none")
     action_chunk: int = Field(8, ge=1, le=MAX_TOKENS, description="T: actions predicted per step")
     action_dim: Dim | Auto = Field(4, description="'auto' (the default with data.source = 'lerobot'): the "
                                                   "dataset's action size")
@@ -110,9 +106,6 @@ class ModelConfig(Section):
         if self.vision_stem == "conv" and self.vision.pretrained:
             raise ValueError("model.vision_stem = 'conv' replaces the patch embedding of a tower trained from "
                              "scratch; a pretrained tower keeps its own: drop one of the two")
-        if self.vision_keypoints and self.vision_stem != "conv":
-            raise ValueError("model.vision_keypoints reads keypoints from the convolutional stem; set "
-                             "model.vision_stem = 'conv' or model.vision_keypoints = 0")
         if not self.vision.pretrained:  # a pretrained tower's patch size is checked when it is loaded
             from vlaforge.config.flavors import FLAVORS
 

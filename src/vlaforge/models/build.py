@@ -35,7 +35,7 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
     ctx = fake_build() if fake else contextlib.nullcontext()
     with ctx:
         vision = build_vision(flavor, model_cfg.image_size, model_cfg.vision.pretrained, model_cfg.patch_size,
-                              model_cfg.vision_stem, model_cfg.vision_keypoints)
+                              model_cfg.vision_stem)
         llm = build_llm(flavor, model_cfg.llm.pretrained)
         if fake:
             llm.tie_weights()  # NOTE: no_init_weights also skips tying (e.g. small's tied embeddings)
