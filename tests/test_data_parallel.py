@@ -98,15 +98,17 @@ def test_distributed_resume_is_exact(tmp_path):
 
 def test_quantization_aware_training_on_two_ranks_matches_one_process(tmp_path):
     """Fake-quantized linears (QAT) shard under FSDP2 like plain ones: the ranks fake-quantize the gathered weights,
-    so the first step's loss is the one process's exactly. Later steps agree to float noise only: a weight that
-    differs by 1e-8 can round to the next level, which is what rounding does, so the weights are compared at the
-    size of a few Adam steps (lr 1e-3) and the losses to 1e-4."""
+    so the first step's loss and gradient norm are the one process's. Later steps agree to float noise only: a
+    weight that differs by 1e-8 can round to the next int4 level, which is what rounding does (one flip moves the
+    tiny model's loss by ~1e-4), so later losses are compared to 1e-3 and the weights at the size of a few Adam
+    steps (lr 1e-3)."""
     qat = ("--components.llm.qat=int4", "--components.projector.qat=int4")
     reference = train_single(tmp_path / "single", *qat, "--train.grad_accum=2")
     train_distributed(tmp_path / "dp", *qat)
     got, want = metrics(tmp_path / "dp"), metrics(reference)
     assert got[0]["loss/total"] == pytest.approx(want[0]["loss/total"], abs=1e-6)
+    assert got[0]["grad_norm/total"] == pytest.approx(want[0]["grad_norm/total"], rel=1e-5)
     for g, w in zip(got, want):
-        assert g["loss/total"] == pytest.approx(w["loss/total"], rel=1e-4)
+        assert g["loss/total"] == pytest.approx(w["loss/total"], rel=1e-3)
     a, b = weights(tmp_path / "dp"), weights(reference)
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=2e-3) for k in a)
