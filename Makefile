@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 venv: $(VENV)/.installed
 
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: venv
 	$(PY) -m pytest -q -m 'not slow'

@@ -4,7 +4,8 @@ distilled with every term, and ablations with each term off - every run on the s
 Each run is judged the same way: parameters per component, per-prediction latency through `PolicyRuntime`
 (interleaved with the teacher's on the same frames, so the ratio is side by side), action error against the expert
 on held-out frames (a dataset generated from other seeds), and closed-loop success per task on the same held-out
-episodes. Runs already in --out are reused (the bench resumes); the distilled runs share one teacher-output cache.
+episodes. Runs and results already in --out are reused (the bench resumes, and a later --variants adds to it; the
+teacher's latency is then from the earlier invocation); the distilled runs share one teacher-output cache.
 
   python bench/distillation.py --data data/metaworld_demo --heldout data/metaworld_heldout --out runs/distill_bench
 
@@ -128,8 +129,13 @@ def main() -> None:
     frames = dataset_frames(args.heldout, teacher_rt.spec, args.frames, seed=args.seed)
     for name, row in report["runs"].items():
         run = args.out / name
-        row.update(offline(teacher_rt, run, frames, args.rounds))
-        row["closed_loop"] = closed_loop(run, args.episodes, args.execute, args.workers)
+        done = run / "bench_result.json"  # a later invocation (more variants) reuses what was measured
+        if done.is_file():
+            row.update(json.loads(done.read_text()))
+        else:
+            row.update(offline(teacher_rt, run, frames, args.rounds))
+            row["closed_loop"] = closed_loop(run, args.episodes, args.execute, args.workers)
+            done.write_text(json.dumps(row) + "\n")
         print(json.dumps({name: row}), flush=True)
     t_mean = report["runs"]["teacher"]["closed_loop"]["mean_success_rate"]
     for name, row in report["runs"].items():
