@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from vlaforge.config.loading import load_config  # noqa: E402
+from vlaforge.config.loading import load_config, write_atomic  # noqa: E402
 from vlaforge.evaluation.closed_loop import InferenceOptions, eval_tasks, evaluate  # noqa: E402
 from vlaforge.evaluation.quantization import action_error, dataset_frames, side_by_side  # noqa: E402
 from vlaforge.inference.runtime import PolicyRuntime  # noqa: E402
@@ -58,7 +58,7 @@ def train(recipe: Path, out: Path, args, extra: list[str]) -> float:
     if done.returncode:
         raise SystemExit(f"training {out} failed:\n{done.stderr[-3000:]}")
     seconds = round(time.perf_counter() - t0, 1)
-    (out / "bench_train.json").write_text(json.dumps({"seconds": seconds, "command": cmd}) + "\n")
+    write_atomic(out / "bench_train.json", json.dumps({"seconds": seconds, "command": cmd}) + "\n")
     return seconds
 
 
@@ -135,7 +135,7 @@ def main() -> None:
         else:
             row.update(offline(teacher_rt, run, frames, args.rounds))
             row["closed_loop"] = closed_loop(run, args.episodes, args.execute, args.workers)
-            done.write_text(json.dumps(row) + "\n")
+            write_atomic(done, json.dumps(row) + "\n")  # a killed bench leaves no half-written row
         print(json.dumps({name: row}), flush=True)
     t_mean = report["runs"]["teacher"]["closed_loop"]["mean_success_rate"]
     for name, row in report["runs"].items():
@@ -144,7 +144,7 @@ def main() -> None:
         s, d = (report["runs"][k]["closed_loop"]["mean_success_rate"] for k in ("scratch", "distilled"))
         report["distilled_minus_scratch"] = round(d - s, 4)
     text = json.dumps(report, indent=1)
-    (args.out / "distillation.json").write_text(text + "\n")
+    write_atomic(args.out / "distillation.json", text + "\n")
     print(text)
 
 
