@@ -177,3 +177,37 @@ def test_a_conv_stem_is_refused_where_it_cannot_apply():
         load_config(None, ["--model.vision_stem=conv", "--model.vision.pretrained=/a"])
     with pytest.raises(ConfigError, match="power of 2, not 12"):
         load_config(None, ["--model.vision_stem=conv", "--model.image_size=48", "--model.patch_size=12"])
+
+
+
+@pytest.mark.parametrize("head", ["regression", "flow_matching"])
+def test_state_dropout_zeroes_the_state_of_drawn_training_samples_and_one_removes_it(tmp_path, head):
+    """state_dropout p: in training each sample's state is zeroed with probability p (a dropped row embeds as a
+    zero state, a kept row as its own state); at inference the state is read unless p = 1."""
+    def actions(model, state):
+        hidden = torch.randn(state.shape[0], cfg.model.action_chunk, model.action_head.queries.shape[-1],
+                             generator=torch.Generator().manual_seed(0))
+        torch.manual_seed(1)  # the flow head's noise
+        return model.action_head(hidden, state)
+
+    cfg = tiny_config(tmp_path, model={"action_head": {"kind": head, "flow_steps": 2, "state_dropout": 0.5}})
+    model = build_vla(cfg.model, cfg.loss).eval()
+    head_ = model.action_head
+    state = torch.randn(64, cfg.model.state_dim) * 3
+    zero = torch.zeros_like(state)
+    with torch.no_grad():
+        assert not torch.allclose(actions(model, state), actions(model, zero))  # inference reads the state
+        model.train()
+        torch.manual_seed(2)
+        kept = (torch.rand(64, 1) >= 0.5).squeeze(1)  # the draw embed_state makes
+        torch.manual_seed(2)
+        emb = head_.embed_state(state)
+        assert 10 < int(kept.sum()) < 54
+        torch.testing.assert_close(emb[kept], head_.state_proj(state)[kept])
+        torch.testing.assert_close(emb[~kept], head_.state_proj(zero)[~kept])
+    cfg = tiny_config(tmp_path, model={"action_head": {"kind": head, "flow_steps": 2, "state_dropout": 1.0}})
+    model = build_vla(cfg.model, cfg.loss)
+    with torch.no_grad():
+        for training in (True, False):
+            model.train(training)
+            torch.testing.assert_close(actions(model, state), actions(model, zero))

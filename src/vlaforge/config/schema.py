@@ -52,6 +52,8 @@ class ActionHeadConfig(Section):
     hidden: int | None = Field(None, ge=8, description="head width; None takes the flavor's")
     flow_steps: int = Field(10, ge=1, description="Euler integration steps of the flow matching head")
     layers: int = Field(2, ge=1, description="transformer layers of the flow matching velocity network")
+    state_dropout: float = Field(0.0, ge=0.0, le=1.0, description="probability that a training sample's robot state "
+                                 "is zeroed (its dataset mean); 1: the head never reads the state, at inference too")
 
     @field_validator("kind")
     @classmethod

@@ -27,13 +27,26 @@ class ActionHeadOutput:
 
 
 class ActionHead(nn.Module):
-    """Base: learned action queries plus a state embedding shared by all heads."""
+    """Base: learned action queries plus a state embedding shared by all heads.
 
-    def __init__(self, llm_dim: int, action_dim: int, state_dim: int, chunk: int, hidden: int, **_: object):
+    state_dropout: the probability that a training sample's normalized state is zeroed (the dataset's mean state);
+    1 means the head never reads the state, at inference too (a policy must then locate the hand in the images)."""
+
+    def __init__(self, llm_dim: int, action_dim: int, state_dim: int, chunk: int, hidden: int,
+                 state_dropout: float = 0.0, **_: object):
         super().__init__()
-        self.chunk, self.action_dim = chunk, action_dim
+        self.chunk, self.action_dim, self.state_dropout = chunk, action_dim, state_dropout
         self.queries = nn.Parameter(torch.randn(chunk, llm_dim) * 0.02)  # (T, D)
         self.state_proj = nn.Linear(state_dim, hidden)
+
+    def embed_state(self, state: torch.Tensor) -> torch.Tensor:
+        """The state embedding (B, H) after state dropout."""
+        if self.state_dropout >= 1.0:
+            state = torch.zeros_like(state)
+        elif self.state_dropout > 0.0 and self.training:
+            keep = torch.rand(state.shape[0], 1, device=state.device) >= self.state_dropout
+            state = state * keep.to(state.dtype)
+        return self.state_proj(state)
 
     def forward(self, hidden: torch.Tensor, state: torch.Tensor, actions: torch.Tensor | None = None,
                 prefix: torch.Tensor | None = None,
@@ -56,12 +69,12 @@ class RegressionHead(ActionHead):
     """OpenVLA-OFT style: one parallel decoding pass, an MLP per action query, L1/Huber regression."""
 
     def __init__(self, llm_dim: int, action_dim: int, state_dim: int, chunk: int, hidden: int, **kw: object):
-        super().__init__(llm_dim, action_dim, state_dim, chunk, hidden)
+        super().__init__(llm_dim, action_dim, state_dim, chunk, hidden, **kw)
         self.in_proj = nn.Linear(llm_dim, hidden)
         self.mlp = nn.Sequential(nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, action_dim))
 
     def forward(self, hidden, state, actions=None, prefix=None, prefix_weight=None):
-        x = self.in_proj(hidden) + self.state_proj(state)[:, None, :]  # (B, T, H)
+        x = self.in_proj(hidden) + self.embed_state(state)[:, None, :]  # (B, T, H)
         pred = self.mlp(x)  # (B, T, A)
         if actions is None:
             return pred
@@ -87,7 +100,7 @@ class FlowMatchingHead(ActionHead):
 
     def __init__(self, llm_dim: int, action_dim: int, state_dim: int, chunk: int, hidden: int,
                  flow_steps: int = 10, layers: int = 2, **kw: object):
-        super().__init__(llm_dim, action_dim, state_dim, chunk, hidden)
+        super().__init__(llm_dim, action_dim, state_dim, chunk, hidden, **kw)
         self.flow_steps = flow_steps
         self.cond_proj = nn.Linear(llm_dim, hidden)
         self.action_in = nn.Linear(action_dim, hidden)
@@ -107,7 +120,7 @@ class FlowMatchingHead(ActionHead):
 
     def condition(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """The velocity network's condition (B, T, H) from the LLM's query states and the normalized state."""
-        return self.cond_proj(hidden) + self.state_proj(state)[:, None, :]
+        return self.cond_proj(hidden) + self.embed_state(state)[:, None, :]
 
     def forward(self, hidden, state, actions=None, prefix=None, prefix_weight=None):
         cond = self.condition(hidden, state)
