@@ -179,13 +179,12 @@ def test_a_conv_stem_is_refused_where_it_cannot_apply():
         load_config(None, ["--model.vision_stem=conv", "--model.image_size=48", "--model.patch_size=12"])
 
 
-
 @pytest.mark.parametrize("head", ["regression", "flow_matching"])
 def test_state_dropout_zeroes_the_state_of_drawn_training_samples_and_one_removes_it(tmp_path, head):
     """state_dropout p: in training each sample's state is zeroed with probability p (a dropped row embeds as a
     zero state, a kept row as its own state); at inference the state is read unless p = 1."""
     def actions(model, state):
-        hidden = torch.randn(state.shape[0], cfg.model.action_chunk, model.action_head.queries.shape[-1],
+        hidden = torch.randn(state.shape[0], model.action_head.chunk, model.action_head.queries.shape[-1],
                              generator=torch.Generator().manual_seed(0))
         torch.manual_seed(1)  # the flow head's noise
         return model.action_head(hidden, state)
