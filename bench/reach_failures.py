@@ -1,0 +1,81 @@
+"""Where a policy's reach episodes end: closed-loop reach-v3 on held-out or on the dataset's own training goals.
+Prints one JSON: success rate with its Wilson interval, and for the failed episodes the mean final hand - goal
+error per axis (signed and absolute), the range of the final hand y, and the mean goal of successes and failures.
+
+Issue 23's diagnosis (README, "What made the difference on reach"): run with `--split train` and `--split eval` on
+the same run; equal success on both says the policy does not fail for want of interpolation between goals.
+Training goals are the first N of generation's seeds (`episode_seed("train", 0, e, base_seed)`), so they are the
+dataset's episodes when reach is its first task and the expert never failed (make demo's dataset: 0 failures).
+
+    python bench/reach_failures.py runs/tiny_metaworld --split train --episodes 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+import torch
+
+from vlaforge.config.loading import load_config
+from vlaforge.data.metaworld import TASKS, cached_env, episode_seed
+from vlaforge.evaluation.closed_loop import InferenceOptions, recorded_scene, wilson_interval
+from vlaforge.inference.runtime import Observation, PolicyRuntime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run", help="a run folder (its latest checkpoint) or a checkpoints/step_* folder")
+    ap.add_argument("--split", choices=("train", "eval"), default="eval", help="training goals or held-out goals")
+    ap.add_argument("--episodes", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0, help="base seed (generation's --seed for --split train)")
+    ap.add_argument("--execute", type=int, default=2)
+    ap.add_argument("--max-steps", type=int, default=150)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    torch.set_num_threads(args.threads)
+    runtime = PolicyRuntime.load(args.run, device="cpu")
+    config = next((p for p in (os.path.join(args.run, "config.toml"),
+                               os.path.join(args.run, "..", "..", "config.toml")) if os.path.isfile(p)), None)
+    hidden = recorded_scene(load_config(config)) if config else False
+    env = cached_env("reach-v3", runtime.cameras, runtime.spec.render_size, hidden)
+    options = InferenceOptions(execute=args.execute)
+    instructions = TASKS.get("reach-v3").instructions
+    rows = []
+    for e in range(args.episodes):
+        obs = env.reset(episode_seed(args.split, 0, e, args.seed))
+        goal = obs[36:39].copy()
+        runtime.reset("episode")
+        executor = options.executor(runtime, "episode")
+        success = False
+        try:
+            for _ in range(args.max_steps):
+                wanted = executor.needs_observation()
+                observation = Observation(env.views(), env.state(obs), instructions[e % len(instructions)]) \
+                    if wanted else None
+                obs, success = env.step(executor.act(observation))
+                if success:
+                    break
+        finally:
+            executor.close()
+        rows.append((float(success), *(obs[0:3] - goal), *goal))
+    r = np.array(rows)
+    ok, failed = r[r[:, 0] == 1], r[r[:, 0] == 0]
+    lo, hi = wilson_interval(len(ok), len(r))
+    out = {"run": args.run, "split": args.split, "episodes": len(r), "success_rate": round(len(ok) / len(r), 4),
+           "ci95": [round(lo, 4), round(hi, 4)], "distractors": "hidden" if hidden else "shown",
+           "goal_mean_successes": ok[:, 4:7].mean(0).round(3).tolist() if len(ok) else None,
+           "goal_mean_failures": failed[:, 4:7].mean(0).round(3).tolist() if len(failed) else None}
+    if len(failed):
+        hand_y = failed[:, 2] + failed[:, 5]
+        out |= {"failed_error_signed_m": failed[:, 1:4].mean(0).round(4).tolist(),
+                "failed_error_abs_m": np.abs(failed[:, 1:4]).mean(0).round(4).tolist(),
+                "failed_final_hand_y_m": [round(float(hand_y.min()), 3), round(float(hand_y.max()), 3)]}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
