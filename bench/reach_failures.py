@@ -22,7 +22,7 @@ import torch
 from vlaforge.config.loading import load_config
 from vlaforge.data.metaworld import TASKS, cached_env, episode_seed
 from vlaforge.evaluation.closed_loop import InferenceOptions, recorded_scene, wilson_interval
-from vlaforge.inference.runtime import Observation, PolicyRuntime
+from vlaforge.inference.runtime import Observation, PolicyRuntime, resolve_policy
 
 
 def main() -> None:
@@ -37,10 +37,9 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("MUJOCO_GL", "egl")
     torch.set_num_threads(args.threads)
-    runtime = PolicyRuntime.load(args.run, device="cpu")
-    config = next((p for p in (os.path.join(args.run, "config.toml"),
-                               os.path.join(args.run, "..", "..", "config.toml")) if os.path.isfile(p)), None)
-    hidden = recorded_scene(load_config(config)) if config else False
+    checkpoint = resolve_policy(args.run)
+    runtime = PolicyRuntime.load(checkpoint, device="cpu")
+    hidden = recorded_scene(load_config(checkpoint / "config.toml"))  # as `vlaforge eval` renders the scene
     env = cached_env("reach-v3", runtime.cameras, runtime.spec.render_size, hidden)
     options = InferenceOptions(execute=args.execute)
     instructions = TASKS.get("reach-v3").instructions
