@@ -24,10 +24,10 @@ from fake_lerobot import CAMS, SIZE, write_dataset
 STATE = 4
 
 
-def _model(frames=3, image=24, patch=8, chunk=4, head="regression", cams=CAMS, first_frame=False):
+def _model(frames=3, image=24, patch=8, chunk=4, head="regression", cams=CAMS):
     cfg = tiny_config(model={"frames": frames, "cameras": list(cams), "image_size": image, "patch_size": patch,
                              "action_chunk": chunk, "state_dim": STATE, "action_dim": 4,
-                             "action_head": {"kind": head}, "first_frame": first_frame})
+                             "action_head": {"kind": head}})
     return build_vla(cfg.model, cfg.loss), cfg
 
 
@@ -37,7 +37,7 @@ def _spec(model, cfg, stride=2, render=SIZE, stats=None, cams=CAMS):
     return ObservationSpec(cameras=[f"observation.images.{c}" for c in cams], frames=cfg.model.frames,
                            frame_stride=stride, image_size=model.layout.image_size, render_size=render,
                            instruction_tokens=cfg.data.max_instruction_tokens, text_tokens=0,
-                           chunk=cfg.model.action_chunk, first_frame=cfg.model.first_frame, **norm)
+                           chunk=cfg.model.action_chunk, **norm)
 
 
 TOKENIZER = train_bpe(["open the door", "press the button", "close the drawer"], 300)
@@ -48,15 +48,13 @@ def _obs(g, t=0, instruction="open the door", size=SIZE, cams=CAMS):
                        g.normal(size=STATE).astype(np.float32), instruction)
 
 
-@pytest.mark.parametrize("first_frame", [False, True])
-def test_runtime_feeds_the_model_what_training_fed_it(tmp_path, first_frame):
-    """Closed-loop inputs (frame history with stride, the episode's first frame, resizing, normalization, tokens)
-    equal the dataset's samples: the runtime's chunk at every step equals the model's prediction on the dataset
-    sample, denormalized."""
+def test_runtime_feeds_the_model_what_training_fed_it(tmp_path):
+    """Closed-loop inputs (frame history with stride, resizing, normalization, tokens) equal the dataset's samples:
+    the runtime's chunk at every step equals the model's prediction on the dataset sample, denormalized."""
     root = tmp_path / "ds"
     write_dataset(root)
     d = LeRobotDataset(root)
-    model, cfg = _model(first_frame=first_frame)
+    model, cfg = _model()
     spec = _spec(model, cfg, stats=normalization_from_stats(d.stats))
     ds = DemoDataset(d, spec, TOKENIZER, seed=0, shift=0, color=0.0, cache_mb=64, text_column=None)
     e = d.episodes[1]
@@ -72,34 +70,8 @@ def test_runtime_feeds_the_model_what_training_fed_it(tmp_path, first_frame):
             assert got.actions.dtype == np.float32 and got.actions.shape == (spec.chunk, 4)
         report = runtime.session().report()
         assert report["predictions"] == e.length and report["p50_ms"] > 0
-    # exact: stride 2 over 3 frames -> each frame is needed at steps t, t+2, t+4 and encoded once; the first frame,
-    # needed at every step, too
+    # exact: stride 2 over 3 frames -> each frame is needed at steps t, t+2, t+4 and encoded once
     assert report["cache"]["encoded"] == len(CAMS) * e.length
-    assert ref.images.shape[0] == len(CAMS) * (cfg.model.frames + first_frame)
-
-
-def test_the_first_frame_is_encoded_once_and_kept_for_the_episode():
-    """first_frame: every prediction shows frame 0 of each camera; the exact cache encodes it at the first step
-    only (the history's older frames are dropped, frame 0 stays), with the actions of an uncached runtime."""
-    model, cfg = _model(frames=1, first_frame=True)
-    spec = _spec(model, cfg, stride=1)
-    runs = {}
-    for mode in ("none", "exact"):
-        runtime = PolicyRuntime(model, spec, TOKENIZER, device="cpu", cache=mode)
-        g = np.random.default_rng(0)
-        runs[mode] = [runtime.predict(_obs(g)) for _ in range(6)]
-        keys = sorted(runtime.session().cache.entries)
-    assert keys == sorted((c, i) for c in CAMS for i in (0, 5))  # frame 0 and the current one
-    for a, b in zip(runs["none"], runs["exact"]):
-        assert torch.equal(torch.from_numpy(a.actions), torch.from_numpy(b.actions))
-    assert [p.timings["frames_encoded"] for p in runs["exact"]] == [2] * 6  # the new frame per camera only
-    assert [p.timings["frames_encoded"] for p in runs["none"]] == [2] + [4] * 5  # frame 0 again, every step
-    # a policy that reads frame 0 answers differently when the episode began elsewhere
-    g = np.random.default_rng(0)
-    rt = PolicyRuntime(model, spec, TOKENIZER, device="cpu")
-    rt.predict(_obs(np.random.default_rng(9)))
-    later = [_obs(g) for _ in range(6)][-1]
-    assert not np.allclose(rt.predict(later).actions, runs["none"][-1].actions)
 
 
 def test_exact_cache_gives_the_uncached_actions_and_encodes_one_frame_per_camera():

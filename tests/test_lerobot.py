@@ -115,10 +115,10 @@ def test_v21_reading(tmp_path, dataset):
     assert np.abs(frames.astype(int) - eps[1]["images"]["top"].astype(int)).mean() < 3.0
 
 
-def _spec(d: LeRobotDataset, chunk=4, frames=2, stride=2, first_frame=False) -> ObservationSpec:
+def _spec(d: LeRobotDataset, chunk=4, frames=2, stride=2) -> ObservationSpec:
     return ObservationSpec(cameras=[f"observation.images.{c}" for c in CAMS], frames=frames, frame_stride=stride,
                            image_size=SIZE, render_size=SIZE, instruction_tokens=6, text_tokens=4, chunk=chunk,
-                           first_frame=first_frame, **normalization_from_stats(d.stats))
+                           **normalization_from_stats(d.stats))
 
 
 def _demo(d, spec, **kw):
@@ -152,26 +152,6 @@ def test_action_chunks_stay_inside_episodes(dataset, cache_mb):
     # the instruction is the episode's task; the text target the frame's phase
     tok = ds.instr_ids
     assert torch.equal(ds[7].instruction_ids, tok[1]) and torch.equal(ds[0].instruction_ids, tok[0])
-
-
-def test_first_frame_leads_every_sample_of_its_episode(dataset):
-    """first_frame: each sample shows each camera's frame 0 of its own episode, then the history; the same shift
-    and colour draw covers both, so the first frame and the current one stay aligned."""
-    root, eps = dataset
-    d = LeRobotDataset(root)
-    spec = _spec(d, frames=1, first_frame=True)
-    ds, plain = _demo(d, spec, shift=2, color=0.1), _demo(d, spec)
-    assert spec.sample_rows(5) == [0, 5] and spec.images_per_camera == 2
-    for e_pos, e in enumerate(d.episodes):
-        for t in (0, e.length - 1):
-            s = plain[e.start + t]
-            assert s.images.shape == (2 * len(CAMS), 3, SIZE, SIZE)
-            for k, frame in enumerate((0, t)):
-                for v, cam in enumerate(CAMS):
-                    ref = torch.from_numpy(eps[e_pos]["images"][cam][frame]).permute(2, 0, 1).float() / 127.5 - 1
-                    assert (s.images[k * len(CAMS) + v] - ref).abs().mean() < 0.03
-    shifted = ds[d.episodes[1].start]  # t = 0: the first frame and the current one are the same frame
-    torch.testing.assert_close(shifted.images[:len(CAMS)], shifted.images[len(CAMS):])
 
 
 def test_augmentation_is_a_pure_function_of_the_index(dataset):

@@ -67,10 +67,6 @@ class ActionHeadConfig(Section):
 class ModelConfig(Section):
     flavor: str = "tiny"
     frames: int = Field(1, ge=1, le=MAX_TOKENS, description="time steps of images per sample")
-    first_frame: bool = Field(False, description="also give every sample each camera's first frame of its episode, "
-                                                 "before the history: the scene before the arm moved, so a target "
-                                                 "the arm later hides stays in view (reach's goal in the top view); "
-                                                 "at inference its features are encoded once per episode")
     cameras: Annotated[list[str], Field(min_length=1)] | Auto = Field(
         default_factory=lambda: list(SYNTHETIC_SHAPES["cameras"]),
         description="camera names (dataset video keys, with or without 'observation.images.'); 'auto' (the default "
@@ -129,7 +125,7 @@ class ModelConfig(Section):
 
     @property
     def frames_per_sample(self) -> int:
-        """F: images per sample ((first frame + time steps) x cameras).
+        """F: images per sample (time steps x cameras).
 
         Raises:
             ConfigError: the cameras are still 'auto' (they come from the dataset when training starts).
@@ -139,7 +135,7 @@ class ModelConfig(Section):
 
             raise ConfigError("model.cameras = 'auto' takes the dataset's cameras, and no dataset was read here; set "
                               "model.cameras (e.g. [\"corner\"]) or point data.path at the dataset")
-        return (self.frames + int(self.first_frame)) * len(self.cameras)
+        return self.frames * len(self.cameras)
 
     def shapes_known(self) -> bool:
         return "auto" not in (self.cameras, self.state_dim, self.action_dim)

@@ -1,8 +1,8 @@
 """The map-style training dataset over a LeRobot dataset: one sample per frame, producing `Batch` fields.
 
-Sample at frame t of an episode: the F-frame history (stride s) of every camera (after its first frame when
-`first_frame`), the normalized state at t, the instruction tokens, the next T normalized actions (padded and
-masked past the episode end - chunks never cross episodes) and the phase text as language target.
+Sample at frame t of an episode: the F-frame history (stride s) of every camera, the normalized state at t,
+the instruction tokens, the next T normalized actions (padded and masked past the episode end - chunks never
+cross episodes) and the phase text as language target.
 
 Video decoding must not be the bottleneck: when all decoded frames fit in `cache_mb` they are decoded once,
 up front and in parallel threads, into uint8 tensors that DataLoader workers share (fork, copy-on-write);
@@ -118,7 +118,7 @@ class DemoDataset(Dataset):
         row = index % len(self)
         ep, t = self.locate(row)
         spec, length, start = self.spec, int(self.lengths[ep]), int(self.starts[ep])
-        hist = spec.sample_rows(t)
+        hist = spec.history(t)
         views = torch.stack([to_model_images(self.store.get(cam, ep, hist), spec.image_size)
                              for cam in spec.cameras])  # (V, F, 3, S, S)
         if self.shift or self.color:

@@ -109,7 +109,7 @@ def _lerobot_data(cfg, model) -> Data:
                            render_size=int(reader.info["features"][cameras[0]]["shape"][0]),
                            instruction_tokens=d.max_instruction_tokens,
                            text_tokens=d.max_text_tokens, chunk=m.action_chunk,
-                           first_frame=m.first_frame, **normalization_from_stats(reader.stats))
+                           **normalization_from_stats(reader.stats))
     dataset = DemoDataset(reader, spec, tokenizer, seed=cfg.train.seed, shift=d.augment_shift, color=d.augment_color,
                           cache_mb=d.cache_mb, text_column=d.text_column, threads=max(2, d.num_workers))
     return Data(dataset, spec, tokenizer)

@@ -35,11 +35,6 @@ class ObservationSpec:
     state_std: list[float]
     action_mean: list[float]
     action_std: list[float]
-    first_frame: bool = False  # each camera's episode frame 0 before the history (absent from older policy.json)
-
-    @property
-    def images_per_camera(self) -> int:
-        return self.frames + int(self.first_frame)
 
     def normalize_state(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
         return (torch.as_tensor(x, dtype=torch.float32) - torch.tensor(self.state_mean)) / torch.tensor(self.state_std)
@@ -54,11 +49,6 @@ class ObservationSpec:
     def history(self, t: int) -> list[int]:
         """Frame indices of the F-frame history ending at t (oldest first), clamped at the episode start."""
         return [max(0, t - k * self.frame_stride) for k in range(self.frames - 1, -1, -1)]
-
-    def sample_rows(self, t: int) -> list[int]:
-        """Frame indices one sample at t shows per camera: the episode's first frame (if `first_frame`), then the
-        history."""
-        return ([0] if self.first_frame else []) + self.history(t)
 
     def save(self, folder: Path) -> None:
         (folder / SPEC_FILE).write_text(json.dumps(asdict(self), indent=1))

@@ -92,9 +92,7 @@ def dataset_frames(path: str, spec, count: int, seed: int) -> list[Frame]:
         ep = reader.episodes[e]
         if e not in decoded:
             decoded = {e: {c: reader.decode(k, ep) for c, k in zip(cams, keys)}}  # one episode held at a time
-        rows = list(range(max(0, t - depth + 1), t + 1))
-        if spec.first_frame and rows[0] > 0:  # the session's first observation is the episode's first frame
-            rows = [0] + rows
+        rows = range(max(0, t - depth + 1), t + 1)
         text = reader.tasks[int(tasks[ep.start + t])] if tasks is not None else ep.task
         steps = ep.start + np.minimum(np.arange(t, t + spec.chunk), ep.length - 1)
         frames.append(Frame([Observation({c: decoded[e][c][r] for c in cams}, state[ep.start + r], text)

@@ -84,7 +84,7 @@ def example_inputs(model, spec, dtype: torch.dtype, batch: int = TRACE_BATCH) ->
     pixels = torch.rand(batch, 3, s, s, generator=g).mul(2).sub(1).to(dtype)
     with torch.inference_mode():
         per_frame = model.encode_frames(pixels[:1])
-    n = len(spec.cameras) * spec.images_per_camera * per_frame.shape[1]
+    n = len(spec.cameras) * spec.frames * per_frame.shape[1]
     length = spec.instruction_tokens
     mask = torch.ones(batch, length, dtype=torch.long)
     mask[0, length // 2:] = 0  # one padded row, so the traced graph is the masked one
@@ -223,7 +223,7 @@ def _write_package(ckpt: Path, tmp: Path, source, format: str, dtype: str, int8:
         if format == "onnx":
             export_graph(region, inputs, outputs, examples, tmp / f"{name}.onnx")
         else:
-            rows = len(spec.cameras) * spec.images_per_camera if name == "vision" else 1
+            rows = len(spec.cameras) * spec.frames if name == "vision" else 1
             executorch.lower(region, tuple(examples[k] for k in inputs), tmp / f"{name}.pte",
                              executorch.MAX_BATCH * rows)
     export_s = time.perf_counter() - t0
@@ -236,7 +236,7 @@ def _write_package(ckpt: Path, tmp: Path, source, format: str, dtype: str, int8:
         **({"opset": OPSET} if format == "onnx" else {"delegate": "XNNPACK", "max_batch": executorch.MAX_BATCH}),
         "source": {"checkpoint": str(ckpt), "weights_sha256": checkpoint_digest(ckpt), "config": CONFIG_FILE},
         "observation": {k: getattr(spec, k) for k in (
-            "cameras", "frames", "frame_stride", "first_frame", "image_size", "render_size", "instruction_tokens", "text_tokens",
+            "cameras", "frames", "frame_stride", "image_size", "render_size", "instruction_tokens", "text_tokens",
             "chunk", "state_mean", "state_std", "action_mean", "action_std")},
         "tokenizer": {"file": "tokenizer.json", "pad_id": source.tokenizer.pad_id, "eos_id": source.tokenizer.eos_id},
         "action_head": {"kind": kind, "chunk": head.chunk, "action_dim": head.action_dim,

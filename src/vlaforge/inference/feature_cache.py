@@ -177,10 +177,9 @@ class SessionCache:
         self.entries[(cam, index)] = tokens = tokens.clone()
         return tokens
 
-    def retain(self, oldest: int, keep: int | None = None) -> None:
-        """Forget the frames older than the history except frame `keep` (frame mode's references stay, up to
-        max_frames)."""
-        for key in [k for k in self.entries if k[1] < oldest and k[1] != keep]:
+    def retain(self, oldest: int) -> None:
+        """Forget the frames older than the history (frame mode's references stay, up to max_frames)."""
+        for key in [k for k in self.entries if k[1] < oldest]:
             del self.entries[key]
 
 

@@ -65,7 +65,6 @@ class Session:
     name: str
     cache: SessionCache
     frames: dict[str, deque] = field(default_factory=dict)  # camera -> (index, uint8 frame)
-    first: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)  # camera -> frame 0 (spec.first_frame)
     count: int = 0  # frames observed this episode
     instruction: str | None = None
     tokens: tuple[torch.Tensor, torch.Tensor, int] | None = None  # ids, mask, real length
@@ -126,7 +125,6 @@ class PolicyRuntime:
         self.spec, self.tokenizer, self.source = spec, tokenizer, source
         self.cameras = [k.removeprefix("observation.images.") for k in spec.cameras]
         self.depth = (spec.frames - 1) * spec.frame_stride + 1
-        self.first_slots = len(self.cameras) if spec.first_frame else 0  # slots before the history
         self.sessions: dict[str, Session] = {}
         self.compile_mode = compile
         self._encode, self._act = model.encode_frames, model.actions_from_tokens
@@ -186,7 +184,7 @@ class PolicyRuntime:
         s = self.spec
         return {"cameras": self.cameras, "image_size": s.image_size, "render_size": s.render_size,
                 "state_dim": len(s.state_mean), "action_dim": len(s.action_mean), "action_chunk": s.chunk,
-                "frames": s.frames, "frame_stride": s.frame_stride, "first_frame": s.first_frame, "checkpoint": self.source,
+                "frames": s.frames, "frame_stride": s.frame_stride, "checkpoint": self.source,
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "compile": self.compile_mode, "compile_s": self.compile_s, "cache": self.cache_config.mode,
                 "backend": self.backend,
@@ -239,8 +237,6 @@ class PolicyRuntime:
             s.instruction = instruction
         for cam, frame in frames.items():
             s.frames[cam].append((s.count, frame))
-            if s.count == 0 and self.spec.first_frame:
-                s.first[cam] = (0, frame)
         s.count += 1
         return s
 
@@ -252,8 +248,6 @@ class PolicyRuntime:
         spec = self.spec
         rows = spec.history(len(s.frames[self.cameras[0]]) - 1)  # positions in the deque, as the dataset picks
         slots = [(cam, *s.frames[cam][r]) for r in rows for cam in self.cameras]  # time-major, as training
-        if spec.first_frame:  # the episode's first frames lead, as DemoDataset.sample_rows orders them
-            slots = [(cam, *s.first[cam]) for cam in self.cameras] + slots
         pre = None
         if prefix is not None:
             if not self.supports_prefix:
@@ -314,8 +308,8 @@ class PolicyRuntime:
                 requests[i].session.cache.store(cam, index, pixels, toks)
             for i, j, k in repeats:
                 tokens[i][j] = out[k]
-        for req in requests:  # the first frame (index 0) stays cached for the whole episode
-            req.session.cache.retain(min(index for _, index, _ in req.slots[self.first_slots:]), keep=0)
+        for req in requests:
+            req.session.cache.retain(min(index for _, index, _ in req.slots))
         t2 = time.perf_counter()
         vision = torch.stack([torch.cat(row, 0) for row in tokens])  # (B, F*V*P, D)
         # Instruction padding is only ever masked out (positions skip it): dropping the columns no row uses gives

@@ -236,7 +236,7 @@ def check_compatible(teacher: Teacher, data, kl: bool) -> None:
     if data.spec is None:
         return  # synthetic data: the shapes are checked when the teacher first runs
     mine, theirs = data.spec, ObservationSpec.load(teacher.ckpt)
-    for name in ("cameras", "frames", "frame_stride", "first_frame", "image_size", "chunk", "state_mean", "state_std",
+    for name in ("cameras", "frames", "frame_stride", "image_size", "chunk", "state_mean", "state_std",
                  "action_mean", "action_std"):
         a, b = getattr(mine, name), getattr(theirs, name)
         if not (a == b if not isinstance(a, list) or not a or isinstance(a[0], str)
