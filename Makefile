@@ -12,6 +12,9 @@ export MUJOCO_GL ?= egl
 DEMO_DATA ?= data/metaworld_demo
 DEMO_TASKS ?= reach-v3:80,button-press-topdown-v3:15,drawer-close-v3:15,door-open-v3:15
 DEMO_RUN ?= runs/tiny_metaworld
+# the demo recipe reads corner + behindGripper (the views that keep reach's goal in sight, README); topview is
+# recorded too for the distillation recipes
+DEMO_CAMERAS ?= corner,topview,behindGripper
 
 .PHONY: venv test test-fast bench demo quickstart clean
 
@@ -38,7 +41,7 @@ bench: venv
 demo: venv
 	@start=$$(date +%s); \
 	if [ -f $(DEMO_DATA)/meta/info.json ]; then echo "using the dataset in $(DEMO_DATA)"; \
-	else $(VENV)/bin/vlaforge data generate --out $(DEMO_DATA) --tasks $(DEMO_TASKS) --hide-distractors --overwrite || exit $$?; fi; \
+	else $(VENV)/bin/vlaforge data generate --out $(DEMO_DATA) --tasks $(DEMO_TASKS) --cameras $(DEMO_CAMERAS) --hide-distractors --overwrite || exit $$?; fi; \
 	if [ -f $(DEMO_RUN)/checkpoints/latest ]; then echo "using the trained run in $(DEMO_RUN) (remove it to retrain)"; \
 	else $(VENV)/bin/vlaforge train recipes/tiny_metaworld.toml --data.path=$(DEMO_DATA) \
 		--train.output_dir=$(DEMO_RUN) || exit $$?; fi; \
