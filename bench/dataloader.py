@@ -64,7 +64,7 @@ def main() -> None:
         from vlaforge.data.generate import generate
         from vlaforge.data.metaworld import DEMO_TASKS
 
-        generate(list(DEMO_TASKS), 5, args.data, cameras=["corner", "topview"], image_size=96, progress=False)
+        generate(list(DEMO_TASKS), 5, args.data, cameras=["corner", "behindGripper"], image_size=96, progress=False)
     cfg = load_config(RECIPE, {"data": {"path": args.data, "num_workers": args.workers},
                                "train": {"progress": False, "tensorboard": False}})
     torch.manual_seed(0)

@@ -88,7 +88,7 @@ def test_hidden_distractors_change_the_picture_not_the_physics():
 @pytest.mark.slow
 def test_generate_train_eval_end_to_end(tmp_path):
     """Meta-World for real: generation is reproducible and leak-free, training reads it, eval reports."""
-    gen = ["data", "generate", "--tasks=reach-v3", "--episodes=2", "--image-size=32", "--cameras=corner,topview",
+    gen = ["data", "generate", "--tasks=reach-v3", "--episodes=2", "--image-size=32", "--cameras=corner,behindGripper",
            "--workers=1", "--no-progress", "--seed=3"]
     for name, scene in (("a", "--hide-distractors"), ("b", "--no-hide-distractors")):
         proc = run_cli(*gen, f"--out={tmp_path / name}", scene, timeout=300)
