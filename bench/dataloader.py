@@ -60,13 +60,14 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=60)
     ap.add_argument("--train-steps", type=int, default=20)
     args = ap.parse_args()
-    if not Path(args.data).exists():
+    cfg = load_config(RECIPE, {"data": {"path": args.data, "num_workers": args.workers},
+                               "train": {"progress": False, "tensorboard": False}})
+    if not Path(args.data).exists():  # a small dataset with the recipe's own views and size
         from vlaforge.data.generate import generate
         from vlaforge.data.metaworld import DEMO_TASKS
 
-        generate(list(DEMO_TASKS), 5, args.data, cameras=["corner", "behindGripper"], image_size=96, progress=False)
-    cfg = load_config(RECIPE, {"data": {"path": args.data, "num_workers": args.workers},
-                               "train": {"progress": False, "tensorboard": False}})
+        generate(list(DEMO_TASKS), 5, args.data, cameras=cfg.model.cameras, image_size=cfg.model.image_size,
+                 progress=False)
     torch.manual_seed(0)
     model, _ = build_model(cfg, torch.device("cpu"))
     t0 = time.perf_counter()
