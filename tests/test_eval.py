@@ -66,6 +66,35 @@ def test_first_frame_shows_this_episodes_goal():
 
 
 @pytest.mark.slow
+def test_side_view_shows_goal_depth_and_height_as_column_and_row():
+    """The free "side" view: across reach goals, the goal marker's image column follows the goal's depth (y) and its
+    row the goal's height (z), each far more than the other axes."""
+    import mujoco
+
+    from vlaforge.data.metaworld import MetaWorldEnv
+
+    env = MetaWorldEnv("reach-v3", ["side"], 64, hide_distractors=True)
+    model = env.env.model
+    site = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_SITE, "goal")
+    goals, centres = [], []
+    for seed in range(12):
+        goals.append(env.reset(seed)[36:39])
+        shown = env.views()["side"].astype(int)
+        model.site_rgba[site, 3], alpha = 0.0, model.site_rgba[site, 3]
+        hidden = env.views()["side"].astype(int)
+        model.site_rgba[site, 3] = alpha
+        rows, cols = np.nonzero(np.abs(shown - hidden).max(-1) > 30)
+        assert len(rows) >= 4  # the goal is in the picture
+        centres.append((rows.mean(), cols.mean()))
+    design, centres = np.c_[np.array(goals), np.ones(len(goals))], np.array(centres)
+    row, col = (np.linalg.lstsq(design, c, rcond=None)[0] for c in centres.T)  # pixels per m of x, y, z; offset
+    assert np.abs(design @ np.stack([row, col], 1) - centres).max() < 1.5  # a linear map, to the pixel
+    assert row[2] < 0 and abs(row[2]) > 3 * max(abs(row[0]), abs(row[1]))  # higher goals: higher rows
+    assert abs(col[1]) > 4 * max(abs(col[0]), abs(col[2]))  # depth: along the columns
+    env.close()
+
+
+@pytest.mark.slow
 def test_hidden_distractors_change_the_picture_not_the_physics():
     """reach's puck drawn transparent: the same observations step by step, pictures that differ only where the
     puck was, and no trace of the puck's colour left there."""

@@ -26,7 +26,23 @@ from vlaforge.registry import Registry
 
 STATE_NAMES = ["hand_x", "hand_y", "hand_z", "gripper"]
 ACTION_NAMES = ["dx", "dy", "dz", "grip"]
-CAMERAS = ("corner", "corner2", "corner3", "corner4", "topview", "behindGripper", "gripperPOV")
+
+
+@dataclass(frozen=True)
+class FreeView:
+    """A view of our own, rendered by a MuJoCo free camera (`MjvCamera`) aimed at `lookat` (m) from `distance` (m) at
+    `azimuth` / `elevation` (degrees; azimuth 0 looks along +x)."""
+
+    lookat: tuple[float, float, float]
+    distance: float
+    azimuth: float
+    elevation: float
+
+
+# "side" looks along +x from beside the table at reach's goal box (y 0.8-0.9, z 0.05-0.3): the goal's depth (y) and
+# height (z) are its image column and row, which Meta-World's own views mix.
+FREE_VIEWS = {"side": FreeView((0.0, 0.75, 0.17), 0.7, 0.0, -15.0)}
+CAMERAS = ("corner", "corner2", "corner3", "corner4", "topview", "behindGripper", "gripperPOV", *FREE_VIEWS)
 FPS = 80  # Meta-World's control rate: frame_skip 5 x timestep 2.5 ms
 SPLIT_OFFSET = {"train": 0, "eval": 1_000_000}  # generation and evaluation never share an initial position
 
@@ -145,6 +161,12 @@ class MetaWorldEnv:
                 model.geom_rgba[model.geom_bodyid == index, 3] = 0.0
         self.max_steps = int(self.env.max_path_length)
         self._renderer = mujoco.Renderer(self.env.model, image_size, image_size)
+        self._free: dict[str, mujoco.MjvCamera] = {}
+        for name in set(self.cameras) & set(FREE_VIEWS):
+            view, cam = FREE_VIEWS[name], mujoco.MjvCamera()
+            cam.type, cam.distance = mujoco.mjtCamera.mjCAMERA_FREE, view.distance
+            cam.azimuth, cam.elevation, cam.lookat[:] = view.azimuth, view.elevation, view.lookat
+            self._free[name] = cam
         self.obs: np.ndarray | None = None
         atexit.register(self.close)  # NOTE: a GL context freed during interpreter teardown prints EGL errors
 
@@ -167,7 +189,7 @@ class MetaWorldEnv:
         """camera -> (H, W, 3) uint8, upright."""
         out = {}
         for cam in self.cameras:
-            self._renderer.update_scene(self.env.data, camera=cam)
+            self._renderer.update_scene(self.env.data, camera=self._free.get(cam, cam))
             img = self._renderer.render()
             # NOTE: Meta-World's corner cameras are mounted upside down; flip them so videos read naturally.
             out[cam] = np.ascontiguousarray(img[::-1, ::-1]) if cam.startswith("corner") else img.copy()
