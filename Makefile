@@ -40,9 +40,6 @@ bench: venv
 
 demo: venv
 	@start=$$(date +%s); \
-	if [ -f $(DEMO_DATA)/meta/info.json ] && ! grep -q expert_steers_tcp $(DEMO_DATA)/meta/info.json; then \
-		echo "$(DEMO_DATA) predates reach's expert steering the fingertips to the goal; remove it to regenerate" >&2; \
-		exit 2; fi; \
 	if [ -f $(DEMO_DATA)/meta/info.json ]; then echo "using the dataset in $(DEMO_DATA)"; \
 	else $(VENV)/bin/vlaforge data generate --out $(DEMO_DATA) --tasks $(DEMO_TASKS) --cameras $(DEMO_CAMERAS) --hide-distractors --overwrite || exit $$?; fi; \
 	if [ -f $(DEMO_RUN)/checkpoints/latest ]; then echo "using the trained run in $(DEMO_RUN) (remove it to retrain)"; \

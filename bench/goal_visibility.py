@@ -50,7 +50,7 @@ def main() -> None:
         goal, counts, success = obs[36:39].copy(), [], False
         while not success and len(counts) < env.max_steps:
             counts.append(goal_pixels(env, site, rgba))
-            obs, success = env.step(expert_action(expert, env.expert_input(obs)))
+            obs, success = env.step(expert_action(expert, obs))
         c = np.array([[d[cam] for cam in cams] for d in counts])  # (steps, cameras) visible goal pixels
         rows.append({"goal_z": float(goal[2]), "steps": len(c), "hidden": (c == 0).mean(0),
                      "hidden_last10": (c[-10:] == 0).mean(0), "first_pixels": c[0],

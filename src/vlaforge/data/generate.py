@@ -51,7 +51,7 @@ def record(a: Attempt) -> dict[str, Any] | None:
             images[cam].append(img)
         states.append(env.state(obs))
         phases.append(describe(obs))
-        action = expert_action(expert, env.expert_input(obs))
+        action = expert_action(expert, obs)
         actions.append(action)
         obs, success = env.step(action)
         if success:
@@ -149,7 +149,6 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
                                    {PHASE_COLUMN: rec["phase"]})
         writer.finish({"vlaforge": {"generator": "metaworld", "tasks": tasks, "seed": seed,
                                     "hide_distractors": hide_distractors,
-                                    "expert_steers_tcp": [t for t in tasks if TASKS.get(t).steer_tcp],
                                     "episode_tasks": [t for t in tasks for _ in kept[t]]}})
     seconds = time.perf_counter() - t0
     return {"out": str(out), "episodes": {t: len(kept[t]) for t in tasks},

@@ -55,9 +55,6 @@ class Task:
     instructions: tuple[str, ...]
     phase: Callable[[np.ndarray], str]  # full observation -> short description of the expert's phase
     distractors: tuple[str, ...] = ()  # bodies the task never needs, which `hide_distractors` renders invisible
-    # the expert steers the fingertips' midpoint (Meta-World's `tcp_center`, 4.5 cm below the hand body that the
-    # observation reports and Meta-World's expert steers) to the goal: what the task's success test measures
-    steer_tcp: bool = False
 
 
 def _near(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
@@ -89,8 +86,7 @@ def _door_phase(o: np.ndarray) -> str:
 TASKS: Registry[Task] = Registry("Meta-World task")
 TASKS.add("reach-v3", Task("SawyerReachV3Policy", (
     "reach the red goal", "move the gripper to the red dot", "put the hand on the target point",
-    "reach for the goal position"), _reach_phase, distractors=("obj",),  # the puck: placed at random, never touched
-    steer_tcp=True))  # success is the fingertips within 5 cm of the goal; the hand on the goal leaves them 4.5 cm low
+    "reach for the goal position"), _reach_phase, distractors=("obj",)))  # the puck: placed at random, never touched
 TASKS.add("button-press-topdown-v3", Task("SawyerButtonPressTopdownV3Policy", (
     "press the button from the top", "push the button down from above", "press the red button downwards",
     "press down on the button"), _button_phase))
@@ -197,15 +193,6 @@ class MetaWorldEnv:
             img = self._renderer.render()
             # NOTE: Meta-World's corner cameras are mounted upside down; flip them so videos read naturally.
             out[cam] = np.ascontiguousarray(img[::-1, ::-1]) if cam.startswith("corner") else img.copy()
-        return out
-
-    def expert_input(self, obs: np.ndarray) -> np.ndarray:
-        """The observation the task's scripted expert reads: for `Task.steer_tcp` tasks the goal is moved by the
-        fingertips' offset from the hand, so the expert brings the fingertips, not the hand body, to the goal."""
-        if not TASKS.get(self.name).steer_tcp:
-            return obs
-        out = obs.copy()
-        out[36:39] += obs[0:3] - self.env.tcp_center
         return out
 
     @staticmethod
