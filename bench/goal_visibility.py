@@ -18,16 +18,6 @@ import os
 import numpy as np
 
 
-def goal_pixels(env, site: int, rgba: np.ndarray) -> dict[str, int]:
-    """Visible goal pixels per camera in the current state (the marker drawn, then drawn transparent)."""
-    model = env.env.model
-    shown = env.views()
-    model.site_rgba[site, 3] = 0.0
-    hidden = env.views()
-    model.site_rgba[site] = rgba
-    return {c: int((np.abs(shown[c].astype(int) - hidden[c].astype(int)).sum(-1) > 30).sum()) for c in shown}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--episodes", type=int, default=50)
@@ -36,20 +26,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="generation's base seed: the dataset's training goals")
     args = ap.parse_args()
     os.environ.setdefault("MUJOCO_GL", "egl")
-    import mujoco
-
     from vlaforge.data.metaworld import cached_env, episode_seed, expert_action, make_expert
 
     cams = args.cameras.split(",")
     env = cached_env("reach-v3", cams, args.size, hide_distractors=True)  # as make demo records it
-    site = mujoco.mj_name2id(env.env.model, mujoco.mjtObj.mjOBJ_SITE, "goal")
-    rgba = env.env.model.site_rgba[site].copy()
     rows = []
     for e in range(args.episodes):
         expert, obs = make_expert("reach-v3"), env.reset(episode_seed("train", 0, e, args.seed))
         goal, counts, success = obs[36:39].copy(), [], False
         while not success and len(counts) < env.max_steps:
-            counts.append(goal_pixels(env, site, rgba))
+            counts.append({c: int(m.sum()) for c, m in env.goal_mask().items()})
             obs, success = env.step(expert_action(expert, obs))
         c = np.array([[d[cam] for cam in cams] for d in counts])  # (steps, cameras) visible goal pixels
         rows.append({"goal_z": float(goal[2]), "steps": len(c), "hidden": (c == 0).mean(0),

@@ -69,21 +69,13 @@ def test_first_frame_shows_this_episodes_goal():
 def test_side_view_shows_goal_depth_and_height_as_column_and_row():
     """The free "side" view: across reach goals, the goal marker's image column follows the goal's depth (y) and its
     row the goal's height (z), each far more than the other axes."""
-    import mujoco
-
     from vlaforge.data.metaworld import MetaWorldEnv
 
     env = MetaWorldEnv("reach-v3", ["side"], 64, hide_distractors=True)
-    model = env.env.model
-    site = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_SITE, "goal")
     goals, centres = [], []
     for seed in range(12):
         goals.append(env.reset(seed)[36:39])
-        shown = env.views()["side"].astype(int)
-        model.site_rgba[site, 3], alpha = 0.0, model.site_rgba[site, 3]
-        hidden = env.views()["side"].astype(int)
-        model.site_rgba[site, 3] = alpha
-        rows, cols = np.nonzero(np.abs(shown - hidden).max(-1) > 30)
+        rows, cols = np.nonzero(env.goal_mask()["side"])
         assert len(rows) >= 4  # the goal is in the picture
         centres.append((rows.mean(), cols.mean()))
     design, centres = np.c_[np.array(goals), np.ones(len(goals))], np.array(centres)

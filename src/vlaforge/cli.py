@@ -255,9 +255,8 @@ def data_generate(
                                   help="comma-separated Meta-World tasks; task:N records N episodes of that task"),
         episodes: int = typer.Option(20, min=1, help="successful episodes per task without its own :N"),
         image_size: int = typer.Option(96, min=16, help="pixels per side (even)"),
-        cameras: str = typer.Option("corner,behindGripper", help="comma-separated cameras: Meta-World's (corner, "
-                                    "corner2-4, topview, behindGripper, gripperPOV) or side (ours: the goal box seen "
-                                    "from beside the table)"),
+        cameras: str = typer.Option("corner,behindGripper", help="comma-separated cameras: Meta-World's own, or side "
+                                    "(ours: the goal box seen from beside the table); a wrong name lists them all"),
         seed: int = typer.Option(0, min=0, max=MAX_ENV_SEED, help="base seed of the initial positions"),
         workers: int = typer.Option(2, min=1, help="recording processes"),
         max_steps: int = typer.Option(200, min=1, help="steps before an expert attempt counts as failed"),

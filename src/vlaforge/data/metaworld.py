@@ -195,6 +195,21 @@ class MetaWorldEnv:
             out[cam] = np.ascontiguousarray(img[::-1, ::-1]) if cam.startswith("corner") else img.copy()
         return out
 
+    def goal_mask(self) -> dict[str, np.ndarray]:
+        """camera -> (H, W) bool: where the task's goal marker (site "goal") shows in the current state, found by
+        drawing each view with the marker and without it (diagnostics: bench/goal_visibility.py)."""
+        import mujoco
+
+        model = self.env.model
+        site = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_SITE, "goal")
+        shown, alpha = self.views(), float(model.site_rgba[site, 3])
+        model.site_rgba[site, 3] = 0.0
+        try:
+            hidden = self.views()
+        finally:
+            model.site_rgba[site, 3] = alpha
+        return {c: np.abs(shown[c].astype(int) - hidden[c].astype(int)).sum(-1) > 30 for c in shown}
+
     @staticmethod
     def state(obs: np.ndarray) -> np.ndarray:
         """What the policy may know of the robot: hand position and gripper opening."""
