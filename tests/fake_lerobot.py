@@ -28,10 +28,17 @@ def _episode(ep: int, n: int) -> dict:
                 np.float32), "text": {"annotation.phase": [f"phase {t // 4}" for t in range(n)]}}
 
 
-def write_dataset(root, edit=None, text: bool = True, cams: list[str] = CAMS, **kw):
+def write_dataset(root, edit=None, text: bool = True, cams: list[str] = CAMS, env_state: bool = False, **kw):
     """Write the three episodes; `edit(episodes)` may change their arrays first; `text=False` leaves out the
-    phase column; `cams` renames the two cameras (Meta-World's names let the simulator evaluate the run)."""
+    phase column; `cams` renames the two cameras (Meta-World's names let the simulator evaluate the run);
+    `env_state`: an observation.environment_state column (a 3-D "goal" per episode, drawn by the episode's seed)
+    and meta/info.json's episode_tasks."""
     eps = [_episode(i, n) for i, n in enumerate(LENGTHS)]
+    for i, e in enumerate(eps):
+        goal = np.random.default_rng(100 + i).uniform(-1, 1, 3).astype(np.float32)
+        e["env_state"] = np.repeat(goal[None], LENGTHS[i], 0) if env_state else None
+    if env_state:
+        kw["env_state_names"] = ["goal_x", "goal_y", "goal_z"]
     for e in eps:
         e["images"] = dict(zip(cams, e["images"].values()))
     if edit is not None:
@@ -39,8 +46,10 @@ def write_dataset(root, edit=None, text: bool = True, cams: list[str] = CAMS, **
     with DatasetWriter(root, fps=10, cameras=cams, image_size=SIZE, state_names=list("abcd"),
                        action_names=list("wxyz"), text_features=["annotation.phase"] if text else [], **kw) as w:
         for task, e in zip(TASKS, eps):
-            w.add_episode(task, e["images"], e["state"], e["action"], e["text"] if text else {})
-        w.finish({"vlaforge": {"tasks": ["door-open-v3", "button-press-topdown-v3"]}})
+            w.add_episode(task, e["images"], e["state"], e["action"], e["text"] if text else {}, e["env_state"])
+        scene_tasks = {"open the door": "door-open-v3", "press the button": "button-press-topdown-v3"}
+        w.finish({"vlaforge": {"tasks": ["door-open-v3", "button-press-topdown-v3"],
+                               "episode_tasks": [scene_tasks[t] for t in TASKS]}})
     return eps
 
 

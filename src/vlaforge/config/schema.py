@@ -87,6 +87,9 @@ class ModelConfig(Section):
                                                   "dataset's action size")
     state_dim: Dim | Auto = Field(4, description="'auto' (the default with data.source = 'lerobot'): the dataset's "
                                                  "state size")
+    env_state_dim: int = Field(0, ge=0, le=MAX_TOKENS, description="size of the dataset's "
+                               "observation.environment_state (the goal position: 3) that a linear probe in the action "
+                               "head predicts for the auxiliary loss term env_state (training only); 0: no probe")
     vision: PretrainedSource = Field(default_factory=PretrainedSource)
     llm: PretrainedSource = Field(default_factory=PretrainedSource)
     action_head: ActionHeadConfig = Field(default_factory=ActionHeadConfig)
@@ -215,7 +218,7 @@ class ComponentsConfig(Section):
         return [(name, getattr(self, name)) for name in COMPONENTS]
 
 
-LossTerm = Literal["contrastive", "language", "action"]
+LossTerm = Literal["contrastive", "language", "action", "env_state"]
 
 
 class LossConfig(Section):
@@ -438,6 +441,12 @@ class VLAConfig(Section):
         if self.eval.execute > self.model.action_chunk:
             raise ValueError(f"eval.execute = {self.eval.execute} exceeds model.action_chunk = "
                              f"{self.model.action_chunk}; execute at most the predicted actions")
+        if self.loss.weights.get("env_state", 0.0) > 0 and not self.model.env_state_dim:
+            raise ValueError("loss.weights.env_state > 0 trains the action head's environment-state probe; set "
+                             "model.env_state_dim to the size of the dataset's observation.environment_state (3)")
+        if self.loss.weights.get("env_state", 0.0) > 0 and self.data.source != "lerobot":
+            raise ValueError("loss.weights.env_state needs data.source = 'lerobot' (a dataset with "
+                             "observation.environment_state)")
         if self.eval.every and self.data.source != "lerobot":
             raise ValueError("eval.every needs data.source = 'lerobot' (evaluation runs the policy in Meta-World)")
         for key, value in SYNTHETIC_SHAPES.items():

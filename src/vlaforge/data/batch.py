@@ -16,7 +16,9 @@ class Batch:
     images (B, F, C, H, W) float, already normalized; state (B, S); instruction_ids/mask (B, L);
     actions (B, T, A) and action_mask (B, T) (None at inference); text_ids/mask (B, Lt): optional targets of
     the language loss (e.g. a description of the expert's current phase); index (B,): each sample's row in its
-    dataset (what a teacher-output cache is keyed by; None where the samples have no rows, as at inference).
+    dataset (what a teacher-output cache is keyed by; None where the samples have no rows, as at inference);
+    env_state (B, E): the normalized privileged scene state (`observation.environment_state`, e.g. the goal position),
+    a training target of the auxiliary `env_state` term only, never a policy input (None unless that term is on).
     """
 
     images: torch.Tensor
@@ -28,6 +30,7 @@ class Batch:
     text_ids: torch.Tensor | None = None
     text_mask: torch.Tensor | None = None
     index: torch.Tensor | None = None
+    env_state: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -53,6 +56,8 @@ class Batch:
             _expect(self.text_mask, "text_mask", 2, b, shape=self.text_ids.shape)
         if self.index is not None:
             _expect(self.index, "index", 1, b)
+        if self.env_state is not None:
+            _expect(self.env_state, "env_state", 2, b, floating=True)
         return self
 
     @classmethod

@@ -22,7 +22,8 @@ from torch.utils.data import Dataset
 from vlaforge.data.batch import Batch
 from vlaforge.data.lerobot_v3 import LeRobotDataset
 from vlaforge.data.tokenizer import TextTokenizer
-from vlaforge.data.transforms import ObservationSpec, augment, to_model_images
+from vlaforge.data.lerobot_writer import ENV_STATE
+from vlaforge.data.transforms import STD_FLOOR, ObservationSpec, augment, to_model_images
 from vlaforge.errors import VlaforgeError
 
 
@@ -80,10 +81,15 @@ class FrameStore:
 
 class DemoDataset(Dataset):
     """One sample per frame. Indices past len() encode the epoch (see ResumableSampler): index % len picks the
-    frame and the whole index seeds the augmentation, so every draw is a pure function of (seed, index)."""
+    frame and the whole index seeds the augmentation, so every draw is a pure function of (seed, index).
+
+    env_state: samples carry the dataset's `observation.environment_state`, standardized within each task (a target
+    of the auxiliary env_state term; the caller checks that the column exists). Per task, because the goals of
+    different tasks lie far apart: over the whole dataset, reach's goal box would span a fraction of one std."""
 
     def __init__(self, reader: LeRobotDataset, spec: ObservationSpec, tokenizer: TextTokenizer, *, seed: int,
-                 shift: int, color: float, cache_mb: float, text_column: str | None, threads: int = 2):
+                 shift: int, color: float, cache_mb: float, text_column: str | None, threads: int = 2,
+                 env_state: bool = False):
         self.reader, self.spec, self.seed, self.shift, self.color = reader, spec, seed, shift, color
         cols = reader.columns
         # normalized once here, not per sample
@@ -98,10 +104,20 @@ class DemoDataset(Dataset):
         if text_column and spec.text_tokens > 0 and text_column in cols:
             phases, self.text_of_row = np.unique(cols[text_column].astype(str), return_inverse=True)
             self.text = tokenizer.encode(list(phases), spec.text_tokens)
+        self.env_state = standardized(cols[ENV_STATE], self.scene_task_of_row()) if env_state else None
         self.store = FrameStore(reader, spec.cameras, cache_mb, threads)
 
     def __len__(self) -> int:
         return self.reader.num_frames
+
+    def scene_task_of_row(self) -> np.ndarray:
+        """Each row's task as the generator recorded it (meta/info.json's vlaforge.episode_tasks, one per episode:
+        the Meta-World task, whatever its instruction's wording), else its task_index."""
+        names = self.reader.info.get("vlaforge", {}).get("episode_tasks")
+        if not isinstance(names, list) or len(names) != len(self.reader.episodes):
+            return np.asarray(self.task_of_row)
+        index = {n: i for i, n in enumerate(dict.fromkeys(names))}
+        return np.repeat([index[n] for n in names], self.lengths)
 
     def without_augmentation(self) -> "DemoDataset":
         """The same samples with no shift or colour augmentation (shares the decoded frames)."""
@@ -137,4 +153,15 @@ class DemoDataset(Dataset):
         return Batch(images=images, state=self.state[row],
                      instruction_ids=self.instr_ids[task], instruction_mask=self.instr_mask[task],
                      actions=actions, action_mask=valid, text_ids=text_ids, text_mask=text_mask,
-                     index=torch.tensor(row))
+                     index=torch.tensor(row), env_state=None if self.env_state is None else self.env_state[row])
+
+
+def standardized(values: np.ndarray, groups: np.ndarray) -> torch.Tensor:
+    """(N, E) -> float32 (N, E) with zero mean and unit std per column within each group of rows (N,) (std floored
+    at STD_FLOOR)."""
+    v = torch.as_tensor(np.ascontiguousarray(values, dtype=np.float32))
+    out = torch.empty_like(v)
+    for g in np.unique(groups):
+        rows = torch.as_tensor(groups == g)
+        out[rows] = (v[rows] - v[rows].mean(0)) / v[rows].std(0, correction=0).clamp_min(STD_FLOOR)
+    return out

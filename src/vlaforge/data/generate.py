@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from vlaforge.data.lerobot_writer import DatasetWriter, partial_folder
-from vlaforge.data.metaworld import (ACTION_NAMES, FPS, STATE_NAMES, TASKS, cached_env, episode_seed, expert_action,
-                                     make_expert)
+from vlaforge.data.metaworld import (ACTION_NAMES, ENV_STATE_NAMES, FPS, STATE_NAMES, TASKS, cached_env, episode_seed,
+                                     expert_action, make_expert)
 from vlaforge.errors import VlaforgeError
 from vlaforge.progress import progress_bar
 
@@ -43,13 +43,14 @@ def record(a: Attempt) -> dict[str, Any] | None:
     env, expert = cached_env(a.task, list(a.cameras), a.image_size, a.hide_distractors), make_expert(a.task)
     obs = env.reset(episode_seed("train", a.task_index, a.attempt, a.seed))
     images: dict[str, list] = {c: [] for c in a.cameras}
-    states, actions, phases = [], [], []
+    states, env_states, actions, phases = [], [], [], []
     describe = TASKS.get(a.task).phase
     success = False
     for _ in range(min(a.max_steps, env.max_steps)):
         for cam, img in env.views().items():
             images[cam].append(img)
         states.append(env.state(obs))
+        env_states.append(env.env_state(obs))
         phases.append(describe(obs))
         action = expert_action(expert, obs)
         actions.append(action)
@@ -61,6 +62,7 @@ def record(a: Attempt) -> dict[str, Any] | None:
     rng = random.Random(f"{a.seed}/{a.task}/{a.attempt}")
     return {"task": a.task, "attempt": a.attempt, "instruction": rng.choice(TASKS.get(a.task).instructions),
             "images": {c: np.stack(v) for c, v in images.items()}, "state": np.stack(states),
+            "env_state": np.stack(env_states),
             "action": np.stack(actions), "phase": phases}
 
 
@@ -142,11 +144,12 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
                 steps += len(rec["state"])
                 advance(f"{steps / (time.perf_counter() - t0):.0f} env steps/s")
     with DatasetWriter(out, fps=FPS, cameras=list(cameras), image_size=image_size, state_names=STATE_NAMES,
-                       action_names=ACTION_NAMES, text_features=[PHASE_COLUMN]) as writer:
+                       action_names=ACTION_NAMES, text_features=[PHASE_COLUMN],
+                       env_state_names=ENV_STATE_NAMES) as writer:
         for t in tasks:
             for rec in sorted(kept[t], key=lambda r: r["attempt"]):
                 writer.add_episode(rec["instruction"], rec["images"], rec["state"], rec["action"],
-                                   {PHASE_COLUMN: rec["phase"]})
+                                   {PHASE_COLUMN: rec["phase"]}, rec["env_state"])
         writer.finish({"vlaforge": {"generator": "metaworld", "tasks": tasks, "seed": seed,
                                     "hide_distractors": hide_distractors,
                                     "episode_tasks": [t for t in tasks for _ in kept[t]]}})

@@ -21,6 +21,7 @@ DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
 EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 INDEX_COLUMNS = ("timestamp", "frame_index", "episode_index", "index", "task_index")
+ENV_STATE = "observation.environment_state"  # LeRobot's name for privileged scene state (object / goal positions)
 QUANTILES = (0.01, 0.99)
 
 
@@ -82,6 +83,7 @@ class _Features:
     state_names: list[str]
     action_names: list[str]
     text: list[str] = field(default_factory=list)
+    env_state_names: list[str] = field(default_factory=list)
 
     def video_key(self, camera: str) -> str:
         return f"observation.images.{camera}"
@@ -99,7 +101,8 @@ class DatasetWriter:
     """
 
     def __init__(self, root: str | Path, *, fps: int, cameras: list[str], image_size: int, state_names: list[str],
-                 action_names: list[str], text_features: list[str] | None = None, robot_type: str = "sawyer",
+                 action_names: list[str], text_features: list[str] | None = None,
+                 env_state_names: list[str] | None = None, robot_type: str = "sawyer",
                  codec: str = "libx264", crf: int = 18, chunks_size: int = 1000, data_file_mb: float = 100.0,
                  video_file_mb: float = 500.0):
         self.root = Path(root)
@@ -107,7 +110,8 @@ class DatasetWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         self.fps, self.codec, self.crf, self.robot_type = fps, codec, crf, robot_type
-        self.f = _Features(cameras, image_size, state_names, action_names, list(text_features or []))
+        self.f = _Features(cameras, image_size, state_names, action_names, list(text_features or []),
+                           list(env_state_names or []))
         self.data_file_mb, self.video_file_mb = data_file_mb, video_file_mb
         self.data_cursor = _FileCursor(chunks_size)
         self.video_cursors = {c: _FileCursor(chunks_size) for c in cameras}
@@ -128,9 +132,13 @@ class DatasetWriter:
         return False
 
     def add_episode(self, task: str, images: dict[str, np.ndarray], state: np.ndarray, action: np.ndarray,
-                    text: dict[str, list[str]] | None = None) -> int:
-        """Append one episode: images camera -> (T, H, W, 3) uint8, state (T, S), action (T, A)."""
+                    text: dict[str, list[str]] | None = None, env_state: np.ndarray | None = None) -> int:
+        """Append one episode: images camera -> (T, H, W, 3) uint8, state (T, S), action (T, A), and env_state
+        (T, E) when the writer was given env_state_names."""
         n = len(state)
+        if (env_state is None) != (not self.f.env_state_names):
+            raise VlaforgeError(f"add_episode: {ENV_STATE} must be given exactly when the writer has "
+                                "env_state_names")
         text = text or {}
         task_index = self.tasks.setdefault(task, len(self.tasks))
         ep = len(self.episodes)
@@ -138,6 +146,8 @@ class DatasetWriter:
                                 "data/chunk_index": self.data_cursor.chunk, "data/file_index": self.data_cursor.file,
                                 "dataset_from_index": self.total_frames, "dataset_to_index": self.total_frames + n}
         stats = {"observation.state": _stats(state), "action": _stats(action)}
+        if env_state is not None:
+            stats[ENV_STATE] = _stats(env_state)
         for cam in self.f.cameras:
             key = self.f.video_key(cam)
             video = self._video(cam)
@@ -162,7 +172,8 @@ class DatasetWriter:
         self.pending.append({"observation.state": state.astype(np.float32), "action": action.astype(np.float32),
                              "timestamp": (t / self.fps).astype(np.float32), "frame_index": t,
                              "episode_index": np.full(n, ep), "index": self.total_frames + t,
-                             "task_index": np.full(n, task_index), **{k: list(v) for k, v in text.items()}})
+                             "task_index": np.full(n, task_index), **{k: list(v) for k, v in text.items()},
+                             **({ENV_STATE: env_state.astype(np.float32)} if env_state is not None else {})})
         self.pending_bytes += n * 4 * (state.shape[1] + action.shape[1] + 8)
         self.total_frames += n
         if self.pending_bytes / 2**20 >= self.data_file_mb:
@@ -183,7 +194,7 @@ class DatasetWriter:
         if not self.pending:
             return
         cols: dict[str, Any] = {}
-        for name in ("observation.state", "action"):
+        for name in ("observation.state", "action", *([ENV_STATE] if self.f.env_state_names else [])):
             values = np.concatenate([p[name] for p in self.pending])
             cols[name] = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), pa.float32()), values.shape[1])
         cols["timestamp"] = pa.array(np.concatenate([p["timestamp"] for p in self.pending]), pa.float32())
@@ -208,6 +219,9 @@ class DatasetWriter:
         feats["observation.state"] = {"dtype": "float32", "shape": [len(self.f.state_names)],
                                       "names": list(self.f.state_names)}
         feats["action"] = {"dtype": "float32", "shape": [len(self.f.action_names)], "names": list(self.f.action_names)}
+        if self.f.env_state_names:
+            feats[ENV_STATE] = {"dtype": "float32", "shape": [len(self.f.env_state_names)],
+                                "names": list(self.f.env_state_names)}
         for name in self.f.text:
             feats[name] = {"dtype": "string", "shape": [1], "names": None}
         feats["timestamp"] = {"dtype": "float32", "shape": [1], "names": None}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -110,9 +111,33 @@ def _lerobot_data(cfg, model) -> Data:
                            instruction_tokens=d.max_instruction_tokens,
                            text_tokens=d.max_text_tokens, chunk=m.action_chunk,
                            **normalization_from_stats(reader.stats))
+    env_state = cfg.loss.weights.get("env_state", 0.0) > 0
+    if env_state:
+        check_env_state(reader, m.env_state_dim)
     dataset = DemoDataset(reader, spec, tokenizer, seed=cfg.train.seed, shift=d.augment_shift, color=d.augment_color,
-                          cache_mb=d.cache_mb, text_column=d.text_column, threads=max(2, d.num_workers))
+                          cache_mb=d.cache_mb, text_column=d.text_column, threads=max(2, d.num_workers),
+                          env_state=env_state)
     return Data(dataset, spec, tokenizer)
+
+
+def check_env_state(reader, dim: int) -> None:
+    """The dataset must hold `observation.environment_state` of size `dim` for the env_state loss term.
+
+    Raises:
+        VlaforgeError: naming the column, its size and the fix.
+    """
+    from vlaforge.data.lerobot_writer import ENV_STATE
+
+    col = reader.columns.get(ENV_STATE)
+    if col is None:
+        raise VlaforgeError(f"loss.weights.env_state needs the column {ENV_STATE!r}, which dataset {reader.root} does "
+                            "not have (datasets from `vlaforge data generate` before 2026-12-02 lack it); "
+                            "regenerate the dataset or set --loss.weights.env_state=0")
+    if col.shape[1] != dim:
+        raise VlaforgeError(f"dataset {reader.root} has {ENV_STATE} of size {col.shape[1]} but model.env_state_dim = "
+                            f"{dim}; set model.env_state_dim = {col.shape[1]}")
+    if not np.isfinite(col).all():
+        raise VlaforgeError(f"dataset {reader.root}: column {ENV_STATE!r} holds NaN or inf; regenerate the dataset")
 
 
 def build_loader(dataset: Dataset, batch_size: int, seed: int, start_sample: int, num_workers: int,

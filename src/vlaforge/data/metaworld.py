@@ -26,6 +26,9 @@ from vlaforge.registry import Registry
 
 STATE_NAMES = ["hand_x", "hand_y", "hand_z", "gripper"]
 ACTION_NAMES = ["dx", "dy", "dz", "grip"]
+# privileged scene state recorded beside the policy's inputs (`observation.environment_state`): a training target
+# only (`loss.weights.env_state`), never a policy input
+ENV_STATE_NAMES = ["goal_x", "goal_y", "goal_z"]
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,11 @@ class MetaWorldEnv:
     def state(obs: np.ndarray) -> np.ndarray:
         """What the policy may know of the robot: hand position and gripper opening."""
         return obs[0:4].astype(np.float32)
+
+    @staticmethod
+    def env_state(obs: np.ndarray) -> np.ndarray:
+        """What the policy must find in the images (ENV_STATE_NAMES): the task's goal position (`obs[36:39]`)."""
+        return obs[36:39].astype(np.float32)
 
     def close(self) -> None:
         if self._renderer is not None:

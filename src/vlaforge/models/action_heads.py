@@ -24,20 +24,30 @@ class ActionHeadOutput:
     actions: torch.Tensor  # (B, T, A)
     x_t: torch.Tensor | None = None  # flow matching: the noisy actions (B, T, A) the velocity was predicted at
     t: torch.Tensor | None = None  # flow matching: their flow times (B,)
+    env_state: torch.Tensor | None = None  # the probe's estimate of the normalized environment state (B, E)
 
 
 class ActionHead(nn.Module):
     """Base: learned action queries plus a state embedding shared by all heads.
 
     state_dropout: the probability that a training sample's normalized state is zeroed (the dataset's mean state);
-    1 means the head never reads the state, at inference too (a policy must then locate the hand in the images)."""
+    1 means the head never reads the state, at inference too (a policy must then locate the hand in the images).
+
+    env_state_dim > 0 adds a linear probe from the action queries' mean hidden state to the environment state (the
+    goal position), trained by the auxiliary `env_state` loss term and unused at inference: it asks the vision tower
+    and the LLM to carry what the actions depend on to where the head reads it."""
 
     def __init__(self, llm_dim: int, action_dim: int, state_dim: int, chunk: int, hidden: int,
-                 state_dropout: float = 0.0, **_: object):
+                 state_dropout: float = 0.0, env_state_dim: int = 0, **_: object):
         super().__init__()
         self.chunk, self.action_dim, self.state_dropout = chunk, action_dim, state_dropout
         self.queries = nn.Parameter(torch.randn(chunk, llm_dim) * 0.02)  # (T, D)
         self.state_proj = nn.Linear(state_dim, hidden)
+        self.env_probe = nn.Linear(llm_dim, env_state_dim) if env_state_dim else None
+
+    def probe(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The environment-state estimate (B, E) from the query hidden states (B, T, D); None without a probe."""
+        return None if self.env_probe is None else self.env_probe(hidden.mean(1))
 
     def embed_state(self, state: torch.Tensor) -> torch.Tensor:
         """The state embedding (B, H) after state dropout."""
@@ -78,7 +88,7 @@ class RegressionHead(ActionHead):
         pred = self.mlp(x)  # (B, T, A)
         if actions is None:
             return pred
-        return ActionHeadOutput(prediction=pred, target=actions, actions=pred)
+        return ActionHeadOutput(prediction=pred, target=actions, actions=pred, env_state=self.probe(hidden))
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -133,7 +143,8 @@ class FlowMatchingHead(ActionHead):
         tt = t[:, None, None].to(actions.dtype)
         x_t = tt * noise + (1 - tt) * actions
         v = self.velocity(x_t, t, cond)
-        return ActionHeadOutput(prediction=v, target=noise - actions, actions=x_t - tt * v, x_t=x_t, t=t)
+        return ActionHeadOutput(prediction=v, target=noise - actions, actions=x_t - tt * v, x_t=x_t, t=t,
+                                env_state=self.probe(hidden))
 
     def sample(self, cond: torch.Tensor, prefix: torch.Tensor | None = None,
                prefix_weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -45,7 +45,8 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
         action_head = ACTION_HEADS.get(head_cfg.kind)(
             llm_dim=l_dim, action_dim=model_cfg.action_dim, state_dim=model_cfg.state_dim,
             chunk=model_cfg.action_chunk, hidden=head_cfg.hidden or flavor.action_hidden,
-            flow_steps=head_cfg.flow_steps, layers=head_cfg.layers, state_dropout=head_cfg.state_dropout)
+            flow_steps=head_cfg.flow_steps, layers=head_cfg.layers, state_dropout=head_cfg.state_dropout,
+            env_state_dim=model_cfg.env_state_dim)
     image_size = model_cfg.image_size or vision.config.image_size
     layout = Layout(frames=model_cfg.frames_per_sample, image_size=image_size,
                     patches_per_frame=(image_size // vision.config.patch_size) ** 2,

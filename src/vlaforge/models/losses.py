@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-TERMS = ("contrastive", "language", "action")
+TERMS = ("contrastive", "language", "action", "env_state")
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,11 @@ def action_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
     else:
         raise ValueError(f"unknown action loss {kind!r}; choose l1, mse or huber")
     return masked_mean(err, mask, denominator)
+
+
+def env_state_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error between the probe's (B, E) estimate and the normalized environment state (B, E)."""
+    return F.mse_loss(pred.float(), target.float())
 
 
 def smoothness_loss(actions: torch.Tensor, mask: torch.Tensor,

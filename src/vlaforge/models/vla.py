@@ -158,6 +158,8 @@ class VLA(nn.Module):
         if obj.active("contrastive"):
             terms["contrastive"] = L.contrastive_loss(h["vision_pool"], h["text_pool"], batch.instruction_ids,
                                                       batch.instruction_mask.bool(), h["logit_scale"])
+        if obj.active("env_state") and head.env_state is not None and batch.env_state is not None:
+            terms["env_state"] = L.env_state_loss(head.env_state, batch.env_state)
         if h["text_logits"] is not None:
             terms["language"] = L.language_loss(h["text_logits"], batch.text_ids, batch.text_mask, den.get("language"))
         terms["action_l1_m"] = L.masked_mean((head.actions.detach() - batch.actions).abs(), batch.action_mask,
