@@ -66,6 +66,24 @@ def test_first_frame_shows_this_episodes_goal():
 
 
 @pytest.mark.slow
+def test_reach_expert_can_bring_the_fingertips_to_the_goal():
+    """Reach's success test measures the fingertips' midpoint (`tcp_center`), 4.5 cm below the hand body that
+    Meta-World's expert steers to the goal; with `steer_tcp` the expert settles the fingertips on the goal."""
+    from vlaforge.data.metaworld import MetaWorldEnv, expert_action, make_expert
+
+    env = MetaWorldEnv("reach-v3", ["corner"], 32)
+    for seed in (3, 4):
+        final = {}
+        for steer in (False, True):
+            expert, obs = make_expert("reach-v3"), env.reset(seed)
+            for _ in range(120):  # past success, until the expert's proportional steps settle
+                obs, _ = env.step(expert_action(expert, env.expert_input(obs, steer)))
+            final[steer] = np.linalg.norm(env.env.tcp_center - obs[36:39])
+        assert final[False] > 0.04 and final[True] < 0.01  # metres from the goal
+    env.close()
+
+
+@pytest.mark.slow
 def test_side_view_shows_goal_depth_and_height_as_column_and_row():
     """The free "side" view: across reach goals, the goal marker's image column follows the goal's depth (y) and its
     row the goal's height (z), each far more than the other axes."""
@@ -118,6 +136,10 @@ def test_generate_train_eval_end_to_end(tmp_path):
     assert a.equals(b)  # same seed, same demonstrations (hiding the puck changes the pictures, not the physics)
     d = LeRobotDataset(tmp_path / "a")
     assert len(d.episodes) == 2 and d.columns["observation.state"].shape[1] == 4  # hand xyz + gripper only
+    goal = d.columns["observation.environment_state"]  # the goal, a training target only: fixed per episode, in
+    for e in d.episodes:  # reach's goal box (x -0.1..0.1, y 0.8..0.9, z 0.05..0.3 m)
+        rows = goal[e.start:e.start + e.length]
+        assert np.all(rows == rows[0]) and np.all(rows[0] >= [-0.1, 0.8, 0.05]) and np.all(rows[0] <= [0.1, 0.9, 0.3])
     phases = set(d.columns["annotation.phase"])
     assert phases <= {"move the hand to the goal", "hold the hand at the goal"} and phases
     assert d.info["vlaforge"]["tasks"] == ["reach-v3"] and d.info["vlaforge"]["hide_distractors"] is True

@@ -262,6 +262,8 @@ def data_generate(
         max_steps: int = typer.Option(200, min=1, help="steps before an expert attempt counts as failed"),
         hide_distractors: bool = typer.Option(False, help="render the tasks' distractor bodies (reach's puck) "
                                                           "invisible; recorded, and `vlaforge eval` renders alike"),
+        steer_tcp: bool = typer.Option(False, help="reach's expert steers the fingertips (what its success test "
+                                                   "measures) to the goal instead of the hand body; recorded"),
         overwrite: bool = typer.Option(False, help="replace a non-empty --out"),
         progress: bool = typer.Option(True, help="show a progress bar")):
     """Record scripted-expert demonstrations in Meta-World (successful episodes only)."""
@@ -272,7 +274,7 @@ def data_generate(
         raise VlaforgeError(f"--image-size {image_size} must be even (the videos use yuv420p)")
     summary = generate(parse_task_counts(tasks, episodes), episodes, out, cameras=parse_cameras(cameras),
                        image_size=image_size, seed=seed, workers=workers, max_steps=max_steps, overwrite=overwrite,
-                       progress=progress, hide_distractors=hide_distractors)
+                       progress=progress, hide_distractors=hide_distractors, steer_tcp=steer_tcp)
     typer.echo(json.dumps(summary))
 
 

@@ -104,20 +104,11 @@ class DemoDataset(Dataset):
         if text_column and spec.text_tokens > 0 and text_column in cols:
             phases, self.text_of_row = np.unique(cols[text_column].astype(str), return_inverse=True)
             self.text = tokenizer.encode(list(phases), spec.text_tokens)
-        self.env_state = standardized(cols[ENV_STATE], self.scene_task_of_row()) if env_state else None
+        self.env_state = standardized(cols[ENV_STATE], scene_tasks(reader)[0]) if env_state else None
         self.store = FrameStore(reader, spec.cameras, cache_mb, threads)
 
     def __len__(self) -> int:
         return self.reader.num_frames
-
-    def scene_task_of_row(self) -> np.ndarray:
-        """Each row's task as the generator recorded it (meta/info.json's vlaforge.episode_tasks, one per episode:
-        the Meta-World task, whatever its instruction's wording), else its task_index."""
-        names = self.reader.info.get("vlaforge", {}).get("episode_tasks")
-        if not isinstance(names, list) or len(names) != len(self.reader.episodes):
-            return np.asarray(self.task_of_row)
-        index = {n: i for i, n in enumerate(dict.fromkeys(names))}
-        return np.repeat([index[n] for n in names], self.lengths)
 
     def without_augmentation(self) -> "DemoDataset":
         """The same samples with no shift or colour augmentation (shares the decoded frames)."""
@@ -156,12 +147,31 @@ class DemoDataset(Dataset):
                      index=torch.tensor(row), env_state=None if self.env_state is None else self.env_state[row])
 
 
+def scene_tasks(reader: LeRobotDataset) -> tuple[np.ndarray, list[str]]:
+    """Each row's task index (N,) and the task names: the tasks the generator recorded (meta/info.json's
+    vlaforge.episode_tasks, one per episode: the Meta-World task, whatever its instruction's wording), else the
+    dataset's own tasks (its instructions)."""
+    names = reader.info.get("vlaforge", {}).get("episode_tasks")
+    if not isinstance(names, list) or len(names) != len(reader.episodes):
+        task_idx = reader.columns.get("task_index")
+        rows = task_idx if task_idx is not None else np.zeros(reader.num_frames, dtype=np.int64)
+        return np.asarray(rows), list(reader.tasks)
+    order = list(dict.fromkeys(names))
+    return np.repeat([order.index(n) for n in names], [e.length for e in reader.episodes]), order
+
+
+def group_moments(values: np.ndarray, groups: np.ndarray) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per group of rows (N,): the mean (E,) and the std (E,) (floored at STD_FLOOR) of float32 `values` (N, E)."""
+    v = torch.as_tensor(np.ascontiguousarray(values, dtype=np.float32))
+    return {int(g): (v[rows].mean(0), v[rows].std(0, correction=0).clamp_min(STD_FLOOR))
+            for g in np.unique(groups) for rows in [torch.as_tensor(groups == g)]}
+
+
 def standardized(values: np.ndarray, groups: np.ndarray) -> torch.Tensor:
-    """(N, E) -> float32 (N, E) with zero mean and unit std per column within each group of rows (N,) (std floored
-    at STD_FLOOR)."""
+    """(N, E) -> float32 (N, E) with zero mean and unit std per column within each group of rows (N,)."""
     v = torch.as_tensor(np.ascontiguousarray(values, dtype=np.float32))
     out = torch.empty_like(v)
-    for g in np.unique(groups):
+    for g, (mean, std) in group_moments(values, groups).items():
         rows = torch.as_tensor(groups == g)
-        out[rows] = (v[rows] - v[rows].mean(0)) / v[rows].std(0, correction=0).clamp_min(STD_FLOOR)
+        out[rows] = (v[rows] - mean) / std
     return out

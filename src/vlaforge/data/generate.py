@@ -36,6 +36,7 @@ class Attempt:
     image_size: int
     max_steps: int
     hide_distractors: bool = False
+    steer_tcp: bool = False
 
 
 def record(a: Attempt) -> dict[str, Any] | None:
@@ -52,7 +53,7 @@ def record(a: Attempt) -> dict[str, Any] | None:
         states.append(env.state(obs))
         env_states.append(env.env_state(obs))
         phases.append(describe(obs))
-        action = expert_action(expert, obs)
+        action = expert_action(expert, env.expert_input(obs, a.steer_tcp))
         actions.append(action)
         obs, success = env.step(action)
         if success:
@@ -100,10 +101,11 @@ def check_output(out: Path, overwrite: bool) -> None:
 
 def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, *, cameras: list[str], image_size: int,
              seed: int = 0, workers: int = 2, max_steps: int = 200, overwrite: bool = False,
-             progress: bool = True, hide_distractors: bool = False) -> dict[str, Any]:
+             progress: bool = True, hide_distractors: bool = False, steer_tcp: bool = False) -> dict[str, Any]:
     """Record successful episodes into a new LeRobotDataset v3 at `out`: `tasks` maps each task to its episode
     count (a plain list gets `episodes` each); `hide_distractors`: render the tasks' distractor bodies invisible
-    (recorded in meta/info.json; `vlaforge eval` then renders its episodes the same way).
+    (recorded in meta/info.json; `vlaforge eval` then renders its episodes the same way); `steer_tcp`: the experts
+    of tasks whose success is measured at the fingertips steer the fingertips to the goal (recorded).
 
     Returns a summary: episodes and frames per task, failed expert attempts, seconds, env steps per second.
     """
@@ -123,7 +125,7 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
             missing = counts[t] - len(kept[t])
             for k in range(missing):
                 todo.append(Attempt(t, order[t], next_attempt[t] + k, seed, tuple(cameras), image_size, max_steps,
-                                    hide_distractors))
+                                    hide_distractors, steer_tcp))
             next_attempt[t] += max(missing, 0)
         return todo
 
@@ -152,6 +154,7 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
                                    {PHASE_COLUMN: rec["phase"]}, rec["env_state"])
         writer.finish({"vlaforge": {"generator": "metaworld", "tasks": tasks, "seed": seed,
                                     "hide_distractors": hide_distractors,
+                                    "expert_steers_tcp": [t for t in tasks if steer_tcp and TASKS.get(t).success_at_tcp],
                                     "episode_tasks": [t for t in tasks for _ in kept[t]]}})
     seconds = time.perf_counter() - t0
     return {"out": str(out), "episodes": {t: len(kept[t]) for t in tasks},

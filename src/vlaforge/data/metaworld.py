@@ -58,6 +58,9 @@ class Task:
     instructions: tuple[str, ...]
     phase: Callable[[np.ndarray], str]  # full observation -> short description of the expert's phase
     distractors: tuple[str, ...] = ()  # bodies the task never needs, which `hide_distractors` renders invisible
+    # success is the fingertips' midpoint (Meta-World's `tcp_center`, 4.5 cm below the hand body that the observation
+    # reports and Meta-World's expert steers) near the goal: `steer_tcp` generation steers it there instead
+    success_at_tcp: bool = False
 
 
 def _near(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
@@ -89,7 +92,8 @@ def _door_phase(o: np.ndarray) -> str:
 TASKS: Registry[Task] = Registry("Meta-World task")
 TASKS.add("reach-v3", Task("SawyerReachV3Policy", (
     "reach the red goal", "move the gripper to the red dot", "put the hand on the target point",
-    "reach for the goal position"), _reach_phase, distractors=("obj",)))  # the puck: placed at random, never touched
+    "reach for the goal position"), _reach_phase, distractors=("obj",),  # the puck: placed at random, never touched
+    success_at_tcp=True))
 TASKS.add("button-press-topdown-v3", Task("SawyerButtonPressTopdownV3Policy", (
     "press the button from the top", "push the button down from above", "press the red button downwards",
     "press down on the button"), _button_phase))
@@ -212,6 +216,16 @@ class MetaWorldEnv:
         finally:
             model.site_rgba[site, 3] = alpha
         return {c: np.abs(shown[c].astype(int) - hidden[c].astype(int)).sum(-1) > 30 for c in shown}
+
+    def expert_input(self, obs: np.ndarray, steer_tcp: bool) -> np.ndarray:
+        """The observation the scripted expert reads. With `steer_tcp`, for `Task.success_at_tcp` tasks, the goal
+        is moved by the fingertips' offset from the hand, so the expert brings the fingertips - what success
+        measures - to the goal instead of the hand body (which leaves them 4.5 cm below it)."""
+        if not (steer_tcp and TASKS.get(self.name).success_at_tcp):
+            return obs
+        out = obs.copy()
+        out[36:39] += obs[0:3] - self.env.tcp_center
+        return out
 
     @staticmethod
     def state(obs: np.ndarray) -> np.ndarray:
