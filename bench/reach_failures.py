@@ -73,7 +73,8 @@ def main() -> None:
             executor.close()
         rows.append((float(success), *(obs[0:3] - goal), *goal))
         if probe:
-            probe.errors.append((float(success), *np.abs(probe.estimates[0] - goal), *np.abs(probe.estimates[-1] - goal)))
+            first, last = probe.estimates[0], probe.estimates[-1]
+            probe.errors.append((float(success), *np.abs(first - goal), *np.abs(last - goal)))
     r = np.array(rows)
     ok, failed = r[r[:, 0] == 1], r[r[:, 0] == 0]
     lo, hi = wilson_interval(len(ok), len(r))

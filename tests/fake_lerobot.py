@@ -28,11 +28,11 @@ def _episode(ep: int, n: int) -> dict:
                 np.float32), "text": {"annotation.phase": [f"phase {t // 4}" for t in range(n)]}}
 
 
-def write_dataset(root, edit=None, text: bool = True, cams: list[str] = CAMS, env_state: bool = False, **kw):
+def write_dataset(root, edit=None, text: bool = True, cams: list[str] = CAMS, env_state: bool = True, **kw):
     """Write the three episodes; `edit(episodes)` may change their arrays first; `text=False` leaves out the
     phase column; `cams` renames the two cameras (Meta-World's names let the simulator evaluate the run);
-    `env_state`: an observation.environment_state column (a 3-D "goal" per episode, drawn by the episode's seed)
-    and meta/info.json's episode_tasks."""
+    `env_state` (as `vlaforge data generate` does): an observation.environment_state column (a 3-D "goal" per
+    episode, drawn by the episode's seed) and meta/info.json's episode_tasks."""
     eps = [_episode(i, n) for i, n in enumerate(LENGTHS)]
     for i, e in enumerate(eps):
         goal = np.random.default_rng(100 + i).uniform(-1, 1, 3).astype(np.float32)

@@ -23,16 +23,16 @@ AUX = ["--model.env_state_dim=3", "--loss.weights.env_state=1.0"]
 
 
 def _cfg(root, tmp_path, *overrides):
-    return resolve_shapes(load_config(TINY_RECIPE, ["--data.source=lerobot", f"--data.path={root}", "--model.image_size=32",
-                                     "--model.patch_size=8", "--train.progress=false", "--train.tensorboard=false",
-                                     "--train.log_every=1", "--train.batch_size=8", "--data.augment_shift=0",
-                                     f"--train.output_dir={tmp_path / 'run'}", *overrides]))[0]
+    return resolve_shapes(load_config(TINY_RECIPE, [
+        "--data.source=lerobot", f"--data.path={root}", "--model.image_size=32", "--model.patch_size=8",
+        "--train.progress=false", "--train.tensorboard=false", "--train.log_every=1", "--train.batch_size=8",
+        "--data.augment_shift=0", f"--train.output_dir={tmp_path / 'run'}", *overrides]))[0]
 
 
 @pytest.fixture
 def dataset(tmp_path):
     root = tmp_path / "ds"
-    return root, write_dataset(root, env_state=True)
+    return root, write_dataset(root)
 
 
 def test_env_state_round_trips_and_is_standardized_within_each_task(dataset, tmp_path):
@@ -107,7 +107,7 @@ def test_bad_env_state_settings_are_one_line_errors(dataset, tmp_path):
     with pytest.raises(VlaforgeError, match="set model.env_state_dim = 3"):
         build_data(wrong, build_vla(wrong.model, wrong.loss))
     old = tmp_path / "old"
-    write_dataset(old)  # a dataset recorded without the column
+    write_dataset(old, env_state=False)  # a dataset recorded without the column
     proc = run_cli("train", str(TINY_RECIPE), "--data.source=lerobot", f"--data.path={old}", *AUX,
                    "--train.steps=1", f"--train.output_dir={tmp_path / 'never'}")
     assert proc.returncode == 2, proc.stderr

@@ -154,7 +154,8 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
                                    {PHASE_COLUMN: rec["phase"]}, rec["env_state"])
         writer.finish({"vlaforge": {"generator": "metaworld", "tasks": tasks, "seed": seed,
                                     "hide_distractors": hide_distractors,
-                                    "expert_steers_tcp": [t for t in tasks if steer_tcp and TASKS.get(t).success_at_tcp],
+                                    "expert_steers_tcp": [t for t in tasks
+                                                          if steer_tcp and TASKS.get(t).success_at_tcp],
                                     "episode_tasks": [t for t in tasks for _ in kept[t]]}})
     seconds = time.perf_counter() - t0
     return {"out": str(out), "episodes": {t: len(kept[t]) for t in tasks},
