@@ -99,7 +99,7 @@ class ProbeReadout:
         reader = LeRobotDataset(data_path)
         groups, names = scene_tasks(reader)
         self.mean, self.std = group_moments(reader.columns[ENV_STATE], groups)[names.index("reach-v3")]
-        self.model, self.estimates, self.errors = model, [], []
+        self.estimates, self.errors = [], []
         model.action_head.register_forward_hook(self._read)
 
     def _read(self, head, args, _out) -> None:

@@ -106,6 +106,12 @@ def test_bad_env_state_settings_are_one_line_errors(dataset, tmp_path):
     wrong = _cfg(root, tmp_path, "--model.env_state_dim=2", "--loss.weights.env_state=1.0")
     with pytest.raises(VlaforgeError, match="set model.env_state_dim = 3"):
         build_data(wrong, build_vla(wrong.model, wrong.loss))
+    nan = tmp_path / "nan"
+    write_dataset(nan, edit=lambda eps: eps[1]["env_state"].__setitem__((2, 0), np.nan))
+    broken = _cfg(nan, tmp_path, *AUX)
+    with pytest.raises(VlaforgeError, match=r"'observation.environment_state' holds NaN or inf in 1 rows \(first: "
+                                            r"episode 1, frame 2\)"):
+        build_data(broken, build_vla(broken.model, broken.loss))
     old = tmp_path / "old"
     write_dataset(old, env_state=False)  # a dataset recorded without the column
     proc = run_cli("train", str(TINY_RECIPE), "--data.source=lerobot", f"--data.path={old}", *AUX,

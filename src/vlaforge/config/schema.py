@@ -441,12 +441,13 @@ class VLAConfig(Section):
         if self.eval.execute > self.model.action_chunk:
             raise ValueError(f"eval.execute = {self.eval.execute} exceeds model.action_chunk = "
                              f"{self.model.action_chunk}; execute at most the predicted actions")
-        if self.loss.weights.get("env_state", 0.0) > 0 and not self.model.env_state_dim:
-            raise ValueError("loss.weights.env_state > 0 trains the action head's environment-state probe; set "
-                             "model.env_state_dim to the size of the dataset's observation.environment_state (3)")
-        if self.loss.weights.get("env_state", 0.0) > 0 and self.data.source != "lerobot":
-            raise ValueError("loss.weights.env_state needs data.source = 'lerobot' (a dataset with "
-                             "observation.environment_state)")
+        if self.loss.weights.get("env_state", 0.0) > 0:
+            if not self.model.env_state_dim:
+                raise ValueError("loss.weights.env_state > 0 trains the action head's environment-state probe; set "
+                                 "model.env_state_dim to the size of the dataset's observation.environment_state (3)")
+            if self.data.source != "lerobot":
+                raise ValueError("loss.weights.env_state needs data.source = 'lerobot' (a dataset with "
+                                 "observation.environment_state)")
         if self.eval.every and self.data.source != "lerobot":
             raise ValueError("eval.every needs data.source = 'lerobot' (evaluation runs the policy in Meta-World)")
         for key, value in SYNTHETIC_SHAPES.items():

@@ -160,12 +160,20 @@ class LeRobotDataset:
     def _check_values(self) -> None:
         """State and action rows must be finite numbers: one NaN would poison the statistics and the loss."""
         for name in ("observation.state", "action"):
-            bad = ~np.isfinite(self.columns[name]).all(axis=1)
-            if bad.any():
-                row = int(np.argmax(bad))
-                raise VlaforgeError(f"dataset {self.root}: column {name!r} holds NaN or inf in {int(bad.sum())} rows "
-                                    f"(first: episode {int(self.columns['episode_index'][row])}, frame "
-                                    f"{int(self.columns['frame_index'][row])}); fix or drop those episodes")
+            self.check_finite(name)
+
+    def check_finite(self, name: str) -> None:
+        """Every row of the vector column `name` must be finite.
+
+        Raises:
+            VlaforgeError: naming the column, how many rows and the first one's episode and frame.
+        """
+        bad = ~np.isfinite(self.columns[name]).all(axis=1)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise VlaforgeError(f"dataset {self.root}: column {name!r} holds NaN or inf in {int(bad.sum())} rows "
+                                f"(first: episode {int(self.columns['episode_index'][row])}, frame "
+                                f"{int(self.columns['frame_index'][row])}); fix or drop those episodes")
 
     @property
     def num_frames(self) -> int:

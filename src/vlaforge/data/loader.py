@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -131,13 +130,12 @@ def check_env_state(reader, dim: int) -> None:
     col = reader.columns.get(ENV_STATE)
     if col is None:
         raise VlaforgeError(f"loss.weights.env_state needs the column {ENV_STATE!r}, which dataset {reader.root} does "
-                            "not have (datasets from `vlaforge data generate` before 2026-12-02 lack it); "
+                            "not have (datasets from `vlaforge data generate` before 2026-12-02's evening lack it); "
                             "regenerate the dataset or set --loss.weights.env_state=0")
     if col.shape[1] != dim:
         raise VlaforgeError(f"dataset {reader.root} has {ENV_STATE} of size {col.shape[1]} but model.env_state_dim = "
                             f"{dim}; set model.env_state_dim = {col.shape[1]}")
-    if not np.isfinite(col).all():
-        raise VlaforgeError(f"dataset {reader.root}: column {ENV_STATE!r} holds NaN or inf; regenerate the dataset")
+    reader.check_finite(ENV_STATE)
 
 
 def build_loader(dataset: Dataset, batch_size: int, seed: int, start_sample: int, num_workers: int,
