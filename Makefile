@@ -8,7 +8,8 @@ export MUJOCO_GL ?= egl
 
 # `make demo`: Meta-World demonstrations -> tiny VLA on CPU -> closed-loop success table.
 # reach-v3 gets more episodes: its goal position varies in 3-D and only the images show it. Its puck, which the
-# expert never touches, is drawn transparent (--hide-distractors, recorded in info.json; eval renders alike).
+# expert never touches, is drawn transparent (--hide-distractors, recorded in info.json; eval renders alike), and
+# its expert steers the fingertips, where success is measured, to the goal (--steer-tcp, recorded; README).
 DEMO_DATA ?= data/metaworld_demo
 DEMO_TASKS ?= reach-v3:80,button-press-topdown-v3:15,drawer-close-v3:15,door-open-v3:15
 DEMO_RUN ?= runs/tiny_metaworld
@@ -41,7 +42,7 @@ bench: venv
 demo: venv
 	@start=$$(date +%s); \
 	if [ -f $(DEMO_DATA)/meta/info.json ]; then echo "using the dataset in $(DEMO_DATA)"; \
-	else $(VENV)/bin/vlaforge data generate --out $(DEMO_DATA) --tasks $(DEMO_TASKS) --cameras $(DEMO_CAMERAS) --hide-distractors --overwrite || exit $$?; fi; \
+	else $(VENV)/bin/vlaforge data generate --out $(DEMO_DATA) --tasks $(DEMO_TASKS) --cameras $(DEMO_CAMERAS) --hide-distractors --steer-tcp --overwrite || exit $$?; fi; \
 	if [ -f $(DEMO_RUN)/checkpoints/latest ]; then echo "using the trained run in $(DEMO_RUN) (remove it to retrain)"; \
 	else $(VENV)/bin/vlaforge train recipes/tiny_metaworld.toml --data.path=$(DEMO_DATA) \
 		--train.output_dir=$(DEMO_RUN) || exit $$?; fi; \
