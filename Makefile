@@ -13,11 +13,12 @@ export MUJOCO_GL ?= egl
 DEMO_DATA ?= data/metaworld_demo
 DEMO_TASKS ?= reach-v3:80,button-press-topdown-v3:15,drawer-close-v3:15,door-open-v3:15
 DEMO_RUN ?= runs/tiny_metaworld
+DEMO_LONG_RUN ?= runs/tiny_metaworld_long
 # the demo recipe reads corner + behindGripper (the views that keep reach's goal in sight, README); topview is
 # recorded too for the distillation recipes
 DEMO_CAMERAS ?= corner,topview,behindGripper
 
-.PHONY: venv test test-fast bench demo quickstart clean
+.PHONY: venv test test-fast bench demo demo-long quickstart clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,15 +40,31 @@ bench: venv
 	$(PY) bench/step_time.py
 	$(PY) bench/dataloader.py --data $(DEMO_DATA)
 
-demo: venv
+# one job for both demo targets: generate the dataset when missing (check one that is there, and refuse it when it
+# was recorded without --steer-tcp), train
+# the recipe $(1) into the run folder $(2) when it has no checkpoint, evaluate it; prints the time it took
+define demo_job
 	@start=$$(date +%s); \
-	if [ -f $(DEMO_DATA)/meta/info.json ]; then echo "using the dataset in $(DEMO_DATA)"; \
-	else $(VENV)/bin/vlaforge data generate --out $(DEMO_DATA) --tasks $(DEMO_TASKS) --cameras $(DEMO_CAMERAS) --hide-distractors --steer-tcp --overwrite || exit $$?; fi; \
-	if [ -f $(DEMO_RUN)/checkpoints/latest ]; then echo "using the trained run in $(DEMO_RUN) (remove it to retrain)"; \
-	else $(VENV)/bin/vlaforge train recipes/tiny_metaworld.toml --data.path=$(DEMO_DATA) \
-		--train.output_dir=$(DEMO_RUN) || exit $$?; fi; \
-	$(VENV)/bin/vlaforge eval $(DEMO_RUN) --out $(DEMO_RUN)/eval || exit $$?; \
-	echo "demo finished in $$(( ($$(date +%s) - start) / 60 )) min $$(( ($$(date +%s) - start) % 60 )) s"
+	if [ -f $(DEMO_DATA)/meta/info.json ]; then \
+		info=$$($(VENV)/bin/vlaforge data info $(DEMO_DATA) --json) || exit 2; \
+		echo "$$info" | $(PY) -c "import json, sys; sys.exit(not json.load(sys.stdin)['expert_steers_tcp'])" || { echo \
+		"error: $(DEMO_DATA) was recorded without --steer-tcp (before 2026-12-03): remove it to record it again" >&2; \
+		exit 2; }; \
+		echo "using the dataset in $(DEMO_DATA)"; \
+	else $(VENV)/bin/vlaforge data generate --out $(DEMO_DATA) --tasks $(DEMO_TASKS) --cameras $(DEMO_CAMERAS) \
+		--hide-distractors --steer-tcp --overwrite || exit $$?; fi; \
+	if [ -f $(2)/checkpoints/latest ]; then echo "using the trained run in $(2) (remove it to retrain)"; \
+	else $(VENV)/bin/vlaforge train $(1) --data.path=$(DEMO_DATA) --train.output_dir=$(2) || exit $$?; fi; \
+	$(VENV)/bin/vlaforge eval $(2) --out $(2)/eval || exit $$?; \
+	echo "$@ finished in $$(( ($$(date +%s) - start) / 60 )) min $$(( ($$(date +%s) - start) % 60 )) s"
+endef
+
+demo: venv
+	$(call demo_job,recipes/tiny_metaworld.toml,$(DEMO_RUN))
+
+# the long recipe (README "The long recipe"): the demo's dataset, 2.5x the training steps
+demo-long: venv
+	$(call demo_job,recipes/tiny_metaworld_long.toml,$(DEMO_LONG_RUN))
 
 quickstart: venv
 	$(VENV)/bin/vlaforge train recipes/tiny_synthetic.toml --train.steps=50 \

@@ -103,6 +103,7 @@ def test_data_info_shows_a_dataset_and_refuses_a_damaged_one(tmp_path):
     summary = json.loads(run_cli("data", "info", str(root), "--json").stdout)
     assert summary["model_shapes"] == {"cameras": ["front", "top"], "state_dim": 4, "action_dim": 4}
     assert [t["episodes"] for t in summary["tasks"]] == [2, 1] and summary["frames"] == 24
+    assert summary["hide_distractors"] is False and summary["expert_steers_tcp"] == []  # info.json does not say
     broken = next((root / "data").rglob("*.parquet"))
     broken.write_bytes(b"PAR1 not parquet")
     proc = run_cli("data", "info", str(root))

@@ -128,7 +128,7 @@ def test_hidden_distractors_change_the_picture_not_the_physics():
 def test_generate_train_eval_end_to_end(tmp_path):
     """Meta-World for real: generation is reproducible and leak-free, training reads it, eval reports."""
     gen = ["data", "generate", "--tasks=reach-v3", "--episodes=2", "--image-size=32", "--cameras=corner,behindGripper",
-           "--workers=1", "--no-progress", "--seed=3"]
+           "--workers=1", "--no-progress", "--seed=3", "--steer-tcp"]  # as make demo generates
     for name, scene in (("a", "--hide-distractors"), ("b", "--no-hide-distractors")):
         proc = run_cli(*gen, f"--out={tmp_path / name}", scene, timeout=300)
         assert proc.returncode == 0, proc.stderr
@@ -143,6 +143,9 @@ def test_generate_train_eval_end_to_end(tmp_path):
     phases = set(d.columns["annotation.phase"])
     assert phases <= {"move the hand to the goal", "hold the hand at the goal"} and phases
     assert d.info["vlaforge"]["tasks"] == ["reach-v3"] and d.info["vlaforge"]["hide_distractors"] is True
+    # `data info` says how it was recorded (make demo refuses a dataset whose reach expert did not steer the fingertips)
+    info = json.loads(run_cli("data", "info", str(tmp_path / "a"), "--json").stdout)
+    assert info["expert_steers_tcp"] == ["reach-v3"] and info["hide_distractors"] is True
     # the recorded frames are the env's: re-decoding the first frame gives an image of the scene, not zeros
     first = decode_frames(d.episodes[0].videos["observation.images.corner"][0], 0.0, 1, d.fps)
     assert first.std() > 10

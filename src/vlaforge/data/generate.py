@@ -78,6 +78,12 @@ def recorded_hidden_distractors(info: dict[str, Any]) -> bool:
     return bool(info.get("vlaforge", {}).get("hide_distractors", False))
 
 
+def recorded_tcp_steering(info: dict[str, Any]) -> list[str]:
+    """The tasks whose expert steered the fingertips to the goal (meta/info.json's `vlaforge.expert_steers_tcp`,
+    `data generate --steer-tcp`; [] for datasets that do not say)."""
+    return list(info.get("vlaforge", {}).get("expert_steers_tcp", []))
+
+
 def check_output(out: Path, overwrite: bool) -> None:
     """`out` must be new or empty (or --overwrite) and writable; a `.partial` folder a killed run left is removed.
 

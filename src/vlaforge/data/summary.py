@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from vlaforge.data.generate import recorded_hidden_distractors, recorded_tasks, recorded_tcp_steering
 from vlaforge.data.lerobot_v3 import LeRobotDataset
 from vlaforge.errors import VlaforgeError
 
@@ -41,6 +42,7 @@ def dataset_summary(path: str | Path) -> dict[str, Any]:
     """
     reader = LeRobotDataset(path)
     info = reader.info
+    recorded = info.get("vlaforge", {})  # what `vlaforge data generate` recorded, absent for other datasets
     episodes = Counter(e.task for e in reader.episodes)
     frames: Counter = Counter()
     for e in reader.episodes:
@@ -51,8 +53,8 @@ def dataset_summary(path: str | Path) -> dict[str, Any]:
             "fps": reader.fps, "episodes": len(reader.episodes), "frames": reader.num_frames,
             "tasks": [{"task": t, "episodes": episodes[t], "frames": frames[t]} for t in reader.tasks],
             "features": features, "model_shapes": dataset_shapes(info, reader.root),
-            "generator": info.get("vlaforge", {}).get("generator"),
-            "simulator_tasks": info.get("vlaforge", {}).get("tasks", [])}
+            "generator": recorded.get("generator"), "simulator_tasks": recorded_tasks(info),
+            "hide_distractors": recorded_hidden_distractors(info), "expert_steers_tcp": recorded_tcp_steering(info)}
 
 
 def render_dataset_summary(s: dict[str, Any]) -> str:
@@ -73,4 +75,8 @@ def render_dataset_summary(s: dict[str, Any]) -> str:
     if s["simulator_tasks"]:
         by = f" ({s['generator']})" if s["generator"] else ""
         lines += ["", f"recorded from: {', '.join(s['simulator_tasks'])}{by}"]
+        if s["hide_distractors"]:
+            lines.append("distractors hidden in the images (--hide-distractors)")
+        if s["expert_steers_tcp"]:
+            lines.append(f"experts steering the fingertips (--steer-tcp): {', '.join(s['expert_steers_tcp'])}")
     return "\n".join(lines)
