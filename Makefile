@@ -41,8 +41,8 @@ bench: venv
 	$(PY) bench/dataloader.py --data $(DEMO_DATA)
 
 # one job for both demo targets: generate the dataset when missing (check one that is there, and refuse it when it
-# was recorded without --steer-tcp), train
-# the recipe $(1) into the run folder $(2) when it has no checkpoint, evaluate it; prints the time it took
+# was recorded without --steer-tcp), train the recipe $(1) into the run folder $(2) when it has no checkpoint,
+# evaluate it; prints the time it took
 define demo_job
 	@start=$$(date +%s); \
 	if [ -f $(DEMO_DATA)/meta/info.json ]; then \
