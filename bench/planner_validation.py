@@ -5,8 +5,9 @@ with AdamW. Prints JSON with each configuration's predicted and measured figures
 On a GPU (`--device cuda`, the issue's check: the `small` flavor, peak within 10 %, step time within 25 %), the
 measured peak is `torch.cuda.max_memory_allocated` over a step after warm-up, and the planner is given the GPU
 named by `--gpu` (one GPU, no parallelism). `calibration` is `vlaforge plan --calibrate`'s fit on the micro-batch-2
-configurations, with the error on the micro-batch-4 ones before and after. The suggested efficiency is the matmul efficiency that would make the
-predicted compute time equal the measured step time (median over the configurations): the figure to calibrate
+configurations, with the error on the micro-batch-4 ones before and after (or `error`, the fit's one line, when the
+step times leave nothing to fit). The suggested efficiency is the matmul efficiency that would make the predicted
+compute time equal the measured step time (median over the configurations): the figure to calibrate
 `planner.estimate.Assumptions` with. On CPU it runs as a dry run of the script (memory is not measured; the step
 times compare against a GPU model and mean nothing).
 
@@ -75,6 +76,28 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
+def held_out_calibration(measured: list, gpu) -> dict:
+    """`vlaforge plan --calibrate`'s fit on the micro-batch-2 runs of `measured` (one MeasuredRun per CONFIGS entry)
+    and the mean error on the micro-batch-4 ones before and after it. Step times the fit cannot use (noisy CPU
+    timings where more compute measured faster) give `error` in place of the fitted figures: the rows still count."""
+    from vlaforge.errors import VlaforgeError
+    from vlaforge.planner.calibrate import fit, predict, terms
+    from vlaforge.planner.types import Assumptions
+
+    x = [terms(m, gpu, Assumptions()) for m in measured]
+    fitted_idx = [i for i, (_, b) in enumerate(CONFIGS) if b == 2]
+    held = [i for i in range(len(CONFIGS)) if i not in fitted_idx]
+    err = lambda i, a: abs(predict(x[i], a) / measured[i].step_s - 1)  # noqa: E731
+    out = {"held_out_mean_abs_error_before": _sig(statistics.mean(err(i, Assumptions()) for i in held))}
+    try:
+        fitted = fit([x[i] for i in fitted_idx], [measured[i].step_s for i in fitted_idx], Assumptions())
+    except VlaforgeError as e:
+        return out | {"error": str(e)}
+    return out | {"fitted": {k: _sig(getattr(fitted, k)) for k in ("matmul_efficiency", "attention_efficiency",
+                                                                     "elementwise_passes", "micro_overhead_s")},
+                  "held_out_mean_abs_error_after": _sig(statistics.mean(err(i, fitted) for i in held))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -90,7 +113,7 @@ def main() -> None:
     from vlaforge.planner.estimate import GB, Assumptions, Cluster, PlanModel, estimate
     from vlaforge.planner.hardware import get_gpu
 
-    from vlaforge.planner.calibrate import MeasuredRun, fit, predict, terms
+    from vlaforge.planner.calibrate import MeasuredRun
 
     cluster = Cluster(get_gpu(args.gpu), gpus_per_node=1, nodes=1)
     rows, measured = [], []
@@ -109,16 +132,7 @@ def main() -> None:
         rows.append(row)
     base = Assumptions().matmul_efficiency
     eff = statistics.median(base * r["predicted_compute_s"] / r["measured_step_s"] for r in rows)
-    # `vlaforge plan --calibrate`'s fit: the micro-batch-2 configurations fitted, the micro-batch-4 ones held out
-    x = [terms(m, cluster.gpu, Assumptions()) for m in measured]
-    fitted_idx = [i for i, (_, b) in enumerate(CONFIGS) if b == 2]
-    fitted = fit([x[i] for i in fitted_idx], [measured[i].step_s for i in fitted_idx], Assumptions())
-    err = lambda i, a: abs(predict(x[i], a) / measured[i].step_s - 1)  # noqa: E731
-    held = [i for i in range(len(CONFIGS)) if i not in fitted_idx]
-    calibration = {"fitted": {k: _sig(getattr(fitted, k)) for k in ("matmul_efficiency", "attention_efficiency",
-                                                                     "elementwise_passes", "micro_overhead_s")},
-                   "held_out_mean_abs_error_before": _sig(statistics.mean(err(i, Assumptions()) for i in held)),
-                   "held_out_mean_abs_error_after": _sig(statistics.mean(err(i, fitted) for i in held))}
+    calibration = held_out_calibration(measured, cluster.gpu)
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "flavor": flavor,
            "planner_gpu": cluster.gpu.name, "rows": rows, "suggested_matmul_efficiency": _sig(eff),
            "calibration": calibration,

@@ -33,6 +33,15 @@ def test_the_fit_recovers_the_assumptions_that_made_the_times():
         assert predict(x, two) == pytest.approx(predict(x, truth), rel=1e-6)
 
 
+def test_step_times_that_leave_nothing_to_fit_say_why():
+    rows = [np.array([c, c / 10, c / 20, 1.0, 0.01]) for c in (0.01, 0.02, 0.03)]
+    with pytest.raises(VlaforgeError, match="do not grow with the planner's compute"):
+        fit(rows, [0.05, 0.04, 0.03], Assumptions())  # more compute, less time: noise, not a trend
+    with pytest.raises(VlaforgeError, match="no longer than the planner's fixed parts"):
+        fit(rows, [0.01, 0.005, 0.002], Assumptions())  # the fixed 0.01 s alone is longer
+    assert fit(rows, [0.03, 0.04, 0.05], Assumptions()).matmul_efficiency > 0
+
+
 def test_a_run_without_step_times_is_one_line(tmp_path):
     (tmp_path / "config.toml").write_text(TINY_RECIPE.read_text())
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss/total": 1.0}\n')

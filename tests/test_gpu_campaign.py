@@ -3,12 +3,16 @@ JSON keys the device run writes, so a broken script is found before device time 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from vlaforge.planner.calibrate import MeasuredRun
+from vlaforge.planner.hardware import get_gpu
 
 from conftest import ROOT
 
@@ -24,7 +28,8 @@ def test_run_all_dry_run_writes_every_check(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     checks = ("mfu", "planner_validation", "activation_memory", "ring_kernel", "precision", "inference")
     assert summary["dry_run"] is True and set(summary["checks"]) == set(checks)
-    assert all(c["status"] == "ok" for c in summary["checks"].values()), summary
+    log = (tmp_path / "run_all.log").read_text()
+    assert all(c["status"] == "ok" for c in summary["checks"].values()), f"{summary['checks']}\n{log[-4000:]}"
     for name in checks:
         json.loads((tmp_path / f"{name}.json").read_text())
     assert len(list(tmp_path.iterdir())) <= 8  # what a device call brings back
@@ -41,3 +46,30 @@ def test_run_all_dry_run_writes_every_check(tmp_path):
     assert quantized["base"]["p50_ms"] > 0
     mixed = quantized["vision=int8,projector=fp16,llm=int4"]
     assert mixed["bytes_vs_base"] < 0.6 and mixed["action_cosine_min"] > 0.9
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_planner_validation_keeps_its_rows_when_the_step_times_cannot_be_fitted():
+    """CPU timings of one step are noisy: full checkpointing can measure faster than none. The calibration block
+    then says why it has no fit instead of failing the check (CI, 2026-12-03: the dry run's one failure)."""
+    pv = _bench("planner_validation")
+    cfgs = [pv.config("tiny", ck, b, None) for ck, b in pv.CONFIGS]
+    gpu = get_gpu("h200-141")
+
+    def runs(times):
+        return [MeasuredRun(f"{ck}/mb{b}", c, t, 1) for (ck, b), c, t in zip(pv.CONFIGS, cfgs, times)]
+
+    # none / selective / full at micro-batch 2 and 4: more recompute, more time (the planner's order)
+    fitted = pv.held_out_calibration(runs([0.020, 0.030, 0.025, 0.036, 0.030, 0.042]), gpu)
+    assert "error" not in fitted and fitted["fitted"]["matmul_efficiency"] > 0
+    assert fitted["held_out_mean_abs_error_after"] < fitted["held_out_mean_abs_error_before"]
+    # the micro-batch-2 runs measured in the opposite order: nothing to fit, said in the report
+    noisy = pv.held_out_calibration(runs([0.030, 0.030, 0.025, 0.036, 0.020, 0.042]), gpu)
+    assert "fitted" not in noisy and "do not grow with the planner's compute" in noisy["error"]
+    assert noisy["held_out_mean_abs_error_before"] > 0
