@@ -104,6 +104,37 @@ def test_every_recipe_validates(recipe):
     assert cfg.model.flavor
 
 
+def test_a_recipe_is_its_base_plus_the_keys_it_changes(tmp_path):
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "child.toml").write_text('base = "../mid.toml"\n[train]\nsteps = 9\n')
+    (tmp_path / "mid.toml").write_text(f'base = "{TINY_RECIPE}"\n[train]\nsteps = 5\nbatch_size = 3\n'
+                                       '[components.llm]\nlr = 2e-4\n')
+    child, plain = load_config(tmp_path / "parts" / "child.toml"), load_config(TINY_RECIPE)
+    assert (child.train.steps, child.train.batch_size, child.components.llm.lr) == (9, 3, 2e-4)
+    # every key the chain does not change is the base's, the sections it touches included
+    same = dump_toml(plain.model_copy(update={"train": child.train, "components": child.components}))
+    assert dump_toml(child) == same and child.components.vision == plain.components.vision
+    assert load_config(tmp_path / "parts" / "child.toml", ["--train.steps=2"]).train.steps == 2  # CLI over all
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('base = "nowhere.toml"\n', "base = 'nowhere.toml' does not exist"),
+    ('base = "own.toml"\n', "makes a cycle (own.toml -> own.toml)"),
+    ("base = 3\n", "base must be the path of another recipe"),
+])
+def test_a_bad_base_is_one_line(tmp_path, text, expected):
+    (tmp_path / "own.toml").write_text(text)
+    with pytest.raises(ConfigError, match="^[^\n]*$") as err:
+        load_config(tmp_path / "own.toml")
+    assert expected in str(err.value)
+
+
+def test_the_long_recipe_is_the_demo_recipe_plus_its_changes():
+    demo, long = (load_config(TINY_RECIPE.parent / f"{n}.toml") for n in ("tiny_metaworld", "tiny_metaworld_long"))
+    assert long.train.steps > demo.train.steps and long.train.output_dir != demo.train.output_dir
+    assert (long.model, long.components, long.loss, long.eval) == (demo.model, demo.components, demo.loss, demo.eval)
+
+
 def test_configuration_reference_is_current():
     from vlaforge.config.reference import markdown_reference
 

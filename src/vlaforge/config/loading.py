@@ -60,13 +60,34 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
 
 
+def read_recipe(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe's TOML with its `base = "other.toml"` (a path next to the recipe) merged under it: a recipe can be
+    another recipe plus the keys it changes, so the two cannot drift apart."""
+    p = Path(path)
+    raw = read_toml(p)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{p}: base must be the path of another recipe as a string, e.g. base = "
+                          f"\"tiny_metaworld.toml\"; got {base!r}")
+    target = (p.parent / base).resolve()
+    chain = (*_chain, p.resolve())
+    if target in chain:
+        raise ConfigError(f"{p}: base = {base!r} makes a cycle ({' -> '.join(c.name for c in (*chain, target))}); "
+                          "a recipe cannot be its own base")
+    if not target.is_file():
+        raise ConfigError(f"{p}: base = {base!r} does not exist ({target}); the path is relative to {p.parent}")
+    return deep_merge(read_recipe(target, chain), raw)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> VLAConfig:
     """Recipe file (optional) + overrides -> validated VLAConfig.
 
     Raises:
         ConfigError: one line naming the field path, the problem and the allowed values.
     """
-    raw = read_toml(path) if path is not None else {}
+    raw = read_recipe(path) if path is not None else {}
     if overrides:
         raw = deep_merge(raw, parse_overrides(overrides) if isinstance(overrides, list) else overrides)
     return validate(raw)

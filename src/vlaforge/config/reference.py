@@ -16,7 +16,9 @@ HEADER = """# Configuration reference
 
 Generated from `src/vlaforge/config/schema.py` by `python -m vlaforge.config.reference`; a test keeps it in sync.
 Recipes are TOML; every field can be overridden on the command line as `--section.key=value`. Unknown keys and bad
-values stop the run before any model is built, with the field path and the allowed values.
+values stop the run before any model is built, with the field path and the allowed values. A recipe's top-level
+`base = "other.toml"` (a path relative to the recipe) reads that recipe first and merges this one's keys over it,
+table by table, so a variant holds only what it changes (`recipes/tiny_metaworld_long.toml`).
 """
 
 
