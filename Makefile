@@ -13,6 +13,9 @@ export MUJOCO_GL ?= egl
 DEMO_DATA ?= data/metaworld_demo
 DEMO_TASKS ?= reach-v3:80,button-press-topdown-v3:15,drawer-close-v3:15,door-open-v3:15
 DEMO_RUN ?= runs/tiny_metaworld
+# the long recipe's dataset: the same tasks with 40 episodes each of button, drawer and door (more initial positions)
+DEMO_LONG_DATA ?= data/metaworld_long
+DEMO_LONG_TASKS ?= reach-v3:80,button-press-topdown-v3:40,drawer-close-v3:40,door-open-v3:40
 DEMO_LONG_RUN ?= runs/tiny_metaworld_long
 # the demo recipe reads corner + behindGripper (the views that keep reach's goal in sight, README); topview is
 # recorded too for the distillation recipes
@@ -40,31 +43,31 @@ bench: venv
 	$(PY) bench/step_time.py
 	$(PY) bench/dataloader.py --data $(DEMO_DATA)
 
-# one job for both demo targets: generate the dataset when missing (check one that is there, and refuse it when it
-# was recorded without --steer-tcp), train the recipe $(1) into the run folder $(2) when it has no checkpoint,
-# evaluate it; prints the time it took
+# one job for both demo targets: generate the dataset $(3) of the tasks $(4) when missing (check one that is there,
+# and refuse it when it was recorded without --steer-tcp), train the recipe $(1) on it into the run folder $(2) when
+# that has no checkpoint, evaluate it; prints the time it took
 define demo_job
 	@start=$$(date +%s); \
-	if [ -f $(DEMO_DATA)/meta/info.json ]; then \
-		info=$$($(VENV)/bin/vlaforge data info $(DEMO_DATA) --json) || exit 2; \
+	if [ -f $(3)/meta/info.json ]; then \
+		info=$$($(VENV)/bin/vlaforge data info $(3) --json) || exit 2; \
 		echo "$$info" | $(PY) -c "import json, sys; sys.exit(not json.load(sys.stdin)['expert_steers_tcp'])" || { echo \
-		"error: $(DEMO_DATA) was recorded without --steer-tcp (before 2026-12-03): remove it to record it again" >&2; \
+		"error: $(3) was recorded without --steer-tcp (before 2026-12-03): remove it to record it again" >&2; \
 		exit 2; }; \
-		echo "using the dataset in $(DEMO_DATA)"; \
-	else $(VENV)/bin/vlaforge data generate --out $(DEMO_DATA) --tasks $(DEMO_TASKS) --cameras $(DEMO_CAMERAS) \
+		echo "using the dataset in $(3)"; \
+	else $(VENV)/bin/vlaforge data generate --out $(3) --tasks $(4) --cameras $(DEMO_CAMERAS) \
 		--hide-distractors --steer-tcp --overwrite || exit $$?; fi; \
 	if [ -f $(2)/checkpoints/latest ]; then echo "using the trained run in $(2) (remove it to retrain)"; \
-	else $(VENV)/bin/vlaforge train $(1) --data.path=$(DEMO_DATA) --train.output_dir=$(2) || exit $$?; fi; \
+	else $(VENV)/bin/vlaforge train $(1) --data.path=$(3) --train.output_dir=$(2) || exit $$?; fi; \
 	$(VENV)/bin/vlaforge eval $(2) --out $(2)/eval || exit $$?; \
 	echo "$@ finished in $$(( ($$(date +%s) - start) / 60 )) min $$(( ($$(date +%s) - start) % 60 )) s"
 endef
 
 demo: venv
-	$(call demo_job,recipes/tiny_metaworld.toml,$(DEMO_RUN))
+	$(call demo_job,recipes/tiny_metaworld.toml,$(DEMO_RUN),$(DEMO_DATA),$(DEMO_TASKS))
 
-# the long recipe (README "The long recipe"): the demo's dataset, 2.5x the training steps
+# the long recipe (README "The long recipe"): its own dataset, 3x the training steps
 demo-long: venv
-	$(call demo_job,recipes/tiny_metaworld_long.toml,$(DEMO_LONG_RUN))
+	$(call demo_job,recipes/tiny_metaworld_long.toml,$(DEMO_LONG_RUN),$(DEMO_LONG_DATA),$(DEMO_LONG_TASKS))
 
 quickstart: venv
 	$(VENV)/bin/vlaforge train recipes/tiny_synthetic.toml --train.steps=50 \
