@@ -116,13 +116,12 @@ def fit(rows: list[np.ndarray], measured: list[float], base: Assumptions) -> Ass
     columns = [x[:, :3] @ start] + ([x[:, 3]] if len(rows) >= 2 else [])
     coef, _ = nnls(np.stack(columns, 1) * w[:, None], target)
     k, overhead = coef[0], (coef[1] if len(coef) > 1 else 0.0)
-    if k <= 0 and np.all(target <= 0):
-        raise VlaforgeError("the measured step times are no longer than the planner's fixed parts (optimizer, "
-                            "communication): nothing to calibrate; check that --gpu names the hardware of the runs")
     if k <= 0:
-        raise VlaforgeError("the measured step times do not grow with the planner's compute (a run with more "
-                            "compute measured faster): nothing to calibrate; time more steps per run, or runs "
-                            "further apart in size")
+        raise VlaforgeError(
+            "the measured step times are no longer than the planner's fixed parts (optimizer, communication): "
+            "nothing to calibrate; check that --gpu names the hardware of the runs" if np.all(target <= 0) else
+            "the measured step times do not grow with the planner's compute (a run with more compute measured "
+            "faster): nothing to calibrate; time more steps per run, or runs further apart in size")
     return replace(base, matmul_efficiency=base.matmul_efficiency / k, attention_efficiency=base.attention_efficiency
                    / k, elementwise_passes=base.elementwise_passes * k, micro_overhead_s=float(overhead))
 
