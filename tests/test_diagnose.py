@@ -52,6 +52,38 @@ def test_curve_shapes_are_told_apart():
     assert oscillation(bouncing, "t")
 
 
+def test_stuck_agrees_with_the_numbers_it_quotes():
+    """`stuck` fires on flat curves only (noisy, short, or long); never on a run that fell fast and flattened, nor on
+    one that blew up and recovered (which keeps its instability finding); every finding's quoted medians show no
+    fall."""
+    from vlaforge.diagnostics.loss_curve import instability
+
+    g = np.random.default_rng(3)
+    fast = lambda n: np.r_[np.geomspace(2.8, 0.62, n // 5), 0.61 + 0.01 * g.normal(size=n - n // 5)]  # noqa: E731
+    should_not = {
+        "fast fall then flat": fast(200),
+        "fast fall, a dozen points": fast(12),
+        "noisy fall": np.geomspace(3.0, 0.6, 60) * np.exp(0.3 * g.normal(size=60)),
+        "blow-up and recovery": np.r_[np.full(3, 8.0), np.geomspace(1e5, 10.0, 40), np.full(20, 9.5)],
+    }
+    should = {
+        "flat, long": 1.0 + 0.05 * g.normal(size=300),
+        "flat, a dozen points": 2.0 * np.exp(0.02 * g.normal(size=12)),
+        "flat with a fast start": np.r_[np.full(40, 1.0), 1.0 + 0.02 * g.normal(size=160)],
+        "rising slowly": np.linspace(1.0, 1.1, 100) * np.exp(0.01 * g.normal(size=100)),
+    }
+    series = lambda x: Series(np.arange(len(x)) * 10, x)  # noqa: E731
+    for name, x in should_not.items():
+        healthy = name != "blow-up and recovery"
+        kinds = {f.kind for check in (stuck, divergence, oscillation, instability) + ((spikes,) if healthy else ())
+                 for f in check(series(x), "total")}
+        assert kinds == (set() if healthy else {"instability"}), (name, kinds)
+    for name, x in should.items():
+        (f,) = stuck(series(x), "total")
+        assert f.evidence["last_quarter_median"] > 0.98 * max(f.evidence["first_quarter_median"],
+                                                               f.evidence["first"]), name
+
+
 def _train_cli(tmp_path, name, *overrides, steps=120):
     run = tmp_path / name
     done = run_cli("train", str(ROOT / "recipes" / "tiny_synthetic.toml"), f"--train.steps={steps}",

@@ -160,7 +160,31 @@ def test_a_package_that_does_not_match_its_manifest_is_refused_in_one_line(packa
         with open(folder / "policy.onnx.data", "ab") as f:
             f.write(b"\0")
 
-    cases = {"shape": (manifest_edit(shape), "inputs ids"),
+    def outside(m):  # the loaded graph named apart from the hashed files, outside the package
+        m["graphs"]["policy"]["file"] = "../outside.onnx"
+
+    def unhashed_tokenizer(m):
+        del m["tokenizer"]["sha256"]
+
+    def pad_out_of_vocabulary(m):
+        m["tokenizer"]["pad_id"] = 10 ** 6
+
+    def set_key(path, value):
+        def change(m):
+            *parents, last = path
+            for key in parents:
+                m = m[key]
+            m[last] = value
+        return change
+
+    cases = {"outside": (manifest_edit(outside), "loads '../outside.onnx', which is not one of the files its sha256"),
+             "tokenizer_unhashed": (manifest_edit(unhashed_tokenizer), "tokenizer has no sha256"),
+             "pad_id": (manifest_edit(pad_out_of_vocabulary), "tokenizer pad_id 1000000 is not an id of its"),
+             "action_head_type": (manifest_edit(set_key(["action_head"], "regression")),
+                                  "'action_head' is a JSON str, not an object"),
+             "sha256_type": (manifest_edit(set_key(["graphs", "vision", "sha256"], ["vision.onnx"])),
+                             "graph vision has no sha256 object"),
+             "shape": (manifest_edit(shape), "inputs ids"),
              "contract": (manifest_edit(contract), "instruction_tokens is 9 but the graphs take 8"),
              "missing": (lambda f: (f / "vision.onnx.data").unlink(), "vision.onnx.data (graph vision) is missing"),
              "hash": (append, "sha256 differs"),
@@ -173,6 +197,36 @@ def test_a_package_that_does_not_match_its_manifest_is_refused_in_one_line(packa
     assert "is an exported package, not a checkpoint" in _one_line(_eval(package, "--backend=torch"))
     assert "--compile applies to the torch backend" in _one_line(_eval(package, "--compile=default"))
     assert "choose a new folder" in _one_line(run_cli("export", str(run), "--format=onnx", f"--out={tmp / 'ds'}"))
+    assert (tmp / "outside.onnx").exists() is False  # nothing was written or read outside
+
+
+def test_export_replaces_only_a_package_it_wrote_unchanged(packages, tmp_path):
+    """A second export into the same --out replaces the package; a folder that merely holds a manifest.json, a
+    package with a file added or changed, or one without the ownership stamp is refused in one line, untouched."""
+    from vlaforge.outputs import OWNER_FILE
+
+    _, found = packages
+    run, package, _ = found["regression-1"]
+    out = tmp_path / "pkg"
+    shutil.copytree(package, out)
+    _export(run, out, "--data=none")  # its own package: replaced
+    assert json.loads((out / OWNER_FILE).read_text())["command"] == "vlaforge export"
+
+    def refused(folder, message):
+        before = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        assert message in _one_line(run_cli("export", str(run), "--format=onnx", f"--out={folder}"))
+        assert {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "manifest.json").write_text("{}")
+    (mine / "thesis.tex").write_text("years of work")
+    refused(mine, "was not written by `vlaforge export`")
+    (out / "notes.txt").write_text("mine")
+    refused(out, "holds notes.txt, which `vlaforge export` did not write")
+    (out / "notes.txt").unlink()
+    (out / "export.json").write_text("{}")
+    refused(out, "export.json changed since `vlaforge export` wrote it")
 
 
 def test_a_package_is_evaluated_and_served_like_its_checkpoint(packages, tmp_path):

@@ -299,8 +299,20 @@ def one_line(exc: BaseException) -> str:
     return " ".join(line.strip() for line in lines) or type(exc).__name__
 
 
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt  # NOTE: SIGTERM unwinds like Ctrl-C: writers remove their unfinished temporary folders
+
+
 def main() -> None:
-    """Run the CLI: user errors (ours and bad command-line usage) end with one line on stderr and exit code 2."""
+    """Run the CLI: user errors (ours and bad command-line usage) end with one line on stderr and exit code 2; a
+    SIGTERM or Ctrl-C ends with "interrupted" and exit code 130 after the commands have cleaned up."""
+    import signal
+
+    import os
+
+    if os.environ.get("WORLD_SIZE", "1") == "1":  # NOTE: not under torchrun: a rank blocked in a collective must
+        # die at the launcher's SIGTERM, and a Python handler would wait for the collective to return
+        signal.signal(signal.SIGTERM, _terminated)  # `vlaforge serve` installs its own graceful stop over this
     try:
         code = app(standalone_mode=False)
     except VlaforgeError as exc:

@@ -60,6 +60,9 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
 
 
+MAX_BASE_DEPTH = 16  # recipes in one base chain (a deeper one is a mistake, and would exhaust Python's stack)
+
+
 def read_recipe(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A recipe's TOML with its `base = "other.toml"` (a path next to the recipe) merged under it: a recipe can be
     another recipe plus the keys it changes, so the two cannot drift apart."""
@@ -73,6 +76,9 @@ def read_recipe(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, An
                           f"\"tiny_metaworld.toml\"; got {base!r}")
     target = (p.parent / base).resolve()
     chain = (*_chain, p.resolve())
+    if len(chain) >= MAX_BASE_DEPTH:
+        raise ConfigError(f"{p}: base chain deeper than {MAX_BASE_DEPTH} recipes ({chain[0].name} -> ... -> "
+                          f"{p.name} -> {Path(base).name}); merge some of them into one recipe")
     if target in chain:
         raise ConfigError(f"{p}: base = {base!r} makes a cycle ({' -> '.join(c.name for c in (*chain, target))}); "
                           "a recipe cannot be its own base")

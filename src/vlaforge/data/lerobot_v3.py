@@ -74,7 +74,9 @@ class LeRobotDataset:
             raise VlaforgeError(f"dataset {self.root} has no data/ parquet files; regenerate it")
         self.columns = self._read_columns(data_files)
         self._check_episodes()
+        self._check_declared_shapes()
         self._check_values()
+        self._check_stats()
 
     # --- metadata ---
 
@@ -157,6 +159,57 @@ class LeRobotDataset:
                 raise VlaforgeError(f"dataset {self.root}: episode {e.index} ({e.length} frames from row {e.start}) "
                                     "does not match the data files; the dataset is incomplete - regenerate it")
 
+    def _check_declared_shapes(self) -> None:
+        """A vector feature's declared shape must be its rows' width: a mismatch is a wrong info.json, not damage."""
+        for name, spec in self.info["features"].items():
+            col = self.columns.get(name)
+            shape = spec.get("shape") if isinstance(spec, dict) else None
+            if col is None or col.ndim != 2 or not isinstance(shape, list) or \
+                    not all(type(d) is int for d in shape):
+                continue
+            if int(np.prod(shape)) != col.shape[1]:
+                raise VlaforgeError(f"{self.root / 'meta/info.json'} declares {name!r} with shape {shape} but the "
+                                    f"data rows hold {col.shape[1]} values; fix the shape in info.json or regenerate "
+                                    "the dataset")
+
+    def _check_stats(self) -> None:
+        """meta/stats.json must give state and action a finite mean and a finite, non-negative std of the columns'
+        width: they normalize every sample (a bad value would surface only as non-finite losses)."""
+        where = self.root / "meta" / "stats.json"
+        for name in ("observation.state", "action"):
+            entry = self.stats.get(name)
+            if not isinstance(entry, dict):
+                raise VlaforgeError(f"{where} has no {name!r} statistics; regenerate the dataset")
+            width = self.columns[name].shape[1]
+            for key in ("mean", "std"):
+                try:
+                    values = np.asarray(entry.get(key), dtype=np.float64).reshape(-1)
+                except (TypeError, ValueError):
+                    values = None
+                ok = values is not None and values.size == width and np.isfinite(values).all() and \
+                    (key == "mean" or (values >= 0).all())
+                if not ok:
+                    raise VlaforgeError(f"{where}: {name} {key} is {str(entry.get(key))[:80]}, not {width} finite "
+                                        f"numbers{' >= 0' if key == 'std' else ''}; recompute the statistics "
+                                        "(regenerate the dataset)")
+
+    def check_thoroughly(self) -> None:
+        """What training may meet later, checked now (`vlaforge data info`): every numeric vector column finite,
+        and the first frame of every video file decodes at its declared size.
+
+        Raises:
+            VlaforgeError: one line naming the column or the video file.
+        """
+        for name, col in self.columns.items():
+            if col.ndim == 2 and np.issubdtype(col.dtype, np.floating):
+                self.check_finite(name)
+        seen = set()
+        for e in self.episodes:
+            for key, (path, start) in e.videos.items():
+                if path not in seen:
+                    seen.add(path)
+                    self._check_frame_size(key, path, decode_frames(path, start, 1, self.fps))
+
     def _check_values(self) -> None:
         """State and action rows must be finite numbers: one NaN would poison the statistics and the loss."""
         for name in ("observation.state", "action"):
@@ -184,7 +237,9 @@ class LeRobotDataset:
     def decode(self, key: str, episode: Episode) -> np.ndarray:
         """All frames of `episode` from camera `key`: (T, H, W, 3) uint8."""
         path, start = episode.videos[key]
-        frames = decode_frames(path, start, episode.length, self.fps)
+        return self._check_frame_size(key, path, decode_frames(path, start, episode.length, self.fps))
+
+    def _check_frame_size(self, key: str, path: Path, frames: np.ndarray) -> np.ndarray:
         declared = tuple(self.info["features"][key].get("shape", ()))[:2]
         if declared and frames.shape[1:3] != declared:
             raise VlaforgeError(f"video file {path} is {frames.shape[1]}x{frames.shape[2]} px but meta/info.json "

@@ -40,7 +40,8 @@ def dataset_summary(path: str | Path) -> dict[str, Any]:
     Raises:
         VlaforgeError: the dataset is missing, incomplete or damaged (one line naming the file).
     """
-    reader = LeRobotDataset(path)
+    reader = LeRobotDataset(path)  # the checks training runs when it opens the dataset
+    reader.check_thoroughly()  # and what it would meet later: every vector column, a frame of every video file
     info = reader.info
     recorded = info.get("vlaforge", {})  # what `vlaforge data generate` recorded, absent for other datasets
     episodes = Counter(e.task for e in reader.episodes)

@@ -202,22 +202,30 @@ def oscillation(series: Series, name: str) -> list[Finding]:
 
 
 def stuck(series: Series, name: str) -> list[Finding]:
-    """The loss did not move: its last quarter is within the noise of its first quarter (no learning at all)."""
+    """The loss did not move: the median of its last quarter is within the noise of its first quarter's (no
+    learning at all). In log space for a positive curve (a fall from 1e5 to 10 and one from 2.8 to 0.6 are both
+    falls). NOTE: the noise is taken from the step-to-step changes of the second half only, robustly (median
+    absolute change): a run's fast initial fall, or a blow-up it recovered from, is signal, not noise."""
     finite = np.isfinite(series.values)
     steps, x = series.steps[finite], series.values[finite]
     if len(x) < STUCK_MIN_POINTS:
         return []
     q = max(len(x) // 4, 2)
-    first, last = x[:q], x[-q:]
-    noise = float(np.std(np.diff(x)) / np.sqrt(2) / np.sqrt(q)) + 1e-12
-    drop = float(np.median(first) - np.median(last))
-    if drop > max(3 * noise, 0.02 * abs(float(np.median(first)))):
+    start, first, last = float(x[0]), float(np.median(x[:q])), float(np.median(x[-q:]))
+    positive = bool(np.all(x > 0))
+    y = np.log(x) if positive else x
+    sigma = 1.4826 * float(np.median(np.abs(np.diff(y[len(y) // 2:])))) / np.sqrt(2) + 1e-12  # one value's noise
+    fall = (lambda a: float(np.log(a / last))) if positive else (lambda a: a - last)  # noqa: E731
+    floor = 0.02 if positive else 0.02 * abs(first)
+    # a fall from the first quarter's median (beyond the noise of two q-value medians: 1.2533 sigma sqrt(2 / q)),
+    # or from the first logged value (a short run can fall within its first quarter)
+    noise = 1.2533 * sigma * np.sqrt(2 / q)
+    if fall(first) > max(3 * noise, floor) or fall(start) > max(3 * sigma * np.sqrt(1 + 1.2533 ** 2 / q), floor):
         return []
     return [Finding(
-        "stuck", "warning", f"{name} did not go down: {np.median(first):.4g} over its first quarter, "
-        f"{np.median(last):.4g} over its last (steps {steps[0]}-{steps[-1]})", (int(steps[0]), int(steps[-1])),
-        {"first_quarter_median": float(np.median(first)), "last_quarter_median": float(np.median(last)),
-         "noise": noise},
+        "stuck", "warning", f"{name} did not go down: {start:.4g} at first, {first:.4g} over its first quarter, "
+        f"{last:.4g} over its last (steps {steps[0]}-{steps[-1]})", (int(steps[0]), int(steps[-1])),
+        {"first": start, "first_quarter_median": first, "last_quarter_median": last, "noise": float(noise)},
         ["the learning rate is zero or tiny (a schedule, or a component frozen for the whole run)",
          "the term's weight is zero, or its gradients never reach the parameters (all frozen, detached)",
          "the targets carry no signal (constant actions, empty text)"],

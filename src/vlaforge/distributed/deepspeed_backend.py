@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from vlaforge.config.schema import ZERO_AUTO_FROM_HIDDEN, ZERO_TUNING
-from vlaforge.errors import VlaforgeError, first_line
+from vlaforge.errors import VlaforgeError, first_line, load_refusal
 
 ENGINE_DIR = "deepspeed"  # inside a checkpoint folder: DeepSpeed's own partitioned optimizer state
 TAG = "state"
@@ -144,8 +144,8 @@ def _data_only_engine(engine):
                 return torch.load(path, map_location=map_location, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - UnpicklingError for foreign objects, others for damaged files
             raise VlaforgeError(f"DeepSpeed state file {path} holds more than tensors and plain data, or is damaged "
-                                f"({first_line(exc, 160)}); vlaforge reads no code from checkpoints - resume from a checkpoint you "
-                                "wrote") from None
+                                f"({load_refusal(exc)}); vlaforge reads no code from checkpoints - resume from a "
+                                "checkpoint you wrote") from None
 
     engine.load = load
     return engine

@@ -27,11 +27,13 @@ import torch
 from vlaforge import COMPONENTS
 from vlaforge.config.loading import write_atomic
 from vlaforge.errors import VlaforgeError
+from vlaforge.outputs import check_replaceable, replace_folder, stamp
 from vlaforge.inference.runtime import Observation, PolicyRuntime
 from vlaforge.techniques.quantize import INTX_BITS, QuantPolicy, apply_quantization, parse_policies
 from vlaforge.techniques.quantized_format import resident_bytes, save_quantized, tensor_bytes
 
 REPORT = "quantize.json"
+OWNER = "vlaforge quantize"  # the command named in the folder's ownership stamp (vlaforge/outputs.py)
 COPIED = ("config.toml", "policy.json")  # with the tokenizer files, which depend on the LLM
 
 
@@ -187,12 +189,12 @@ def quantize_run(checkpoint: str | Path, out: str | Path, options: QuantizeOptio
     report |= {"layout": quant_rt.model.quantization.to_json(), "qat_trained": sorted(trained),
                **_measure(float_rt, loaded, measured), "bytes": _bytes(float_rt.model, loaded.model, disk)}
     write_atomic(tmp / REPORT, json.dumps(report, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    stamp(tmp, OWNER)
+    replace_folder(tmp, out)
     if options.eval_episodes:
         report["closed_loop"] = _closed_loop(ckpt, out, cfg, options)
         write_atomic(out / REPORT, json.dumps(report, indent=1) + "\n")
+        stamp(out, OWNER)  # the evaluations and the report it wrote into the folder are its own too
     report["report"] = str(out / REPORT)
     return report
 
@@ -200,8 +202,7 @@ def quantize_run(checkpoint: str | Path, out: str | Path, options: QuantizeOptio
 def _check_out(out: Path, ckpt: Path) -> None:
     if out.resolve() == ckpt.resolve() or ckpt.resolve().is_relative_to(out.resolve()):
         raise VlaforgeError(f"--out {out} would replace the run it quantizes; choose a new folder")
-    if out.exists() and not (out / REPORT).is_file():
-        raise VlaforgeError(f"--out {out} exists and was not written by `vlaforge quantize`; choose a new folder")
+    check_replaceable(out, OWNER)
 
 
 def _copy_run_files(ckpt: Path, dest: Path) -> None:

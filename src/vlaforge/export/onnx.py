@@ -44,10 +44,12 @@ import numpy as np
 import torch
 
 from vlaforge.errors import VlaforgeError, first_line
+from vlaforge.outputs import check_replaceable, replace_folder, stamp
 from vlaforge.inference.packages import (FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST, OrtGraph, PteGraph, file_sha256,
                                          read_manifest)
 
 REPORT = "export.json"
+OWNER = "vlaforge export"  # the command named in the folder's ownership stamp (vlaforge/outputs.py)
 OPSET = 20
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 TRACE_BATCH = 2
@@ -197,9 +199,8 @@ def export_package(checkpoint: str | Path, out: str | Path, *, format: str = "on
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind; `out` is untouched
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    stamp(tmp, OWNER)
+    replace_folder(tmp, out)
     report["package"] = str(out)
     return report
 
@@ -238,7 +239,8 @@ def _write_package(ckpt: Path, tmp: Path, source, format: str, dtype: str, int8:
         "observation": {k: getattr(spec, k) for k in (
             "cameras", "frames", "frame_stride", "image_size", "render_size", "instruction_tokens", "text_tokens",
             "chunk", "state_mean", "state_std", "action_mean", "action_std")},
-        "tokenizer": {"file": "tokenizer.json", "pad_id": source.tokenizer.pad_id, "eos_id": source.tokenizer.eos_id},
+        "tokenizer": {"file": "tokenizer.json", "sha256": {"tokenizer.json": file_sha256(tmp / "tokenizer.json")},
+                      "pad_id": source.tokenizer.pad_id, "eos_id": source.tokenizer.eos_id},
         "action_head": {"kind": kind, "chunk": head.chunk, "action_dim": head.action_dim,
                         **({"flow_steps": head.flow_steps, "integration": "euler from t=1 (noise) to t=0"}
                            if kind == "flow_matching" else {})},
@@ -269,9 +271,7 @@ def _write_package(ckpt: Path, tmp: Path, source, format: str, dtype: str, int8:
 def _check_out(out: Path, ckpt: Path) -> None:
     if out.resolve() == ckpt.resolve() or ckpt.resolve().is_relative_to(out.resolve()):
         raise VlaforgeError(f"--out {out} would replace the checkpoint it exports; choose a new folder")
-    if out.exists() and not (out / MANIFEST).is_file():
-        raise VlaforgeError(f"--out {out} exists and is not a package `vlaforge export` wrote; choose a new "
-                            "folder")
+    check_replaceable(out, OWNER)
 
 
 def _package_files(ckpt: Path, tokenizer, folder: Path) -> None:

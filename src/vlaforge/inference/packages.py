@@ -13,7 +13,6 @@ with the manifest's Euler steps by the same function the PyTorch head uses (`mod
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,11 @@ import numpy as np
 import torch
 
 from vlaforge.errors import VlaforgeError, first_line
+from vlaforge.outputs import file_sha256
 
 MANIFEST = "manifest.json"
 FORMAT = "vlaforge.onnx-policy"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 (2026-12-03): the tokenizer's file is hashed like the graphs'
 ONNX_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
 # the graphs of each head: name -> (inputs, outputs)
 GRAPHS = {
@@ -43,14 +43,6 @@ _FIX = "export the run again with `vlaforge export RUN --format onnx --out DIR`"
 
 def is_package(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any]:
@@ -76,6 +68,8 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     for key in ("observation", "tokenizer", "action_head", "graphs", "dtype"):
         if key not in m:
             raise VlaforgeError(f"{path} has no {key!r}; {_FIX}")
+        if key != "dtype" and not isinstance(m[key], dict):
+            raise VlaforgeError(f"{path}: {key!r} is a JSON {type(m[key]).__name__}, not an object; {_FIX}")
     head = m["action_head"].get("kind")
     if head not in GRAPHS or set(m["graphs"]) != set(GRAPHS[head]):
         raise VlaforgeError(f"{path}: action head {head!r} with graphs {sorted(m['graphs'])}; a package holds "
@@ -85,15 +79,28 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     if m["dtype"] not in TORCH_DTYPES:
         raise VlaforgeError(f"{path}: dtype {m['dtype']!r} is not one of {', '.join(TORCH_DTYPES)}; {_FIX}")
     for name, g in m["graphs"].items():
-        for file, digest in g["sha256"].items():
-            if Path(file).name != file or file.startswith("."):
-                raise VlaforgeError(f"{path}: graph {name} names the file {file!r} outside the package; {_FIX}")
-            if not (folder / file).is_file():
-                raise VlaforgeError(f"{folder}: {file} (graph {name}) is missing; {_FIX}")
-            if file_sha256(folder / file) != digest:
-                raise VlaforgeError(f"{folder / file}: sha256 differs from the manifest's (the file was changed or "
-                                    f"is truncated); {_FIX}")
+        _check_hashed(folder, path, f"graph {name}", g)
+    _check_hashed(folder, path, "tokenizer", m["tokenizer"])
     return m
+
+
+def _check_hashed(folder: Path, path: Path, what: str, entry: Any) -> None:
+    """NOTE: the one rule for every file a package loads: `entry["file"]` is one of the files `entry["sha256"]`
+    hashes, each a plain name inside the package folder, present, with the manifest's digest."""
+    hashes = entry.get("sha256") if isinstance(entry, dict) else None
+    if not isinstance(hashes, dict) or not hashes or not all(isinstance(v, str) for v in hashes.values()):
+        raise VlaforgeError(f"{path}: {what} has no sha256 object of file names to digests; {_FIX}")
+    if not isinstance(entry.get("file"), str) or entry["file"] not in hashes:
+        raise VlaforgeError(f"{path}: {what} loads {entry.get('file')!r}, which is not one of the files its sha256 "
+                            f"covers; {_FIX}")
+    for file, digest in hashes.items():
+        if Path(file).name != file or file.startswith("."):
+            raise VlaforgeError(f"{path}: {what} names the file {file!r} outside the package; {_FIX}")
+        if not (folder / file).is_file():
+            raise VlaforgeError(f"{folder}: {file} ({what}) is missing; {_FIX}")
+        if file_sha256(folder / file) != digest:
+            raise VlaforgeError(f"{folder / file}: sha256 differs from the manifest's (the file was changed or "
+                                f"is truncated); {_FIX}")
 
 
 def signature(session) -> dict[str, dict[str, Any]]:
@@ -287,10 +294,15 @@ def load_package(folder: str | Path, device: str = "auto", backend: str = "auto"
         raise VlaforgeError(f"{folder / MANIFEST}: observation fields do not fit ({first_line(exc)}); {_FIX}") from None
     tok_file = folder / m["tokenizer"]["file"]
     try:
-        tokenizer = TextTokenizer(Tokenizer.from_file(str(tok_file)), m["tokenizer"]["pad_id"],
-                                  m["tokenizer"]["eos_id"])
+        tok = Tokenizer.from_file(str(tok_file))
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad files
         raise VlaforgeError(f"{tok_file} is not a tokenizer file ({first_line(exc)[:120]}); {_FIX}") from None
+    for key in ("pad_id", "eos_id"):
+        value = m["tokenizer"].get(key)
+        if type(value) is not int or not 0 <= value < tok.get_vocab_size():
+            raise VlaforgeError(f"{folder / MANIFEST}: tokenizer {key} {value!r} is not an id of its "
+                                f"{tok.get_vocab_size()}-token vocabulary; {_FIX}")
+    tokenizer = TextTokenizer(tok, m["tokenizer"]["pad_id"], m["tokenizer"]["eos_id"])
     graphs = {}
     for name, entry in m["graphs"].items():
         try:

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from vlaforge.config.loading import write_atomic
-from vlaforge.errors import VlaforgeError, first_line
+from vlaforge.errors import VlaforgeError, first_line, load_refusal
 
 MODEL_FILE, STATE_FILE, CONFIG_FILE, DCP_DIR = "model.safetensors", "trainer_state.pt", "config.toml", "dcp"
 
@@ -68,6 +68,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dic
     root = run_dir / "checkpoints"
     final = root / f"step_{step:08d}"
     tmp = temporary_folder(run_dir, step)
+    finish_interrupted_saves(root, keep=tmp)
     if not prepared:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -83,6 +84,31 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dic
     for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
         shutil.rmtree(old)
     return final
+
+
+def finish_interrupted_saves(root: Path, keep: Path | None = None) -> None:
+    """What killed saves left in `root` (a run's checkpoints/), put right, keeping `latest` on a complete checkpoint
+    at every instant. A save killed after `latest` moved to the aside copy .step_X.old (so its .step_X.tmp is
+    complete) is finished: the new folder renamed into place, `latest` pointed at it, the aside copy removed. A
+    .step_X.tmp saved no further is removed (but `keep`, the folder the current save's ranks are writing)."""
+    latest = root / "latest"
+    named = lambda: latest.read_text().strip() if latest.is_file() else ""  # noqa: E731
+    for tmp in sorted(root.glob(".step_*.tmp")):
+        name = tmp.name[1:-len(".tmp")]
+        if tmp == keep or not tmp.is_dir():
+            continue
+        if named() == f".{name}.old":  # past the commit point: `latest` holds the old copy meanwhile
+            shutil.rmtree(root / name, ignore_errors=True)
+            tmp.rename(root / name)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    for aside in sorted(root.glob(".step_*.old")):
+        name, holds = aside.name[1:-len(".old")], named() == aside.name
+        if holds and not (root / name).exists():
+            aside.rename(root / name)  # the only copy left
+        if holds:
+            write_atomic(latest, name + "\n")
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _pause(stage: str) -> None:
@@ -128,6 +154,9 @@ def resolve_checkpoint(resume: str, output_dir: str | Path, what: str = "train.r
     if has_weights(path):
         return path
     latest = path / "checkpoints" / "latest"
+    if what == "train.resume" and os.environ.get("WORLD_SIZE", "1") == "1" and latest.is_file():
+        finish_interrupted_saves(latest.parent)  # NOTE: one process only: ranks resolve at once (their next save
+        # finishes it then)
     if latest.is_file():
         name = _read_latest(latest)
         ckpt = path / "checkpoints" / name
@@ -155,9 +184,28 @@ def run_folder_of(ckpt: Path) -> Path:
     return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
 
 
+# what a run writes before its first checkpoint: a folder holding only these (and no checkpoint) is a run that
+# stopped before it saved anything, which its retry may replace
+BEFORE_FIRST_CHECKPOINT = frozenset({"config.toml", "precision.json", "metrics.jsonl", "tensorboard", "traces",
+                                     "oom_snapshot.pickle", "checkpoints"})
+
+
+def stopped_before_first_checkpoint(run_dir: Path) -> list[Path]:
+    """The files of a run that stopped before its first checkpoint (a missing dataset, a crash at step 1), which a
+    new run in the same folder replaces; empty when the folder holds anything else, or any checkpoint."""
+    entries = list(run_dir.iterdir()) if run_dir.is_dir() else []
+    if not entries or any(e.name not in BEFORE_FIRST_CHECKPOINT for e in entries):
+        return []
+    saved = run_dir / "checkpoints"
+    if saved.exists() and (not saved.is_dir() or any(saved.iterdir())):
+        return []
+    return entries
+
+
 def check_run_folder(run_dir: Path, resume_from: Path | None) -> None:
-    """A new run needs an empty (or missing) folder it can write; a resumed run writes into the run it resumes
-    from (or an empty folder). Nothing of an earlier run is ever overwritten.
+    """A new run needs an empty (or missing) folder it can write, or one where a run stopped before its first
+    checkpoint (`stopped_before_first_checkpoint`); a resumed run writes into the run it resumes from (or an empty
+    folder). Nothing of an earlier run that saved a checkpoint is ever overwritten.
 
     Raises:
         VlaforgeError: the folder is a file, holds another run, or cannot be written.
@@ -165,7 +213,8 @@ def check_run_folder(run_dir: Path, resume_from: Path | None) -> None:
     where = f"train.output_dir {run_dir}"
     if run_dir.exists() and not run_dir.is_dir():
         raise VlaforgeError(f"{where} is a file, not a folder; choose another --train.output_dir")
-    if run_dir.is_dir() and any(run_dir.iterdir()):
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not (resume_from is None
+                                                             and stopped_before_first_checkpoint(run_dir)):
         if resume_from is None:
             raise VlaforgeError(f"{where} is not empty (an earlier run's files would be overwritten); choose another "
                                 f"--train.output_dir, or continue that run with --resume {run_dir}")
@@ -211,8 +260,10 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
     try:
         state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch.load raises many types for damaged files (and refuses foreign objects)
-        raise VlaforgeError(f"checkpoint file {ckpt / STATE_FILE} is truncated or corrupt ({first_line(exc)}); "
-                            "resume from another checkpoint") from None
+        why = load_refusal(exc)
+        what = "is refused" if why.startswith("it holds") else "is truncated or corrupt"
+        raise VlaforgeError(f"checkpoint file {ckpt / STATE_FILE} {what} ({why}); resume from another checkpoint"
+                            ) from None
     problem = _state_problem(state)
     if problem:
         raise VlaforgeError(f"checkpoint file {ckpt / STATE_FILE} is not a vlaforge trainer state ({problem}); "
@@ -268,12 +319,32 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
         _upgrade_legacy(ckpt / MODEL_FILE)
         missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        if mismatch := _shape_mismatch(ckpt / MODEL_FILE, model):
+            raise VlaforgeError(f"checkpoint {ckpt} does not match the model ({mismatch}); use the config saved in "
+                                "that checkpoint") from None
         raise VlaforgeError(f"checkpoint file {ckpt / MODEL_FILE} is truncated or corrupt ({first_line(exc)}); "
                             "use another checkpoint") from None
     if missing or unexpected:
         raise VlaforgeError(f"checkpoint {ckpt} does not match the model ({len(missing)} missing, "
                             f"{len(unexpected)} unexpected tensors, e.g. {(missing or unexpected)[0]}); "
                             "use the config saved in that checkpoint")
+
+
+def _shape_mismatch(path: Path, model: torch.nn.Module) -> str:
+    """The first tensor whose shape in the safetensors file differs from the model's, or '' (also when the file's
+    header cannot be read: then the file is damaged, not mismatched)."""
+    from safetensors import safe_open
+
+    want = model.state_dict()
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                got = tuple(f.get_slice(key).get_shape())
+                if key in want and got != tuple(want[key].shape):
+                    return f"{key} is {list(got)} in the file, {list(want[key].shape)} in the model"
+    except Exception:  # noqa: BLE001 - a header that does not parse: damage, reported by the caller
+        return ""
+    return ""
 
 
 def _upgrade_legacy(path: Path) -> None:
@@ -301,8 +372,13 @@ def export_weights(ckpt: Path, out: Path | None = None) -> Path:
         VlaforgeError: the checkpoint is not sharded and `out` is not given (nothing to do), it cannot be read, or
             `out` would replace something export did not write (see `_check_export_target`).
     """
+    from vlaforge.techniques.quantized_format import is_quantized
+
     default = ckpt / MODEL_FILE
     out = out or default
+    if is_quantized(ckpt):
+        raise VlaforgeError(f"{ckpt} is a `vlaforge quantize` folder: its weights are torchao's quantized tensors, "
+                            "not float weights to export; export the float run, or serve / eval the folder itself")
     if not is_sharded(ckpt):
         if out.resolve() == default.resolve():
             raise VlaforgeError(f"checkpoint {ckpt} already holds {MODEL_FILE} (it is not sharded); give --out to "
@@ -326,10 +402,11 @@ def export_weights(ckpt: Path, out: Path | None = None) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         save_full_weights(state, tmp, metadata=EXPORT_MARK)
         tmp.replace(out)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors reports its own I/O errors (a full or special device)
         if tmp.parent.is_dir():
             tmp.unlink(missing_ok=True)
-        raise VlaforgeError(f"--out {out}: cannot write there ({exc.strerror or exc}); choose a writable path") from None
+        why = getattr(exc, "strerror", None) or first_line(exc, 120)
+        raise VlaforgeError(f"--out {out}: cannot write there ({why}); choose a writable path") from None
     return out
 
 

@@ -164,10 +164,14 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
         if start >= cfg.train.steps:
             raise VlaforgeError(f"checkpoint {resume_from} is at step {start} and train.steps = {cfg.train.steps}: "
                                 f"nothing to train; set --train.steps above {start}")
+    data = build_data(cfg, model)  # NOTE: before the run's first files: a dataset it refuses leaves nothing behind
     if world.is_main:
+        if resume_from is None and (stale := ckpt.stopped_before_first_checkpoint(run_dir)):
+            print(f"{run_dir}: replacing the files of a run that stopped before its first checkpoint", flush=True)
+            for path in stale:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
         write_atomic(run_dir / "config.toml", dump_toml(cfg))
         write_atomic(run_dir / "precision.json", json.dumps(applied.precision.to_json(), indent=2))
-    data = build_data(cfg, model)
     if teacher is not None:  # the teacher against the student's data, and its output cache (rank 0 builds it)
         weighting.bind(cfg, data, world.is_main, torch.distributed.barrier if dims.distributed else lambda: None)
     return Run(cfg=cfg, run_dir=run_dir, device=device, world=world, dims=dims, model=model,
