@@ -33,11 +33,17 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 venv: $(VENV)/.installed
 
+# two pytest workers on the two cores, one torch thread each; tests that start gloo ranks share one xdist group
+# (`distributed`) and run one at a time beside the other worker's tests (docs/testing.md)
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -q
+
 test: venv
-	$(PY) -m pytest -q --durations=15
+	@start=$$(date +%s); $(PYTEST) --durations=15; rc=$$?; \
+	echo "make test: $$(( ($$(date +%s) - start) / 60 )) min $$(( ($$(date +%s) - start) % 60 )) s wall"; exit $$rc
 
 test-fast: venv
-	$(PY) -m pytest -q -m 'not slow'
+	$(PYTEST) -m 'not slow'
 
 bench: venv
 	$(PY) bench/step_time.py

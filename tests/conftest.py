@@ -18,6 +18,12 @@ from vlaforge.config.loading import deep_merge
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RECIPE = ROOT / "recipes" / "tiny_synthetic.toml"
+TEST_BUDGET_S = 60.0  # one test's setup + call + teardown; longer ones are marked over_budget and listed in
+# docs/testing.md
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)  # two pytest workers on two cores: one thread each
+os.environ["OMP_NUM_THREADS"] = str(THREADS)  # what CLI subprocesses and loader workers inherit
+torch.set_num_threads(THREADS)
 
 
 def tiny_config(tmp_path: Path | None = None, **sections):
@@ -39,7 +45,17 @@ def make_batch(cfg, model, size: int = 4, start: int = 0):
     return Batch.collate([ds[i] for i in range(start, start + size)])
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+FRESH = os.environ.get("VLAFORGE_TEST_FRESH") == "1"  # every CLI call in a new interpreter, as before 2026-12-03
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, fresh: bool = False
+            ) -> subprocess.CompletedProcess:
+    """`vlaforge ARGS` as its own process: forked from this one (tests/forked.py: the same CLI without ~8 s of
+    imports), or with `fresh` a new `python -m vlaforge` interpreter (the entry point itself)."""
+    from forked import can_fork, run_forked
+
+    if not (fresh or FRESH) and can_fork():
+        return run_forked(args, cwd or ROOT, {"PYTHONWARNINGS": "ignore"}, timeout)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "vlaforge", *args], capture_output=True, text=True,
                           cwd=cwd or ROOT, env=env, timeout=timeout)
@@ -69,3 +85,79 @@ def served(path, *args: str):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+# ---- the suite's shape: distributed tests in one xdist group, warm imports for forks, a time budget per test ------
+
+_CURRENT = {"distributed": False}
+
+
+def check_distributed_marked() -> None:
+    """Launchers of ranks call this: a test that starts process groups must be marked `distributed`, which keeps it
+    in the one xdist group whose tests run one at a time (two tests of 2-4 ranks each would oversubscribe)."""
+    assert _CURRENT["distributed"], "this test starts ranks: mark it @pytest.mark.distributed"
+
+
+def _module_fixture(item) -> bool:
+    """The test uses a module-scoped fixture of its own file (a trained run, an exported package)."""
+    return any(defs[-1].scope != "function" and defs[-1].baseid.endswith(".py")
+               for defs in item._fixtureinfo.name2fixturedefs.values() if defs)
+
+
+def _order(item) -> int:
+    """NOTE: xdist hands out work units in this order (make test passes --no-loadscope-reorder): the distributed
+    group first (the largest unit), then the long single tests, the rest in file order, and last the tests that open
+    a GL display in the test process (a worker cannot fork CLI runs after them: tests/forked.py:can_fork)."""
+    if item.get_closest_marker("distributed"):
+        return 0
+    if item.get_closest_marker("over_budget"):
+        return 1
+    return 3 if item.get_closest_marker("gl") else 2
+
+
+def pytest_collection_modifyitems(config, items):
+    """Groups for `--dist loadgroup`: tests that start ranks share one group (one at a time); tests that share a
+    module-scoped fixture share their module's group (the fixture is built once, on one worker)."""
+    listed = (ROOT / "docs" / "testing.md").read_text()
+    for item in items:
+        if item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.xdist_group("distributed"))
+        elif _module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+        over = item.get_closest_marker("over_budget")
+        if over and f"`{item.originalname}`" not in listed:
+            raise pytest.UsageError(f"{item.nodeid} is marked over_budget but not listed in docs/testing.md")
+    items.sort(key=_order)
+
+
+def pytest_runtest_setup(item):
+    _CURRENT["distributed"] = item.get_closest_marker("distributed") is not None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test over TEST_BUDGET_S (setup + call + teardown, wall) fails at teardown unless marked over_budget."""
+    outcome = yield
+    report = outcome.get_result()
+    spent = item.stash.setdefault(_SPENT, [0.0])
+    spent[0] += call.duration
+    if call.when == "teardown" and spent[0] > TEST_BUDGET_S and report.passed \
+            and not item.get_closest_marker("over_budget"):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} took {spent[0]:.0f} s, over the {TEST_BUDGET_S:.0f} s budget of one test: "
+                           "share its fixtures or shrink it, or mark it over_budget and list it in docs/testing.md")
+
+
+_SPENT = pytest.StashKey[list]()
+
+
+def _warm_imports() -> None:
+    """What a CLI run imports, imported once per test process before any fork (tests/forked.py)."""
+    import importlib
+
+    for name in ("vlaforge.cli", "vlaforge.cli_deploy", "vlaforge.training.trainer", "vlaforge.models.build",
+                 "transformers.models.llama.modeling_llama", "transformers.models.siglip.modeling_siglip"):
+        importlib.import_module(name)
+
+
+_warm_imports()

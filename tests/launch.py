@@ -10,13 +10,21 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY_RECIPE, run_cli
+from conftest import FRESH, ROOT, TINY_RECIPE, check_distributed_marked, run_cli
 
 COMMON = ["--train.steps=3", "--train.batch_size=4", "--train.progress=false", "--train.tensorboard=false",
           "--train.log_every=1", "--data.num_samples=64", "--numerics.every=1"]
 
 
-def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+def torchrun(*args: str, nproc: int = 2, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node=NPROC -m vlaforge ARGS`: the real launcher with `fresh` (or
+    VLAFORGE_TEST_FRESH=1), otherwise ranks forked from this process with torchrun's environment
+    (tests/forked.py:run_ranks)."""
+    check_distributed_marked()
+    from forked import can_fork, run_ranks
+
+    if not (fresh or FRESH) and can_fork():
+        return run_ranks(args, nproc, ROOT, {"PYTHONWARNINGS": "ignore"}, timeout=300)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "vlaforge", *args]
@@ -40,8 +48,9 @@ def train_single(out, *args: str):
     return out
 
 
-def train_distributed(out, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    done = torchrun("train", str(TINY_RECIPE), *COMMON, *args, f"--train.output_dir={out}", nproc=nproc)
+def train_distributed(out, *args: str, nproc: int = 2, fresh: bool = False) -> subprocess.CompletedProcess:
+    done = torchrun("train", str(TINY_RECIPE), *COMMON, *args, f"--train.output_dir={out}", nproc=nproc,
+                    fresh=fresh)
     assert done.returncode == 0, done.stderr[-2000:]
     return done
 
@@ -54,13 +63,19 @@ OFF = "--loss.weights={contrastive=0.0,language=0.4,action=0.3}"  # contrastive 
 
 
 def spawn_ranks(worker, world: int) -> dict:
-    """Run `worker(rank, world, port, out)` on `world` spawned processes (a free port for their rendezvous); returns
-    what the ranks put in the shared dict `out`."""
+    """Run `worker(rank, world, port, out)` on `world` processes forked from this one (a free port for their
+    rendezvous; fork, not spawn: no ranks re-importing torch); returns what the ranks put in the shared dict `out`."""
     import torch.multiprocessing as mp
 
+    check_distributed_marked()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = mp.Manager().dict()
-    mp.spawn(worker, args=(world, port, out), nprocs=world)
+    mp.start_processes(_forked_rank, args=(worker, world, port, out), nprocs=world, start_method="fork")
     return dict(out)
+
+
+def _forked_rank(rank, worker, world, port, out):
+    torch.set_num_threads(1)  # as torchrun's workers (OMP_NUM_THREADS=1): two ranks share two cores
+    worker(rank, world, port, out)

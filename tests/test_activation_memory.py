@@ -242,7 +242,7 @@ def test_profile_vla_7b_fake_at_4096_tokens():
 def test_profile_seq_len_too_short_is_one_line():
     from conftest import TINY_RECIPE, run_cli
 
-    out = run_cli("profile", str(TINY_RECIPE), "--fake", "--seq-len", "10")
+    out = run_cli("profile", str(TINY_RECIPE), "--fake", "--seq-len", "10", fresh=True)
     assert out.returncode == 2
     assert out.stderr.strip().startswith("error: --seq-len 10 leaves no room for instruction tokens")
     assert len(out.stderr.strip().splitlines()) == 1

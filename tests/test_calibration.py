@@ -96,5 +96,5 @@ def test_runs_on_this_cpu_calibrate_the_planner_for_a_held_out_one(tmp_path):
         plans[bool(extra)] = json.loads(done.stdout)
     assert plans[False]["calibration"] is None and plans[True]["calibration"].startswith("calibrated for cpu")
     assert plans[True]["candidates"][0]["step_time_s"] > 2 * plans[False]["candidates"][0]["step_time_s"]
-    done = run_cli("plan", "--model", "tiny", "--gpu", "cpu")
+    done = run_cli("plan", "--model", "tiny", "--gpu", "cpu", fresh=True)
     assert "uncalibrated" in done.stdout

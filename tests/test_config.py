@@ -84,7 +84,7 @@ def test_cli_bad_config_exits_2_with_one_line(args, expected):
 
 def test_cli_config_show_prints_resolved_toml():
     proc = run_cli("config", "show", "recipes/tiny_metaworld.toml", "--train.steps=5",
-                   "--components.llm.precision=bf16")
+                   "--components.llm.precision=bf16", fresh=True)
     assert proc.returncode == 0, proc.stderr
     import tomllib
 

@@ -49,6 +49,7 @@ def _assert_matches(run, reference):
         assert got["numerics/llm/zero_frac"] == pytest.approx(want["numerics/llm/zero_frac"])
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ring"])
 def test_cp2_step_matches_one_process(tmp_path, single, method):
@@ -60,6 +61,7 @@ def test_cp2_step_matches_one_process(tmp_path, single, method):
     _assert_matches(tmp_path, single)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_tp2_times_cp2_with_sequence_parallel_on_four_ranks_matches_one_process(tmp_path, single):
     """tp = 2 x cp = 2: each cp rank's LLM blocks are Megatron-split with Megatron-style sequence parallel inside
@@ -121,6 +123,7 @@ def _sp_worker(rank, world, port, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_sequence_parallel_norms_hold_a_tp_share_of_the_tokens():
     for rank, (norm, ffn, loss, reference) in spawn_ranks(_sp_worker, 2).items():
         assert ffn % 2 == 0 and norm == ffn // 2, (rank, norm, ffn)  # the FFN sees the gathered sequence

@@ -7,7 +7,7 @@ import torch
 
 from launch import OFF, assert_same_weights, metrics, train_distributed, train_single, weights
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def single_batch4(tmp_path_factory):
 @pytest.mark.parametrize("layout", [[], ["--parallel.backend=ddp", "--parallel.dp_replicate=2",
                                          "--parallel.dp_shard=1"]], ids=["fsdp2", "ddp"])
 def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, single, layout):
-    done = train_distributed(tmp_path, *layout)
+    done = train_distributed(tmp_path, *layout, fresh=not layout)  # fsdp2: under the real torchrun
     assert done.stdout.count("done: 3 steps") == 1  # rank 0 reports
     assert_same_weights(tmp_path, single)
     for got, want in zip(metrics(tmp_path), metrics(single)):

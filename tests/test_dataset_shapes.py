@@ -96,7 +96,7 @@ def test_a_one_camera_dataset_trains_without_model_overrides(tmp_path):
 def test_data_info_shows_a_dataset_and_refuses_a_damaged_one(tmp_path):
     root = tmp_path / "ds"
     write_dataset(root)
-    proc = run_cli("data", "info", str(root))
+    proc = run_cli("data", "info", str(root), fresh=True)
     assert proc.returncode == 0, proc.stderr
     assert "3 episodes, 24 frames, 2 tasks" in proc.stdout and "observation.images.front" in proc.stdout
     assert "open the door" in proc.stdout and "10 fps" in proc.stdout

@@ -138,6 +138,7 @@ def test_explicit_values_that_contradict_vlaforge_are_refused(change, overrides,
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("form", sorted(HF_FORMS))
 def test_transformers_form_deepspeed_files_train(tmp_path, form):
@@ -159,6 +160,7 @@ def ddp(tmp_path_factory):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_zero2_matches_ddp(tmp_path, ddp):
     pytest.importorskip("deepspeed")
@@ -167,6 +169,7 @@ def test_zero2_matches_ddp(tmp_path, ddp):
     assert (tmp_path / "checkpoints" / "step_00000003" / "deepspeed").is_dir()
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_zero3_cpu_offload_from_a_deepspeed_file_resumes_exactly(tmp_path, ddp):
     pytest.importorskip("deepspeed")

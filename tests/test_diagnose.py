@@ -93,8 +93,8 @@ def _train_cli(tmp_path, name, *overrides, steps=120):
     return run
 
 
-def _diagnose(run, *extra):
-    done = run_cli("diagnose", str(run), "--json", *extra)
+def _diagnose(run, *extra, fresh=False):
+    done = run_cli("diagnose", str(run), "--json", *extra, fresh=fresh)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert json.loads((run / "diagnose.json").read_text())["findings"] == report["findings"]
@@ -112,7 +112,7 @@ def healthy(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_healthy_run_gives_no_finding_and_a_spike_in_one_term_is_found_at_its_step(healthy, tmp_path):
-    report = _diagnose(healthy)
+    report = _diagnose(healthy, fresh=True)
     assert report["findings"] == [] and report["checklist"] == [], report["findings"]
     spiked = tmp_path / "spiked"
     shutil.copytree(healthy, spiked)
@@ -256,6 +256,7 @@ def test_memory_steps_match_the_planner_per_component_and_a_gap_is_named(tmp_pat
     assert f["subject"] == "llm" and f["steps"] == [3, 3]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_two_gloo_ranks_record_traces_communication_and_their_step_time_spread(tmp_path):
     from launch import train_distributed

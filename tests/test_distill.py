@@ -187,7 +187,8 @@ def test_projections_stay_out_of_the_student_and_resume_is_exact(tmp_path, teach
     common = [*COMMON, "--train.checkpoint_every=2", "--train.keep_checkpoints=5"]
     plain = train_single(tmp_path / "plain", "--train.steps=2")
     whole = tmp_path / "whole"
-    done = run_cli("distill", str(teacher_run), "--student", str(TINY_RECIPE), *common, f"--train.output_dir={whole}")
+    done = run_cli("distill", str(teacher_run), "--student", str(TINY_RECIPE), *common, f"--train.output_dir={whole}",
+                   fresh=True)  # the entry point itself, once per verb
     assert done.returncode == 0, done.stderr
     student = load_file(str(whole / "checkpoints" / "step_00000003" / "model.safetensors"))
     assert student.keys() == load_file(str(plain / "checkpoints" / "step_00000002" / "model.safetensors")).keys()
@@ -195,7 +196,7 @@ def test_projections_stay_out_of_the_student_and_resume_is_exact(tmp_path, teach
     assert any(k.startswith("projections.") for k in state["weighting"])
     assert {"loss/distill_action", "loss/distill_kl", "loss/distill_feature"} <= metrics(whole)[-1].keys()
     exported = tmp_path / "student.safetensors"
-    assert run_cli("export", str(whole), "--out", str(exported)).returncode == 0
+    assert run_cli("export", str(whole), "--out", str(exported), fresh=True).returncode == 0
     assert load_file(str(exported)).keys() == student.keys()
     part = tmp_path / "part"
     assert run_cli("distill", str(teacher_run), "--student", str(TINY_RECIPE), *common, "--train.steps=2",
@@ -204,6 +205,7 @@ def test_projections_stay_out_of_the_student_and_resume_is_exact(tmp_path, teach
     assert_same_weights(part, whole)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_grad_accumulation_and_two_ranks_equal_one_process(tmp_path, teacher_run):
     """Distilled: one process accumulating 2 micro-batches of 4, two gloo ranks of 4, and (contrastive off: its

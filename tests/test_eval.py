@@ -51,6 +51,7 @@ def test_wilson_interval(k, n, lo, hi):
 
 
 @pytest.mark.slow
+@pytest.mark.gl
 def test_first_frame_shows_this_episodes_goal():
     """reset() must refresh what the renderer reads: the first frame may not show the previous goal."""
     from vlaforge.data.metaworld import MetaWorldEnv
@@ -66,6 +67,7 @@ def test_first_frame_shows_this_episodes_goal():
 
 
 @pytest.mark.slow
+@pytest.mark.gl
 def test_reach_expert_can_bring_the_fingertips_to_the_goal():
     """Reach's success test measures the fingertips' midpoint (`tcp_center`), 4.5 cm below the hand body that
     Meta-World's expert steers to the goal; with `steer_tcp` the expert settles the fingertips on the goal."""
@@ -84,6 +86,7 @@ def test_reach_expert_can_bring_the_fingertips_to_the_goal():
 
 
 @pytest.mark.slow
+@pytest.mark.gl
 def test_side_view_shows_goal_depth_and_height_as_column_and_row():
     """The free "side" view: across reach goals, the goal marker's image column follows the goal's depth (y) and its
     row the goal's height (z), each far more than the other axes."""
@@ -105,6 +108,7 @@ def test_side_view_shows_goal_depth_and_height_as_column_and_row():
 
 
 @pytest.mark.slow
+@pytest.mark.gl
 def test_hidden_distractors_change_the_picture_not_the_physics():
     """reach's puck drawn transparent: the same observations step by step, pictures that differ only where the
     puck was, and no trace of the puck's colour left there."""
@@ -124,17 +128,46 @@ def test_hidden_distractors_change_the_picture_not_the_physics():
         env.close()
 
 
-@pytest.mark.slow
-def test_generate_train_eval_end_to_end(tmp_path):
-    """Meta-World for real: generation is reproducible and leak-free, training reads it, eval reports."""
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    """Two 2-episode reach datasets from the same seed, as make demo generates: the puck hidden and shown."""
+    tmp = tmp_path_factory.mktemp("metaworld")
     gen = ["data", "generate", "--tasks=reach-v3", "--episodes=2", "--image-size=32", "--cameras=corner,behindGripper",
            "--workers=1", "--no-progress", "--seed=3", "--steer-tcp"]  # as make demo generates
     for name, scene in (("a", "--hide-distractors"), ("b", "--no-hide-distractors")):
-        proc = run_cli(*gen, f"--out={tmp_path / name}", scene, timeout=300)
+        proc = run_cli(*gen, f"--out={tmp / name}", scene, timeout=300, fresh=name == "a")  # the entry point once
         assert proc.returncode == 0, proc.stderr
-    a, b = (pq.read_table(next((tmp_path / n / "data").rglob("*.parquet"))) for n in ("a", "b"))
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def trained(generated):
+    """The demo recipe trained 2 steps on the hidden-puck dataset, evaluating in the simulator at step 2."""
+    run = generated / "run"
+    proc = run_cli("train", "recipes/tiny_metaworld.toml", f"--data.path={generated / 'a'}", "--model.image_size=32",
+                   "--train.steps=2", "--train.batch_size=4", f"--train.output_dir={run}", "--data.num_workers=0",
+                   "--train.progress=false", "--train.tensorboard=false", "--eval.every=2", "--eval.train_episodes=1",
+                   "--eval.max_steps=3", "--eval.workers=1", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return run
+
+
+@pytest.fixture(scope="module")
+def evaluated(trained, generated):
+    """`vlaforge eval` of the trained run (a new interpreter: the verb's entry point): its process and report."""
+    proc = run_cli("eval", str(trained), "--episodes=2", "--max-steps=6", "--workers=1", "--no-progress",
+                   f"--out={generated / 'eval'}", timeout=300, fresh=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads((generated / "eval" / "report.json").read_text())
+
+
+@pytest.mark.slow
+def test_generation_is_reproducible_leak_free_and_described(generated):
+    """Meta-World for real: the same seed gives the same demonstrations, the policy's inputs hold no goal, and
+    `data info` says how the dataset was recorded."""
+    a, b = (pq.read_table(next((generated / n / "data").rglob("*.parquet"))) for n in ("a", "b"))
     assert a.equals(b)  # same seed, same demonstrations (hiding the puck changes the pictures, not the physics)
-    d = LeRobotDataset(tmp_path / "a")
+    d = LeRobotDataset(generated / "a")
     assert len(d.episodes) == 2 and d.columns["observation.state"].shape[1] == 4  # hand xyz + gripper only
     goal = d.columns["observation.environment_state"]  # the goal, a training target only: fixed per episode, in
     for e in d.episodes:  # reach's goal box (x -0.1..0.1, y 0.8..0.9, z 0.05..0.3 m)
@@ -144,55 +177,54 @@ def test_generate_train_eval_end_to_end(tmp_path):
     assert phases <= {"move the hand to the goal", "hold the hand at the goal"} and phases
     assert d.info["vlaforge"]["tasks"] == ["reach-v3"] and d.info["vlaforge"]["hide_distractors"] is True
     # `data info` says how it was recorded (make demo refuses a dataset whose reach expert did not steer the fingertips)
-    info = json.loads(run_cli("data", "info", str(tmp_path / "a"), "--json").stdout)
+    info = json.loads(run_cli("data", "info", str(generated / "a"), "--json").stdout)
     assert info["expert_steers_tcp"] == ["reach-v3"] and info["hide_distractors"] is True
     # the recorded frames are the env's: re-decoding the first frame gives an image of the scene, not zeros
     first = decode_frames(d.episodes[0].videos["observation.images.corner"][0], 0.0, 1, d.fps)
     assert first.std() > 10
 
-    run = tmp_path / "run"
-    proc = run_cli("train", "recipes/tiny_metaworld.toml", f"--data.path={tmp_path / 'a'}", "--model.image_size=32",
-                   "--train.steps=2", "--train.batch_size=4", f"--train.output_dir={run}", "--data.num_workers=0",
-                   "--train.progress=false", "--train.tensorboard=false", "--eval.every=2", "--eval.train_episodes=1",
-                   "--eval.max_steps=3", "--eval.workers=1", timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+@pytest.mark.slow
+def test_training_reads_it_and_evaluates_in_the_loop(trained):
+    logged = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/success/reach-v3" in m and 0 <= m["eval/success"] <= 1 for m in logged)
-    ckpt = run / "checkpoints" / "step_00000002"
+    ckpt = trained / "checkpoints" / "step_00000002"
     assert (ckpt / "policy.json").is_file() and (ckpt / "tokenizer.json").is_file()
-    proc = run_cli("eval", str(run), "--episodes=2", "--max-steps=6", "--workers=1", "--no-progress",
-                   f"--out={tmp_path / 'eval'}", timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+
+
+@pytest.mark.slow
+def test_eval_reports_success_a_video_and_the_runtime_options(trained, generated, evaluated):
+    proc, report = evaluated
     r = report["tasks"]["reach-v3"]
     assert report["distractors"] == "hidden"  # evaluated in the scene the dataset was rendered in
     assert r["episodes"] == 2 and 0 <= r["success_rate"] <= 1 and len(r["ci95"]) == 2
     assert r["mean_length"] <= 6
-    video = tmp_path / "eval" / "videos" / "reach-v3.mp4"
+    video = generated / "eval" / "videos" / "reach-v3.mp4"
     frames = decode_frames(video, 0.0, int(r["mean_length"]) if r["successes"] == 0 else 1, 20)
     assert frames.shape[1:] == (32, 64, 3)  # two views side by side
     assert "reach-v3" in proc.stdout and "95% CI" in proc.stdout
     assert report["inference"]["options"]["cache"] == "exact" and report["inference"]["predictions"] > 0
     # the runtime's options reach the report: token cache, asynchronous chunks with a simulated delay
-    proc = run_cli("eval", str(run), "--episodes=1", "--max-steps=12", "--workers=1", "--no-progress", "--no-video",
-                   "--cache=token", "--async", "--latency-ms=20", "--execute=2", f"--out={tmp_path / 'eval2'}",
+    proc = run_cli("eval", str(trained), "--episodes=1", "--max-steps=12", "--workers=1", "--no-progress", "--no-video",
+                   "--cache=token", "--async", "--latency-ms=20", "--execute=2", f"--out={generated / 'eval2'}",
                    timeout=300)
     assert proc.returncode == 0, proc.stderr
-    inf = json.loads((tmp_path / "eval2" / "report.json").read_text())["inference"]
+    inf = json.loads((generated / "eval2" / "report.json").read_text())["inference"]
     assert inf["options"] | {"cache": "token", "asynchronous": True, "latency_ms": 20.0} == inf["options"]
     assert inf["p50_ms"] > 0 and 0 <= inf["idle_fraction"] < 1 and inf["cache"]["frames"] > 0
-    proc = run_cli("eval", str(run), "--merge=rtc", "--episodes=1", timeout=300)
+    proc = run_cli("eval", str(trained), "--merge=rtc", "--episodes=1", timeout=300)
     assert proc.returncode == 2 and "needs a flow-matching action head" in proc.stderr
-    _eval_through_a_server(run, report, tmp_path)
 
 
-def _eval_through_a_server(run, in_process: dict, tmp_path):
+@pytest.mark.slow
+def test_eval_through_a_server_gives_the_in_process_outcomes(trained, evaluated, tmp_path):
     """`vlaforge serve RUN` in a subprocess; `vlaforge eval --server` gives the in-process outcomes on the same
     seeds; SIGTERM stops the server with exit code 0."""
     from conftest import served
 
-    with served(run, "--device=cpu") as uri:
-        proc = run_cli("eval", str(run), "--episodes=2", "--max-steps=6", "--workers=1", "--no-progress",
+    in_process = evaluated[1]
+    with served(trained, "--device=cpu") as uri:
+        proc = run_cli("eval", str(trained), "--episodes=2", "--max-steps=6", "--workers=1", "--no-progress",
                        "--no-video", f"--server={uri}", f"--out={tmp_path / 'remote'}", timeout=300)
         assert proc.returncode == 0, proc.stderr
         remote = json.loads((tmp_path / "remote" / "report.json").read_text())

@@ -125,7 +125,7 @@ def test_every_flavor_builds_under_fake_tensors(flavor):
 
 
 def test_model_summary_cli_vla_70b():
-    proc = run_cli("model", "summary", "vla-70b", "--json")
+    proc = run_cli("model", "summary", "vla-70b", "--json", fresh=True)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     rows = summary["components"]

@@ -53,6 +53,7 @@ def _mesh_worker(rank: int, world: int, port: int, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_init_and_mesh_on_two_gloo_ranks():
     assert spawn_ranks(_mesh_worker, 2) == {r: (("dp_replicate", "dp_shard"), 3.0, "gloo") for r in (0, 1)}
 

@@ -52,6 +52,7 @@ def single_accum2(tmp_path_factory):
     return train_single(tmp_path_factory.mktemp("single_accum2"), "--train.grad_accum=2")
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_two_stages_match_one_process(tmp_path, single_accum2, schedule):
@@ -71,6 +72,7 @@ def test_two_stages_match_one_process(tmp_path, single_accum2, schedule):
         assert g["numerics/llm/zero_frac"] == pytest.approx(w["numerics/llm/zero_frac"])  # counts over stages
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_pipeline_times_data_parallel_on_four_ranks_and_resume_in_one_process(tmp_path):
     """pp = 2 x dp_shard = 2 (FSDP2 inside each stage): 2 ranks x 2 micro-batches of 4 give one batch of 16

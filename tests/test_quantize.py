@@ -155,7 +155,7 @@ class _Payload:
 def test_a_malicious_weights_file_is_refused_in_one_line(trained, attack):
     tmp, run = trained
     out = tmp / f"bad_{attack}"
-    done = run_cli("quantize", str(run), f"--out={out}", "--llm=int4", "--frames=2", "--no-progress")
+    done = run_cli("quantize", str(run), f"--out={out}", "--llm=int4", "--frames=2", "--no-progress", fresh=True)
     assert done.returncode == 0, done.stderr[-2000:]
     weights = out / "model.safetensors"
     if attack == "pickle":

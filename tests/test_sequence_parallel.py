@@ -88,6 +88,7 @@ def results(request):
     return request.param, spawn_ranks(_worker, request.param)
 
 
+@pytest.mark.distributed
 def test_outputs_and_gradients_match_sdpa(results):
     world, res = results
     for case, err in res["errors"].items():
@@ -95,11 +96,13 @@ def test_outputs_and_gradients_match_sdpa(results):
         assert err < tolerance, (world, case, err)
 
 
+@pytest.mark.distributed
 def test_ulysses_refuses_heads_it_cannot_split(results):
     world, res = results
     assert res["ulysses_error_0"].startswith(f"Ulysses degree {world} does not divide the 3 attention heads")
 
 
+@pytest.mark.distributed
 def test_next_transfer_is_issued_before_the_current_block_is_computed(results):
     world, res = results
     events = res["events"]
@@ -171,6 +174,7 @@ def _llm_worker(rank, world, port, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_llama_through_the_attention_registry_matches_the_full_sequence():
     """The `transformers` registry hook: a Llama run on sequence shards (2 gloo ranks, shared weights) gives the
     full-sequence hidden states, and its weight gradients summed over ranks give the full-sequence gradients."""
@@ -198,6 +202,7 @@ def _unequal_worker(rank, world, port, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_unequal_shards_are_a_clear_error_not_an_abort():
     out = spawn_ranks(_unequal_worker, 2)
     for name in ("ring", "ulysses", "allgather"):
@@ -239,6 +244,7 @@ def _autocast_worker(rank, world, port, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_context_parallel_kernels_run_in_the_autocast_dtype_as_sdpa_does():
     out = spawn_ranks(_autocast_worker, 1)
     assert out["sdpa"][0] == "torch.bfloat16"
@@ -272,6 +278,7 @@ def _padding_worker(rank, world, port, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_a_padding_mask_is_refused_not_ignored():
     out = spawn_ranks(_padding_worker, 1)
     for method in ("ring", "ulysses", "allgather"):
@@ -323,6 +330,7 @@ def _planner_worker(rank, world, port, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_planner_matches_the_bytes_a_context_parallel_rank_keeps(world):

@@ -69,6 +69,7 @@ def test_export_of_a_full_checkpoint_needs_out(full_run, tmp_path):
     assert done.returncode == 0 and (tmp_path / "copy.safetensors").is_file()
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_sharded_at_four_ranks_resumes_at_two(tmp_path):
     """Every rank writes its FSDP2 shards (no gather); DCP reshards them for 2 ranks: 2 steps on 4 ranks (batch 4

@@ -93,7 +93,7 @@ def test_truncated_checkpoint_is_a_clear_error(tmp_path):
 def test_cli_train_and_resume_from_run_dir(tmp_path):
     out = tmp_path / "cli"
     proc = run_cli("train", "recipes/tiny_synthetic.toml", "--train.steps=4", f"--train.output_dir={out}",
-                   "--train.progress=false", "--data.num_samples=64")
+                   "--train.progress=false", "--data.num_samples=64", fresh=True)  # the entry point, once per verb
     assert proc.returncode == 0, proc.stderr
     assert "done: 4 steps" in proc.stdout
     proc = run_cli("train", "--resume", str(out), "--train.steps=6")
