@@ -281,8 +281,9 @@ def data_generate(
 @data_app.command("info")
 def data_info(path: Path = typer.Argument(..., help="a LeRobot dataset folder (v3.0 or v2.1)"),
               as_json: bool = typer.Option(False, "--json", help="print JSON")):
-    """Features, episodes, frames, tasks and fps of a dataset, and the model shapes 'auto' would take from it; the
-    dataset is read as training reads it, so a damaged one is one line (exit 2)."""
+    """Features, episodes, frames, tasks and fps of a dataset, and the model shapes 'auto' would take from it. The
+    dataset is checked as training checks it, and more (every vector column finite, the first frame of every video
+    file decoded): a damaged one is one line (exit 2). Later frames of each video are decoded only by training."""
     from vlaforge.data.summary import dataset_summary, render_dataset_summary
 
     summary = dataset_summary(path)

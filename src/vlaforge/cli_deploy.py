@@ -154,7 +154,9 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
                                                                       "TensorRT, QNN), executorch (.pte programs, "
                                                                       "XNNPACK)"),
            out: Optional[Path] = typer.Option(None, help="safetensors: the file to write (default "
-                                                         "CHECKPOINT/model.safetensors); onnx: the package folder"),
+                                                         "CHECKPOINT/model.safetensors); onnx: the package folder "
+                                                         "(an existing one is replaced only if export wrote it, "
+                                                         "unchanged)"),
            dtype: str = typer.Option("fp32", help="onnx: fp32 or fp16 graphs"),
            quantized: bool = typer.Option(False, "--quantized", help="onnx: int8 QDQ graphs (ONNX Runtime static "
                                                                      "quantization, calibrated on dataset frames)"),
@@ -193,7 +195,9 @@ _MODE = "none, fp16, bf16, int8, int8_dynamic, int4, int3, int2"
 @app.command()
 def quantize(checkpoint: Path = typer.Argument(..., help="a float run folder (its latest checkpoint) or a "
                                                          "checkpoints/step_* folder"),
-             out: Path = typer.Option(..., help="the quantized checkpoint folder to write (eval / serve load it)"),
+             out: Path = typer.Option(..., help="the quantized checkpoint folder to write (eval / serve load it); "
+                                                "an existing one is replaced only if `vlaforge quantize` wrote it, "
+                                                "unchanged"),
              vision: Optional[str] = typer.Option(None, help=f"vision tower: {_MODE}; default: the run's "
                                                              "components.vision.qat, else none"),
              projector: Optional[str] = typer.Option(None, help="projector; default as --vision"),
