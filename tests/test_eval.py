@@ -154,9 +154,9 @@ def trained(generated):
 
 @pytest.fixture(scope="module")
 def evaluated(trained, generated):
-    """`vlaforge eval` of the trained run (a new interpreter: the verb's entry point): its process and report."""
+    """`vlaforge eval` of the trained run: its process and report."""
     proc = run_cli("eval", str(trained), "--episodes=2", "--max-steps=6", "--workers=1", "--no-progress",
-                   f"--out={generated / 'eval'}", timeout=300, fresh=True)
+                   f"--out={generated / 'eval'}", timeout=300)
     assert proc.returncode == 0, proc.stderr
     return proc, json.loads((generated / "eval" / "report.json").read_text())
 
@@ -212,7 +212,7 @@ def test_eval_reports_success_a_video_and_the_runtime_options(trained, generated
     inf = json.loads((generated / "eval2" / "report.json").read_text())["inference"]
     assert inf["options"] | {"cache": "token", "asynchronous": True, "latency_ms": 20.0} == inf["options"]
     assert inf["p50_ms"] > 0 and 0 <= inf["idle_fraction"] < 1 and inf["cache"]["frames"] > 0
-    proc = run_cli("eval", str(trained), "--merge=rtc", "--episodes=1", timeout=300)
+    proc = run_cli("eval", str(trained), "--merge=rtc", "--episodes=1", timeout=300, fresh=True)  # the entry point
     assert proc.returncode == 2 and "needs a flow-matching action head" in proc.stderr
 
 
