@@ -14,7 +14,7 @@ from conftest import ROOT, tiny_config
 
 PACKAGE = ROOT / "src" / "vlaforge"
 # Lowest first. A module may import its own floor and any floor below it, never one above.
-LAYERS = [("errors", "registry", "progress"), ("data",), ("config",), ("models",), ("techniques",),
+LAYERS = [("errors", "registry", "progress", "outputs"), ("data",), ("config",), ("models",), ("techniques",),
           ("distributed",), ("training",), ("inference",), ("serving",), ("evaluation",), ("planner", "export"),
           ("diagnostics",), ("cli", "cli_deploy", "__main__")]
 FLOOR = {name: i for i, names in enumerate(LAYERS) for name in names}

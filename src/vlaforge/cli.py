@@ -329,4 +329,6 @@ def main() -> None:
             where = exc.ctx.command_path if getattr(exc, "ctx", None) else "vlaforge"
             typer.echo(f"error: {exc.format_message()} (see {where} --help)", err=True)
         sys.exit(2)
+    if code == 130:  # typer turns a KeyboardInterrupt inside a command into exit code 130, silently
+        typer.echo("interrupted", err=True)
     sys.exit(code if isinstance(code, int) else 0)
