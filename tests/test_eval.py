@@ -193,7 +193,7 @@ def test_training_reads_it_and_evaluates_in_the_loop(trained):
 
 
 @pytest.mark.slow
-def test_eval_reports_success_a_video_and_the_runtime_options(trained, generated, evaluated):
+def test_eval_reports_success_and_a_video(generated, evaluated):
     proc, report = evaluated
     r = report["tasks"]["reach-v3"]
     assert report["distractors"] == "hidden"  # evaluated in the scene the dataset was rendered in
@@ -204,7 +204,12 @@ def test_eval_reports_success_a_video_and_the_runtime_options(trained, generated
     assert frames.shape[1:] == (32, 64, 3)  # two views side by side
     assert "reach-v3" in proc.stdout and "95% CI" in proc.stdout
     assert report["inference"]["options"]["cache"] == "exact" and report["inference"]["predictions"] > 0
-    # the runtime's options reach the report: token cache, asynchronous chunks with a simulated delay
+
+
+@pytest.mark.slow
+def test_eval_takes_the_runtime_options(trained, generated):
+    """The runtime's options reach the report: token cache, asynchronous chunks with a simulated delay; a merge the
+    head cannot do is one line."""
     proc = run_cli("eval", str(trained), "--episodes=1", "--max-steps=12", "--workers=1", "--no-progress", "--no-video",
                    "--cache=token", "--async", "--latency-ms=20", "--execute=2", f"--out={generated / 'eval2'}",
                    timeout=300)

@@ -18,22 +18,13 @@ import torch
 
 from conftest import ROOT, TINY_RECIPE, run_cli
 from fake_lerobot import write_dataset
-from test_safety import LEROBOT, _ckpt, _copy, _train, hashes, one_line
+from test_safety import _ckpt, _copy, _train, dataset, hashes, one_line, runs  # noqa: F401 - the fixtures too
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("round3") / "ds"
-    write_dataset(root)
-    return root
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, dataset) -> Path:
-    out = tmp_path_factory.mktemp("round3_run") / "run"
-    proc = _train(out, data=dataset)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return out
+def run(runs) -> Path:
+    """test_safety's one-step full-format run on the small LeRobot dataset."""
+    return runs["full"]
 
 
 def test_quantize_replaces_only_a_folder_it_wrote_unchanged(tmp_path, run):
