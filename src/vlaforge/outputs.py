@@ -53,10 +53,11 @@ def check_replaceable(out: Path, command: str) -> None:
     try:
         owner = json.loads((out / OWNER_FILE).read_text())
         listed = owner["sha256"] if owner.get("command") == command else None
-        assert isinstance(listed, dict)
-    except (OSError, ValueError, KeyError, AttributeError, AssertionError):
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        listed = None
+    if not isinstance(listed, dict):  # NOTE: a plain check, not an assert (python -O strips those)
         raise VlaforgeError(f"--out {out} exists and was not written by `{command}` (it has no {OWNER_FILE} of "
-                            f"that command); {fix}") from None
+                            f"that command); {fix}")
     for name, path in _files(out).items():
         if not path.is_file() or path.is_symlink() or name not in listed:
             raise VlaforgeError(f"--out {out} holds {name}, which `{command}` did not write; {fix}")
