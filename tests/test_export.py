@@ -115,9 +115,11 @@ def test_a_package_predicts_what_its_checkpoint_predicts(packages, name):
 
 def test_an_fp16_package_measures_its_error(packages):
     tmp, found = packages
-    run, fp32, _ = found["regression-1"]
+    run, fp32, full = found["regression-1"]
     half = _export(run, tmp / "fp16", "--dtype=fp16")
-    assert half["dtype"] == "fp16" and half["bytes"]["total"] < 0.6 * half["bytes"]["checkpoint_fp32"]
+    # the graphs of the same policy, fp16 against fp32: about half (graph structure and the rotary tables are a
+    # fixed part of a tiny model's bytes, so the bar is the fp32 package's graphs, not the bare parameter count)
+    assert half["dtype"] == "fp16" and half["bytes"]["total"] < 0.6 * full["bytes"]["total"], (half, full)
     assert 0 < half["action_error"]["max_abs_normalized"] < 0.05
     with pytest.raises(VlaforgeError, match="exported in fp16"):
         PolicyRuntime.load(tmp / "fp16", dtype="fp32")
