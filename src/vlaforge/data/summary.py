@@ -55,6 +55,8 @@ def dataset_summary(path: str | Path) -> dict[str, Any]:
             "tasks": [{"task": t, "episodes": episodes[t], "frames": frames[t]} for t in reader.tasks],
             "features": features, "model_shapes": dataset_shapes(info, reader.root),
             "generator": recorded.get("generator"), "simulator_tasks": recorded_tasks(info),
+            # episodes per simulator task (make demo compares them with the counts it asks for)
+            "simulator_episodes": dict(Counter(recorded.get("episode_tasks", []))),
             "hide_distractors": recorded_hidden_distractors(info), "expert_steers_tcp": recorded_tcp_steering(info)}
 
 
@@ -75,7 +77,9 @@ def render_dataset_summary(s: dict[str, Any]) -> str:
     lines += [f"{t['task']:<{width}}  {t['episodes']:>8}  {t['frames']:>7}" for t in s["tasks"]]
     if s["simulator_tasks"]:
         by = f" ({s['generator']})" if s["generator"] else ""
-        lines += ["", f"recorded from: {', '.join(s['simulator_tasks'])}{by}"]
+        counts = s["simulator_episodes"]
+        named = [f"{t} ({counts[t]} episodes)" if t in counts else t for t in s["simulator_tasks"]]
+        lines += ["", f"recorded from: {', '.join(named)}{by}"]
         if s["hide_distractors"]:
             lines.append("distractors hidden in the images (--hide-distractors)")
         if s["expert_steers_tcp"]:
