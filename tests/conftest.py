@@ -22,8 +22,18 @@ TEST_BUDGET_S = 60.0  # one test's setup + call + teardown; longer ones are mark
 # docs/testing.md
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)  # two pytest workers on two cores: one thread each
-os.environ["OMP_NUM_THREADS"] = str(THREADS)  # what CLI subprocesses and loader workers inherit
-torch.set_num_threads(THREADS)
+os.environ["OMP_NUM_THREADS"] = str(THREADS)  # what CLI subprocesses, forked runs and loader workers get
+# NOTE: one thread in the test process itself: CLI runs and ranks are forked from it, and an OpenMP thread team
+# that exists at a fork hangs the child's first parallel op (libgomp is not fork-safe; measured: a forked training
+# stuck in trunc_normal_ after an in-process build with two threads). The child sets its own count.
+torch.set_num_threads(1)
+# NOTE: CLI runs and ranks are forked from this process (tests/forked.py). A thread that holds a lock at the fork
+# deadlocks the child that takes it: tqdm's monitor thread (started by the first progress bar, e.g. transformers'
+# weight loading, and taking tqdm's lock every few seconds) and tokenizers' Rust pool; neither starts here.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import tqdm  # noqa: E402
+
+tqdm.tqdm.monitor_interval = 0
 
 
 def tiny_config(tmp_path: Path | None = None, **sections):

@@ -53,6 +53,7 @@ def _become_fresh(cwd: Path, env: dict[str, str]) -> None:
     warnings.resetwarnings()
     warnings.simplefilter("ignore")
     torch.manual_seed(TORCH_DEFAULT_SEED)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # a fresh process's count (the parent: 1)
     root = logging.getLogger()
     for h in list(root.handlers):  # pytest's capture handlers: a real process logs to its stderr
         if type(h).__module__.startswith("_pytest"):
@@ -70,6 +71,9 @@ def _child(args: tuple[str, ...], cwd: Path, env: dict[str, str], out_fd: int, e
     sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
                                        closefd=False)
     code = 1
+    import faulthandler
+
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a hung child's stacks, when the parent aborts it
     try:
         _become_fresh(cwd, env)
         sys.argv = ["vlaforge", *args]
@@ -107,9 +111,13 @@ def run_forked(args: tuple[str, ...], cwd: Path, env: dict[str, str], timeout: f
             if done:
                 break
             if time.monotonic() > deadline:
+                # where it hangs: every thread's Python stack (faulthandler) into its stderr, then the kill
+                os.kill(pid, signal.SIGABRT)
+                time.sleep(1.0)
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                raise subprocess.TimeoutExpired(["vlaforge", *args], timeout)
+                err.seek(0)
+                raise subprocess.TimeoutExpired(["vlaforge", *args], timeout, stderr=err.read()[-20000:])
             time.sleep(0.02)
         code = os.waitstatus_to_exitcode(status)
         texts = []

@@ -35,11 +35,17 @@ def weights(run_dir, step=3):
     return load_file(str(run_dir / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
 
 
+# A key projection's bias has a zero gradient (softmax is invariant to a shift of every logit of a query), so what
+# a run computes for it is float noise, which Adam scales to a learning-rate-sized step: another summation order
+# (TP's, CP's) moves it by up to lr x steps. The vision tower's (SigLIP's) k_proj has a bias.
+NOISE_ONLY = ("self_attn.k_proj.bias",)
+
+
 def assert_same_weights(run_dir, reference):
     a, b = weights(run_dir), weights(reference)
-    assert a.keys() == b.keys()
+    assert a.keys() == b.keys(), (a.keys() ^ b.keys())
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-3 if k.endswith(NOISE_ONLY) else 1e-5, msg=k)
 
 
 def train_single(out, *args: str):

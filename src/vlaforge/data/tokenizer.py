@@ -14,6 +14,7 @@ import torch
 from vlaforge.errors import VlaforgeError
 
 TOKENIZER_FILE = "tokenizer.json"
+PRETRAINED_DIR = "tokenizer"  # a pretrained LLM's tokenizer, saved into a checkpoint
 SPECIALS = ("<pad>", "<unk>", "<eos>")  # <pad> is id 0
 
 
@@ -45,8 +46,12 @@ class TextTokenizer:
         return ids, mask
 
     def save(self, folder: Path) -> None:
+        """Into a checkpoint: training's BPE as tokenizer.json, a pretrained LLM's tokenizer as its own
+        save_pretrained folder (`tokenizer/`), so the checkpoint needs no other folder to encode instructions."""
         if hasattr(self.tok, "get_vocab_size"):
             self.tok.save(str(folder / TOKENIZER_FILE))
+        else:
+            self.tok.save_pretrained(str(folder / PRETRAINED_DIR))
 
 
 def train_bpe(texts: list[str], vocab_size: int) -> TextTokenizer:
@@ -72,7 +77,9 @@ def load_tokenizer(folder: Path | None, llm_pretrained: str | None) -> TextToken
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad files
             raise VlaforgeError(f"{folder / TOKENIZER_FILE} is not a tokenizer file ({str(exc)[:120]}); use the "
                                 f"{TOKENIZER_FILE} that training wrote") from None
-    if llm_pretrained:
+    if folder is not None and (folder / PRETRAINED_DIR).is_dir():
+        return pretrained_tokenizer(str(folder / PRETRAINED_DIR))
+    if llm_pretrained:  # a checkpoint from before its tokenizer was saved with it
         return pretrained_tokenizer(llm_pretrained)
     raise VlaforgeError(f"no {TOKENIZER_FILE} in {folder}; the checkpoint was not trained on text data")
 

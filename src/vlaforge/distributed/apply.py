@@ -54,8 +54,9 @@ def apply_techniques(model: nn.Module, cfg, device: torch.device, dims: "Paralle
         # rank's stage keeps
         applied.stage, applied.stage_plan = split_for_stage(model, cfg, dims.pp, mesh)
     # 3. tensor and context parallel
+    tp_partial: list[str] = []
     if layout and dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel)
+        tp_partial = apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel)
     if layout and dims.cp > 1:
         applied.sequence_parallel = apply_sequence_parallel(model, dims, mesh, cfg, tokens)
     # 4. activation memory. NOTE: checkpointing replaces each block's `forward` and offload wraps each component's,
@@ -68,5 +69,5 @@ def apply_techniques(model: nn.Module, cfg, device: torch.device, dims: "Paralle
         compile_blocks(model)
     # 6. data-parallel sharding (FSDP2 / HSDP / DDP); DeepSpeed's engine takes this place in the trainer
     if layout:
-        applied.reducer = apply_data_parallel(model, dims, mesh, policies, root=applied.stage)
+        applied.reducer = apply_data_parallel(model, dims, mesh, policies, root=applied.stage, tp_partial=tp_partial)
     return applied

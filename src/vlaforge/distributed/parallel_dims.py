@@ -42,9 +42,14 @@ def model_facts(model_cfg) -> ModelFacts:
     llm, vision = dict(flavor.llm), dict(flavor.vision)
     if model_cfg.llm.pretrained:
         llm = _hf_config(model_cfg.llm.pretrained)
+        llm = llm.get("text_config", llm)  # a whole-VLM folder keeps its language model's shape there
     if model_cfg.vision.pretrained:
         vision = _hf_config(model_cfg.vision.pretrained)
         vision = vision.get("vision_config", vision)
+    if "num_attention_heads" not in llm or "num_hidden_layers" not in llm:
+        raise VlaforgeError(f"model.llm.pretrained: {model_cfg.llm.pretrained}/config.json names no "
+                            "num_attention_heads / num_hidden_layers; give a causal-LM folder written by "
+                            "save_pretrained")
     heads = llm["num_attention_heads"]
     return ModelFacts(llm_heads=heads, llm_kv_heads=llm.get("num_key_value_heads") or heads,
                       llm_blocks=llm["num_hidden_layers"], vision_heads=vision["num_attention_heads"],
@@ -98,12 +103,13 @@ class ParallelDims:
                               "dp_shard = 1, or backend = 'fsdp2'")
         if facts is None:
             return
-        for degree, name in ((self.tp, "tp"), (self.cp, "cp")):
-            for count, what in ((facts.llm_heads, "attention heads"), (facts.llm_kv_heads, "kv-heads")):
-                if degree > 1 and count % degree:
-                    fits = [d for d in range(1, count + 1) if facts.llm_heads % d == 0 and facts.llm_kv_heads % d == 0]
-                    raise LayoutError(f"parallel.{name} = {degree} does not divide the llm's {count} {what}; use "
-                                      f"one of {fits}")
+        # tensor parallel splits the heads (and the kv-heads); context parallel splits the sequence, which any head
+        # count allows (Ulysses, which splits heads, is checked with its method)
+        for count, what in ((facts.llm_heads, "attention heads"), (facts.llm_kv_heads, "kv-heads")):
+            if self.tp > 1 and count % self.tp:
+                fits = [d for d in range(1, count + 1) if facts.llm_heads % d == 0 and facts.llm_kv_heads % d == 0]
+                raise LayoutError(f"parallel.tp = {self.tp} does not divide the llm's {count} {what}; use one of "
+                                  f"{fits}")
         if self.pp > facts.llm_blocks:
             raise LayoutError(f"parallel.pp = {self.pp} exceeds the llm's {facts.llm_blocks} blocks; use at most "
                               f"{facts.llm_blocks} stages")
@@ -181,6 +187,8 @@ def check_layout(cfg, world: World) -> ParallelDims:
         if dims.sequence_parallel:
             raise VlaforgeError("parallel.sequence_parallel with pp > 1 is not supported (stages exchange whole "
                                 "sequences); set sequence_parallel = false or pp = 1")
+    if (dims.tp > 1 or dims.cp > 1) and cfg.model.llm.pretrained:
+        check_family(cfg.model.llm.pretrained, dims)
     if dims.cp > 1:
         if dims.pp > 1 or dims.backend != "fsdp2":
             raise VlaforgeError(f"parallel.cp = {dims.cp} runs with backend = 'fsdp2' and pp = 1 (the gathered "
@@ -194,6 +202,27 @@ def check_layout(cfg, world: World) -> ParallelDims:
                                 "which parameters train when it shards); train the component from the start or "
                                 "run in one process")
     return dims
+
+
+def check_family(folder: str, dims: ParallelDims) -> None:
+    """What the family of a pretrained LLM allows, from its config alone (before any process group): its tensor-
+    parallel plan (`families.tp_plan` refuses MoE experts) and, under context parallel, soft-capped attention
+    logits (a sliding window is checked once the sequence length is known, `sequence_parallel.check_attention`)."""
+    from transformers import AutoConfig
+
+    from vlaforge.distributed.sequence_parallel import check_attention
+    from vlaforge.models.families import tp_plan
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise VlaforgeError(f"model.llm.pretrained: cannot read {folder}/config.json ({exc}); give a "
+                            "save_pretrained folder") from None
+    config = getattr(config, "text_config", None) or config
+    if dims.tp > 1:
+        tp_plan(config)
+    if dims.cp > 1:
+        check_attention(config, tokens=0)
 
 
 def check_deepspeed(cfg, dims: ParallelDims) -> None:

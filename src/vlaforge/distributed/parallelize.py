@@ -14,12 +14,13 @@ metrics) into global ones with one collective each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from vlaforge import COMPONENTS
 from vlaforge.models.blocks import blocks_of
@@ -36,6 +37,16 @@ class GradReducer:
     shard_group: Any = None
     tp_group: Any = None
     pp_group: Any = None  # pipeline stages hold different parameters: their sums add up too
+    tp_partial: list = field(default_factory=list)  # parameters whose gradients are partial sums over TP ranks
+
+    def sum_tp_partial(self) -> None:
+        """Add up, over the TP group, the gradients each TP rank holds a part of (per-head q/k norms: a rank's
+        heads only), as transformers' `replicated_with_grad_allreduce` does; after backward, before any norm."""
+        grads = [self.local(p.grad) for p in self.tp_partial if p.grad is not None]
+        if grads and self.tp_group is not None:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.tp_group)
+            torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     def tp_sharded(self, t: torch.Tensor) -> bool:
         from torch.distributed.tensor import DTensor, Shard
@@ -117,57 +128,106 @@ def _policy(precision: str):
     return MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
 
 
-# Megatron's split of a Llama block: column-parallel into the heads / FFN width, row-parallel out of them.
-LLM_TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-               "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-               "mlp.down_proj": "rowwise"}
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None:
-    """Tensor-parallel the LLM's blocks (DTensor `parallelize_module`); the rest stays replicated over TP.
-
-    `sequence_parallel` (Megatron-style SP): between the TP regions - the two RMSNorms and the residual adds - the
-    blocks hold 1/tp of the tokens. Each sub-layer all-gathers its normed input (instead of taking it whole) and
-    reduce-scatters its output (instead of all-reducing it), so the same bytes move and the norms' and residual
-    stream's activations shrink by tp. The stack enters on a slice of the embeddings and leaves through an
-    all-gather before the final norm, so everything outside the blocks is unchanged."""
+def _styles(kind: str, sequence_parallel: bool):
+    """transformers' TP style name -> a DTensor ParallelStyle (Megatron's split: column-parallel into the heads /
+    FFN width, row-parallel out of them; `_gather_output` / `_split_input`: a fused projection whose output is
+    gathered whole and the matching row-parallel layer that slices its replicated input). Under sequence parallel a
+    row-parallel layer reduce-scatters its output over the sequence instead of all-reducing it."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = {name: styles[kind]() for name, kind in LLM_TP_PLAN.items()}
+    out = {"output_layouts": Shard(1)} if sequence_parallel else {}
+    return {"colwise": lambda: ColwiseParallel(),
+            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "rowwise": lambda: RowwiseParallel(**out),
+            "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), **out)}[kind]()
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> list[str]:
+    """Tensor-parallel the LLM's blocks (DTensor `parallelize_module`) with the family's own plan
+    (`families.tp_plan`: the config's `base_model_tp_plan`); the rest stays replicated over TP. Returns the names
+    of the parameters whose gradients are partial sums over the TP ranks (per-head q/k norms: each rank holds some
+    heads), which `GradReducer.sum_tp_partial` adds up after backward.
+
+    `sequence_parallel` (Megatron-style SP): between the TP regions - the block's norms (two in Llama, four in
+    Gemma3, one in Phi) and the residual adds - the blocks hold 1/tp of the tokens. Each sub-layer all-gathers its
+    input (instead of taking it whole) and reduce-scatters its output (instead of all-reducing it), so the same
+    bytes move and the norms' and residual stream's activations shrink by tp. The stack enters on a slice of the
+    embeddings and leaves through an all-gather before the final norm, so everything outside the blocks is
+    unchanged."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel, parallelize_module
+
+    from vlaforge.models.families import block_norms, llm_parts, tp_plan
+
+    parts = llm_parts(model.llm)
+    styles = tp_plan(model.llm.config)
+    plan: dict[str, Any] = {name: _styles(kind, sequence_parallel) for name, kind in styles.items()
+                            if kind != "replicated_with_grad_allreduce"}
+    partial = [name for name, kind in styles.items() if kind == "replicated_with_grad_allreduce"]
+    gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),), "use_local_output": True}
+    blocks = parts.blocks
     if sequence_parallel:
-        gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),), "use_local_output": True}
-        plan.update({
-            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                            use_local_output=True),
-            "mlp": PrepareModuleInput(**gather),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
-    blocks = blocks_of(model, "llm")
+        first = blocks[0]
+        # NOTE: local outputs: a post-norm's output (Gemma3, OLMo2) meets the local residual stream in an add
+        plan.update({name: SequenceParallel(use_local_output=True) for name in block_norms(first)})
+        # the sub-layers that open a TP region: the attention and the MLP modules holding the column-parallel
+        # layers, whose input (the residual stream or a norm's output) is sequence-sharded
+        for region in sorted({name.split(".")[0] for name in styles}):
+            plan[region] = _GatherInput(tp_mesh)
     for block in blocks:
         parallelize_module(block, tp_mesh, plan)
     if sequence_parallel:
         parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
                                                                   desired_input_layouts=(Shard(1),),
                                                                   use_local_output=True))
-        parallelize_module(model.llm.model.norm, tp_mesh, PrepareModuleInput(**gather))
+        parallelize_module(parts.final_norm, tp_mesh, PrepareModuleInput(**gather))
+    prefix = {id(m): n for n, m in model.named_modules()}
+    names = []
+    for block in blocks:
+        for sub in partial:
+            module = block.get_submodule(sub)
+            names += [f"{prefix[id(module)]}.{p}" for p, _ in module.named_parameters()]
+    return names
+
+
+class _GatherInput(ParallelStyle):
+    """A ParallelStyle: a forward pre-hook: the module's first tensor input (positional, or the `hidden_states`
+    keyword as transformers' attention modules take it) arrives sequence-sharded and is all-gathered; its backward
+    reduce-scatters. Families differ in how the block passes it, so one hook handles both forms."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module.register_forward_pre_hook(self._hook, with_kwargs=True)
+        return module
+
+    def _gather(self, x):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, (Shard(1),), run_check=False)
+        return x.redistribute(self.mesh, (Replicate(),)).to_local()
+
+    def _hook(self, module, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor):
+            return (self._gather(args[0]), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": self._gather(kwargs["hidden_states"])}
+        raise RuntimeError(f"sequence parallel: {type(module).__name__} got no hidden_states to gather")
 
 
 def parallelize(model: nn.Module, dims, mesh, policies: Mapping[str, Any], root: nn.Module | None = None
                 ) -> GradReducer:
     """Tensor-parallel the LLM over `mesh["tp"]` when tp > 1, then shard (or replicate) over the data-parallel
     dimensions, in place: the two layout steps of `apply.apply_techniques`, for a model with no other technique."""
-    if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel)
-    return apply_data_parallel(model, dims, mesh, policies, root)
+    partial = apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel) if dims.tp > 1 else []
+    return apply_data_parallel(model, dims, mesh, policies, root, tp_partial=partial)
 
 
-def apply_data_parallel(model: nn.Module, dims, mesh, policies: Mapping[str, Any], root: nn.Module | None = None
-                        ) -> GradReducer:
+def apply_data_parallel(model: nn.Module, dims, mesh, policies: Mapping[str, Any], root: nn.Module | None = None,
+                        tp_partial: list[str] = ()) -> GradReducer:
     """Shard (FSDP2), shard and replicate (HSDP) or replicate (DDP on FSDP2's replicate dimension) every block and
     the root over the data-parallel dimensions (and cp). `root`: the module whose forward runs the step (a pipeline
     stage's module over `model`'s components; `model` by default) - FSDP2's root unit."""
@@ -185,5 +245,7 @@ def apply_data_parallel(model: nn.Module, dims, mesh, policies: Mapping[str, Any
     fully_shard(root if root is not None else model, mesh=dp_mesh, reshard_after_forward=False,
                 mp_policy=_policy("fp32"))
     shard_group = mesh.get_group(shard_dim) if "dp_shard" in names and dims.dp_shard * dims.cp > 1 else None
+    params = dict(model.named_parameters())  # FSDP2 keeps the names (its sharded parameters replace the originals)
     return GradReducer(shard_group, mesh.get_group("tp") if dims.tp > 1 else None,
-                       mesh.get_group("pp") if dims.pp > 1 else None)
+                       mesh.get_group("pp") if dims.pp > 1 else None,
+                       tp_partial=[params[n] for n in tp_partial if n in params])

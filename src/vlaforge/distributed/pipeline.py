@@ -25,6 +25,7 @@ from torch import nn
 
 from vlaforge.data.batch import Batch
 from vlaforge.models.build import tokens_per_sample
+from vlaforge.models.families import decoder_of, llm_parts
 from vlaforge.models.vla import VLA, position_ids
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -82,9 +83,9 @@ def plan_stages(model: VLA, stages: int, instruction_tokens: int, text_tokens: i
     action head on the last stage."""
     lay = model.layout
     seq = tokens_per_sample(model, instruction_tokens, text_tokens)
-    blocks = [2.0 * _params(b) * seq for b in model.llm.model.layers]
+    blocks = [2.0 * _params(b) * seq for b in llm_parts(model.llm).blocks]
     first = 2.0 * (_params(model.vision) + _params(model.projector)) * lay.frames * lay.patches_per_frame
-    last = 2.0 * (_params(model.llm.lm_head) * (text_tokens + 1)
+    last = 2.0 * (_params(model.llm.get_output_embeddings()) * (text_tokens + 1)
                   + (_params(model.action_head) - model.action_head.queries.numel()) * model.action_head.chunk)
     n = len(blocks)
 
@@ -114,20 +115,26 @@ def split_model(model: VLA, plan: StagePlan, stage: int) -> None:
     """Keep only stage `stage`'s parameters in `model`, in place (names unchanged)."""
     first, last = stage == 0, stage == len(plan.bounds) - 1
     a, b = plan.bounds[stage]
-    inner = model.llm.model
+    parts = llm_parts(model.llm)
+    inner = parts.decoder
     inner.layers = StageLayers({str(i): inner.layers[i] for i in range(a, b)})
     if not first:
         model.vision, model.projector = Removed(), Removed()
-        inner.embed_tokens = None
+        setattr(inner, _child_name(inner, model.llm.get_input_embeddings()), None)
     if not last:
-        inner.norm = nn.Identity()
-        model.llm.lm_head = None
+        setattr(inner, parts.final_norm_name, nn.Identity())  # `norm`, Phi's `final_layernorm`, ...
+        setattr(model.llm, _child_name(model.llm, model.llm.get_output_embeddings()), None)
         queries = model.action_head.queries
         chunk = model.action_head.chunk
         model.action_head = Removed()
         model.action_head.queries, model.action_head.chunk = queries, chunk  # LLM input: stage 0 holds them
     elif not first:
         del model.action_head.queries
+
+
+def _child_name(parent: nn.Module, child: nn.Module) -> str:
+    """The attribute of `parent` that holds `child` (the token embeddings, the LM head: named per family)."""
+    return next(name for name, module in parent.named_children() if module is child)
 
 
 class StageModule(nn.Module):
@@ -160,7 +167,7 @@ class StageModule(nn.Module):
         else:
             hidden, *rest = inputs
             extras = tuple(e.view_as(e) for e in rest)  # passed on (a node, so gradients flow back through us)
-        out = self.llm.model(inputs_embeds=hidden, attention_mask=attention_mask.long(),
+        out = decoder_of(self.llm)(inputs_embeds=hidden, attention_mask=attention_mask.long(),
                              position_ids=position_ids(attention_mask), use_cache=False)
         return tuple(t.contiguous() for t in (out.last_hidden_state, *extras))  # gloo receives into dense buffers
 
@@ -192,7 +199,7 @@ class Pipeline:
         hidden, *extras = outputs
         with_text = model.uses_text(batch)
         n_text = batch.text_ids.shape[1] if with_text else 0
-        logits = model.llm.lm_head(hidden[:, -(n_text + 1):]) if with_text else None
+        logits = model.llm.get_output_embeddings()(hidden[:, -(n_text + 1):]) if with_text else None
         h = model.split_outputs(hidden, logits, n_text)
         if extras:
             h.update(vision_pool=extras[0], text_pool=extras[1], logit_scale=extras[2][0])

@@ -84,8 +84,17 @@ def attention_function(method: str, group=None):
                "allgather": lambda q, k, v, c, s: allgather_attention(q, k, v, group, causal=c, scale=s)}
     kernel = kernels[method]
 
+    def get_size(g) -> int:
+        return dist.get_world_size(g) if dist.is_initialized() else 1
+
     def attend(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                is_causal: bool | None = None, **kwargs):
+        # NOTE: the kernels attend to the whole causal prefix without a cap on the logits: a windowed or soft-capped
+        # layer would be computed wrong, so it stops (`check_attention` refuses such models before they get here)
+        window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+        if softcap is not None or (window is not None and window < query.shape[2] * get_size(group)):
+            raise VlaforgeError(f"context parallel ({method}) does not implement sliding-window attention or "
+                                "soft-capped logits, which this model's attention asks for; use cp = 1")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         device = query.device.type
         if torch.is_autocast_enabled(device):  # NOTE: as autocast casts SDPA's inputs (Llama's rotary step returns
@@ -218,15 +227,37 @@ class SequenceParallel:
         return torch.zeros_like(full).scatter(1, index, full)[:, :lay.length]
 
 
+def check_attention(config, tokens: int) -> None:
+    """Context parallel's kernels attend to the whole causal prefix, uncapped.
+
+    Raises:
+        VlaforgeError: the LLM has layers with a sliding window shorter than the sequence (Mistral, Gemma2/3), or
+            soft-capped attention logits (Gemma2).
+    """
+    from vlaforge.models.families import attention_features, family
+
+    found = attention_features(config)
+    if found["softcap"] is not None:
+        raise VlaforgeError(f"parallel.cp > 1: {family(config)} soft-caps its attention logits "
+                            f"({found['softcap']:g}), which context parallel's kernels do not; use cp = 1")
+    if found["sliding_window"] is not None and found["sliding_window"] < tokens:
+        raise VlaforgeError(f"parallel.cp > 1: {family(config)} has layers with a {found['sliding_window']}-token "
+                            f"sliding window, shorter than the {tokens}-token sequence, which context parallel's "
+                            "kernels do not implement; use cp = 1 (or tp / dp_shard)")
+
+
 def apply_sequence_parallel(model, dims, mesh, cfg, tokens: int) -> SequenceParallel:
     """Shard the LLM's sequence over `mesh["cp"]`: register the method's attention, set it on the LLM, and gather
     the final hidden states (see the module docstring). `tokens`: the LLM sequence of one sample, for `auto`."""
+    from vlaforge.models.families import llm_parts
+
+    check_attention(model.llm.config, tokens)
     method, why = cp_method_for(cfg.parallel, tokens, model.llm.config.num_attention_heads)
     group = mesh.get_group("cp")
     sp = SequenceParallel(group, dist.get_rank(group), dims.cp, method, why)
     model.llm.set_attn_implementation(register_attention(method, group))
     model.llm.register_forward_pre_hook(sp.enter, with_kwargs=True)
-    model.llm.model.norm.register_forward_hook(lambda module, args, out: sp.gather(out))
+    llm_parts(model.llm).final_norm.register_forward_hook(lambda module, args, out: sp.gather(out))
     return sp
 
 

@@ -38,10 +38,22 @@ def full_model_state(model: nn.Module, pp: int = 1) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     if pp == 1:
-        return get_model_state_dict(model, options=_options(cpu_offload=True))
+        return _untied(model, get_model_state_dict(model, options=_options(cpu_offload=True)))
     # NOTE: cpu_offload would keep the tensors on global rank 0 only, which holds stage 0 alone
     state = get_model_state_dict(model, options=_options())
     return _merge_stages({k: v.cpu() for k, v in state.items()}, _merge_dicts, pp)
+
+
+def _untied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with one name per tied parameter (Gemma's, Qwen's tied embeddings), the one safetensors'
+    `save_model` keeps in one process (the first in sorted order): the gathered state names it twice."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for tied in names.values():
+        for extra in sorted(tied)[1:]:
+            state.pop(extra, None)
+    return state
 
 
 def _merge_stages(part: dict[str, Any], merge, pp: int) -> dict[str, Any]:

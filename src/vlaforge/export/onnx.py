@@ -196,6 +196,7 @@ def export_package(checkpoint: str | Path, out: str | Path, *, format: str = "on
     tmp.mkdir(parents=True)
     try:
         report = _write_package(ckpt, tmp, source, format, dtype, int8, calibrate, frames, data, seed)
+        check_parity(report)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind; `out` is untouched
         raise
@@ -203,6 +204,32 @@ def export_package(checkpoint: str | Path, out: str | Path, *, format: str = "on
     replace_folder(tmp, out)
     report["package"] = str(out)
     return report
+
+
+# the parity a package must reach against its checkpoint, or the export fails and writes nothing: fp32 graphs
+# compute what PyTorch computes (measured ~1e-6 normalized), fp16 rounds (~1e-2), int8 QDQ approximates (cosine)
+PARITY_MAX_ABS = {"fp32": 1e-3, "fp16": 0.1}
+PARITY_INT8_COSINE = 0.8
+
+
+def check_parity(report: dict[str, Any]) -> None:
+    """Raise when the package's actions are not the checkpoint's (a graph that traced something the model does
+    not compute, such as attention without the model's sliding window): the export fails rather than ship it.
+
+    Raises:
+        VlaforgeError: the measured error is over the bar of the package's dtype.
+    """
+    e = report["action_error"]
+    if report.get("int8"):
+        bad, bar = e["cosine_mean"] < PARITY_INT8_COSINE, f"cosine mean >= {PARITY_INT8_COSINE}"
+    else:
+        limit = PARITY_MAX_ABS[report["dtype"]]
+        bad, bar = e["max_abs_normalized"] > limit, f"max |error| <= {limit:g} for {report['dtype']}"
+    if bad:
+        raise VlaforgeError(f"the exported package's actions are not the checkpoint's (max |error| "
+                            f"{e['max_abs_normalized']:.3g} normalized, cosine mean {e['cosine_mean']:.3f}; the bar "
+                            f"is {bar}): the {report['format']} graphs do not reproduce this model; nothing was "
+                            "written (the safetensors export keeps every model)")
 
 
 def _write_package(ckpt: Path, tmp: Path, source, format: str, dtype: str, int8: bool, calibrate: int, frames: int,

@@ -13,6 +13,7 @@ from vlaforge.config.schema import LossConfig, ModelConfig, VLAConfig
 from vlaforge.data.batch import Batch
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.action_heads import ACTION_HEADS
+from vlaforge.models.hf_loading import read_config
 from vlaforge.models.llm import build_llm
 from vlaforge.models.vision import build_vision
 from vlaforge.models.vla import VLA, Layout, Projector
@@ -24,19 +25,42 @@ def objective_from(loss: LossConfig) -> Objective:
                      smoothness=loss.smoothness)
 
 
-def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fake: bool = False) -> VLA:
+BACKBONES_FILE = "backbones.json"  # in a checkpoint: the pretrained components' configs (component -> config dict)
+
+
+def backbone_configs(model: VLA, model_cfg: ModelConfig) -> dict[str, dict]:
+    """The configs of `model`'s pretrained components, which rebuild them without their folders."""
+    out = {}
+    for name in ("vision", "llm"):
+        if getattr(model_cfg, name).pretrained:
+            config = getattr(model, name).config.to_dict()
+            out[name] = {k: v for k, v in config.items() if not k.startswith("_")}
+    return out
+
+
+def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fake: bool = False,
+              backbones: dict[str, dict] | None = None) -> VLA:
     """Build the VLA described by `model_cfg`.
 
     Args:
         fake: build under `FakeTensorMode` (no memory allocated, weights not initialized) - for planning and
-            summaries of large flavors. Parameters are then FakeTensors.
+            summaries of large flavors. Parameters are then FakeTensors; a pretrained component is built from its
+            folder's config.json alone (its weights are never read).
+        backbones: the pretrained components' configs (`backbone_configs`, a checkpoint's backbones.json): they
+            are built from these, and their folders are not read (the checkpoint's weights follow).
     """
     flavor = FLAVORS.get(model_cfg.flavor)
+    backbones = dict(backbones or {})
+    if fake:
+        for name in ("vision", "llm"):
+            folder = getattr(model_cfg, name).pretrained
+            if folder and name not in backbones:
+                backbones[name] = read_config(folder, f"model.{name}.pretrained")
     ctx = fake_build() if fake else contextlib.nullcontext()
     with ctx:
         vision = build_vision(flavor, model_cfg.image_size, model_cfg.vision.pretrained, model_cfg.patch_size,
-                              model_cfg.vision_stem)
-        llm = build_llm(flavor, model_cfg.llm.pretrained)
+                              model_cfg.vision_stem, config=backbones.get("vision"))
+        llm = build_llm(flavor, model_cfg.llm.pretrained, config=backbones.get("llm"))
         if fake:
             llm.tie_weights()  # NOTE: no_init_weights also skips tying (e.g. small's tied embeddings)
         v_dim, l_dim = vision.config.hidden_size, llm.config.hidden_size

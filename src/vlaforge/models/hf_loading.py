@@ -36,17 +36,85 @@ def check_pretrained_folder(path: str | Path, field: str) -> Path:
     return folder
 
 
-def load_pretrained(model_cls: Any, path: str | Path, field: str) -> Any:
-    """`model_cls.from_pretrained(path)` in fp32 with SDPA attention, local files only.
+def load_pretrained(model_cls: Any, path: str | Path, field: str, families: tuple[str, ...] = ()) -> Any:
+    """`model_cls.from_pretrained(path)` in fp32, local files only, with SDPA attention (eager, with a printed
+    notice, for a family transformers runs without SDPA: Gemma2's soft-capped logits).
+
+    Every weight of the built module must come from the folder: a folder of another family (a DINOv2 or a whole
+    VLM given where a SigLIP tower is built) would otherwise train a randomly initialised module in its place,
+    which transformers reports only in its load report. `families`: the config `model_type`s the module takes.
 
     Raises:
-        VlaforgeError: the folder is malformed or its weights do not load.
+        VlaforgeError: the folder is malformed, of another family, or its weights do not all load.
     """
     import torch
 
     folder = check_pretrained_folder(path, field)
+    kind = json.loads((folder / "config.json").read_text()).get("model_type")
+    if families and kind not in families:
+        raise VlaforgeError(f"{field}: {folder} is a '{kind}' folder; this component is built as "
+                            f"{' / '.join(families)} and would not load its weights; give a folder of that family")
+
+    def load(attn: str):
+        return model_cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32, attn_implementation=attn,
+                                         output_loading_info=True)
+
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report and progress bars: what matters is checked below, in one line
+    hf_logging.disable_progress_bar()
     try:
-        return model_cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
-                                         attn_implementation="sdpa")
+        try:
+            model, info = load("sdpa")
+        except ValueError as exc:
+            if "scaled_dot_product_attention" not in str(exc):
+                raise
+            print(f"{field}: {kind} has no SDPA attention in transformers: using eager attention", flush=True)
+            model, info = load("eager")
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        if "ignore_mismatched_sizes" in str(exc):
+            raise VlaforgeError(f"{field}: the weights in {folder} do not match the shapes its config.json gives "
+                                "(edited config or files from another model); give the folder save_pretrained "
+                                "wrote") from None
         raise VlaforgeError(f"{field}: cannot load {folder}: {first_line(exc, None)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    mismatched = [k if isinstance(k, str) else k[0] for k in info.get("mismatched_keys") or []]
+    missing = list(info.get("missing_keys") or []) + mismatched
+    if missing:
+        total = sum(1 for _ in model.state_dict())
+        shown = ", ".join(sorted(missing)[:3]) + (", ..." if len(missing) > 3 else "")
+        raise VlaforgeError(f"{field}: {len(missing)} of the {total} weights of the {type(model).__name__} "
+                            f"built from {folder} are not in its files ({shown}): it would train from random "
+                            "values; give a folder written by save_pretrained for this model")
+    return model
+
+
+
+def read_config(path: str | Path, field: str) -> dict[str, Any]:
+    """The config.json of a pretrained folder, as a dict (checked as `check_pretrained_folder` checks it)."""
+    return json.loads((check_pretrained_folder(path, field) / "config.json").read_text())
+
+
+def from_config(model_cls: Any, config: dict[str, Any], field: str) -> Any:
+    """A module of `model_cls` built from a config dict alone, weights left to the caller (a checkpoint's saved
+    backbone config, a planning build under fake tensors). `model_cls`: a model class, or `AutoModelForCausalLM`.
+    SDPA attention, or eager for a family transformers runs without it, as `load_pretrained` chooses."""
+    from transformers import AutoConfig
+
+    config = dict(config)
+    kind = config.pop("model_type", None)
+    try:
+        built = AutoConfig.for_model(kind, **config)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise VlaforgeError(f"{field}: the saved config of a '{kind}' model does not build "
+                            f"({first_line(exc, None)})") from None
+    make = model_cls.from_config if hasattr(model_cls, "from_config") else model_cls._from_config
+    try:
+        return make(built, attn_implementation="sdpa")
+    except ValueError as exc:
+        if "scaled_dot_product_attention" not in str(exc):
+            raise VlaforgeError(f"{field}: cannot build a '{kind}' model: {first_line(exc, None)}") from None
+        return make(built, attn_implementation="eager")

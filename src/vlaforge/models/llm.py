@@ -1,4 +1,5 @@
-"""The `llm` component: a `transformers` Llama-family causal LM, from a flavor or a pretrained folder."""
+"""The `llm` component: a `transformers` causal LM, from a flavor (Llama-shaped) or a pretrained folder of any
+decoder-only family `AutoModelForCausalLM` builds (models/families.py finds its parts)."""
 
 from __future__ import annotations
 
@@ -6,22 +7,27 @@ from torch import nn
 
 from vlaforge.errors import VlaforgeError
 from vlaforge.config.flavors import Flavor
-from vlaforge.models.hf_loading import load_pretrained
+from vlaforge.models.families import decoder_of, llm_parts
+from vlaforge.models.hf_loading import from_config, load_pretrained
 
 
-def build_llm(flavor: Flavor, pretrained: str | None) -> nn.Module:
-    """A causal LM (`LlamaForCausalLM` for built-in flavors; any Llama-family folder when pretrained)."""
+def build_llm(flavor: Flavor, pretrained: str | None, config: dict | None = None) -> nn.Module:
+    """A causal LM (`LlamaForCausalLM` for built-in flavors; any decoder-only family when pretrained). `config`:
+    the pretrained model's config alone (weights to come from a checkpoint, or none under fake tensors)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    if pretrained:
-        model = load_pretrained(AutoModelForCausalLM, pretrained, "model.llm.pretrained")
-        if not hasattr(getattr(model, "model", None), "layers"):
-            raise VlaforgeError(f"model.llm.pretrained: {pretrained} is a {type(model).__name__}, not a "
-                                "Llama-family causal LM (expected .model.layers); use a Llama or Qwen2 folder")
+    if pretrained or config is not None:
+        field = "model.llm.pretrained"
+        model = from_config(AutoModelForCausalLM, config, field) if config is not None else \
+            load_pretrained(AutoModelForCausalLM, pretrained, field)
+        try:
+            llm_parts(model)
+        except VlaforgeError as exc:
+            raise VlaforgeError(f"model.llm.pretrained: {pretrained or 'the saved config'}: {exc}") from None
         return model
     return LlamaForCausalLM(LlamaConfig(attn_implementation="sdpa", **flavor.llm))
 
 
 def llm_blocks(llm: nn.Module) -> nn.ModuleList:
     """The decoder blocks of the LLM, in order."""
-    return llm.model.layers
+    return decoder_of(llm).layers

@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from vlaforge.config.flavors import Flavor
-from vlaforge.models.hf_loading import load_pretrained
+from vlaforge.errors import VlaforgeError
+from vlaforge.models.hf_loading import from_config, load_pretrained
 
 
 class ConvStem(nn.Module):
@@ -33,14 +34,27 @@ class ConvStem(nn.Module):
         return self.proj(self.stages(pixels))
 
 
+SIGLIP = ("siglip_vision_model", "siglip")  # a SigLIP vision folder, or a whole SigLIP (image + text) one
+
+
 def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
-                 patch_size: int | None = None, stem: str = "patch") -> nn.Module:
+                 patch_size: int | None = None, stem: str = "patch", config: dict | None = None) -> nn.Module:
     """SigLIP vision tower without its pooling head (the VLA uses every patch token); `stem` 'conv' swaps its patch
-    embedding for a `ConvStem` (towers built from scratch only)."""
+    embedding for a `ConvStem` (towers built from scratch only). `config`: a pretrained tower's config alone
+    (weights to come from a checkpoint, or none under fake tensors)."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
-    if pretrained:
-        model = load_pretrained(SiglipVisionModel, pretrained, "model.vision.pretrained")
+    if pretrained or config is not None:
+        if config is not None:
+            kind = config.get("model_type")
+            if kind not in SIGLIP:
+                raise VlaforgeError(f"model.vision.pretrained is a '{kind}' model; the vision tower is built as "
+                                    f"{' / '.join(SIGLIP)}; give a folder of that family")
+            config = {**config.get("vision_config", config), "model_type": "siglip_vision_model"}
+            model = from_config(SiglipVisionModel, config, "model.vision.pretrained")
+        else:  # a SigLIP vision folder, or a whole SigLIP (image + text) folder whose vision tower is taken
+            model = load_pretrained(SiglipVisionModel, pretrained, "model.vision.pretrained",
+                                    families=SIGLIP)
         if getattr(model, "use_head", False):
             # NOTE: an unused head would hold parameters that never get gradients (breaks DDP, wastes memory).
             del model.head

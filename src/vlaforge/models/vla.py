@@ -17,6 +17,7 @@ from torch import nn
 from vlaforge.data.batch import Batch
 from vlaforge.models.action_heads import ActionHead, ActionHeadOutput
 from vlaforge.models import losses as L
+from vlaforge.models.families import decoder_of
 
 # (student VLA, batch, run_llm's pieces, the action head's output, denominators) -> more unweighted loss terms
 ExtraTerms = Callable[["VLA", Batch, dict, ActionHeadOutput, dict], dict[str, torch.Tensor]]
@@ -224,11 +225,11 @@ class VLA(nn.Module):
         ones = lambda n: torch.ones(b, n, dtype=torch.bool, device=embeds.device)  # noqa: E731
         if instruction_mask is None:  # no padding: causal attention without a mask
             n = embeds.shape[1]
-            out = self.llm.model(inputs_embeds=embeds, position_ids=torch.arange(n, device=embeds.device)[None],
+            out = decoder_of(self.llm)(inputs_embeds=embeds, position_ids=torch.arange(n, device=embeds.device)[None],
                                  use_cache=False)
         else:
             mask = torch.cat([ones(vision_tokens.shape[1]), instruction_mask.bool(), ones(t)], dim=1)
-            out = self.llm.model(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids(mask),
+            out = decoder_of(self.llm)(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids(mask),
                                  use_cache=False)
         return out.last_hidden_state[:, -t:]
 

@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from vlaforge import COMPONENTS
+from vlaforge.models.llm import llm_blocks
 from vlaforge.planner.activations import Sequence, sequence_of
 from vlaforge.planner.hardware import GPU
 from vlaforge.planner.memory import ModelState, model_state
@@ -106,10 +107,11 @@ class PlanModel:
     def llm_numel(self) -> dict[str, int]:
         """The LLM's parameters by place: the token embeddings, one block, and the tail (final norm + LM head)."""
         llm = self.model.llm
-        block = sum(p.numel() for p in llm.model.layers[0].parameters())
-        embed = llm.model.embed_tokens.weight.numel()
+        blocks = llm_blocks(llm)
+        block = sum(p.numel() for p in blocks[0].parameters())
+        embed = llm.get_input_embeddings().weight.numel()
         total = sum(p.numel() for p in llm.parameters())
-        return {"embed": embed, "block": block, "tail": total - embed - block * len(llm.model.layers)}
+        return {"embed": embed, "block": block, "tail": total - embed - block * len(blocks)}
 
     @cached_property
     def matmul_numel(self) -> dict[str, dict[str, int]]:

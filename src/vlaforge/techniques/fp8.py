@@ -53,7 +53,11 @@ def convert_fp8(module: nn.Module, recipe: str) -> Fp8Report:
     """Swap the eligible `nn.Linear` layers of `module` for torchao `Float8Linear` in place."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    from vlaforge.models.families import expert_modules
+
     report = Fp8Report()
+    for name in expert_modules(module):  # named, not silently left in the component's dtype
+        report.skipped[name] = "mixture-of-experts weights (3-D stacked experts; Float8Linear converts nn.Linear)"
     for name, sub in module.named_modules():
         if type(sub) is nn.Linear:
             reason = eligibility(name, sub)

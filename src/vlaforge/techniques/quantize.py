@@ -173,7 +173,12 @@ def layer_plan(model: nn.Module, component: str, policy: QuantPolicy) -> tuple[d
     """(layers to quantize -> kind, layers left out -> reason) of one component, by qualified name in `model`."""
     module = getattr(model, component)
     token_embedding = model.llm.get_input_embeddings() if component == "llm" else None
+    from vlaforge.models.families import expert_modules
+
     take, skip = {}, {}
+    for local in expert_modules(module):
+        skip[f"{component}.{local}"] = "mixture-of-experts weights (3-D stacked experts; torchao's weight configs " \
+                                       "cover linears and embeddings)"
     for local, sub in module.named_modules():
         fqn = f"{component}.{local}" if local else component
         if isinstance(sub, nn.Linear):

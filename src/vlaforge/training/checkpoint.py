@@ -10,6 +10,7 @@ no optimizer in trainer_state.pt; `vlaforge export` writes its model.safetensors
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -447,12 +448,31 @@ def load_policy_model(checkpoint: str | Path, device: torch.device | str = "cpu"
 
     ckpt = resolve_checkpoint(str(checkpoint), ".", what=what)
     cfg = load_config(ckpt / CONFIG_FILE)
-    model = build_vla(cfg.model, cfg.loss)
+    model = build_vla(cfg.model, cfg.loss, backbones=saved_backbones(ckpt))
     if is_quantized(ckpt):
         load_quantized(ckpt, model, torch.device(device))
     else:
         load_weights(ckpt, model)
     return model, cfg, ckpt
+
+
+def saved_backbones(ckpt: Path) -> dict[str, dict] | None:
+    """The pretrained components' configs a checkpoint carries (backbones.json), so it loads without the folders
+    it was trained from; None for a checkpoint without pretrained components (or from before the file)."""
+    from vlaforge.models.build import BACKBONES_FILE
+
+    path = Path(ckpt) / BACKBONES_FILE
+    if not path.is_file():
+        return None
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise VlaforgeError(f"{path} is not readable JSON ({exc}); the checkpoint is damaged: use another "
+                            "checkpoint of the run") from None
+    if not isinstance(found, dict) or not all(isinstance(v, dict) for v in found.values()):
+        raise VlaforgeError(f"{path} does not hold component configs; the checkpoint is damaged: use another "
+                            "checkpoint of the run")
+    return found
 
 
 def weights_digest(ckpt: Path) -> str:

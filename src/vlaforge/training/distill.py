@@ -31,6 +31,7 @@ from vlaforge.config.distill import DISTILL_TERMS, DistillConfig
 from vlaforge.data.batch import Batch
 from vlaforge.errors import VlaforgeError
 from vlaforge.models import losses as L
+from vlaforge.models.llm import llm_blocks
 from vlaforge.progress import progress_bar
 from vlaforge.techniques.quantized_format import place
 from vlaforge.training.checkpoint import load_policy_model, weights_digest
@@ -360,7 +361,7 @@ def init_from_teacher(student: nn.Module, teacher: nn.Module) -> list[str]:
         for n in outside:
             s_params[n].copy_(t_params[n])
         copied += [f"llm.{n}" for n in outside]
-        s_blocks, t_blocks = student.llm.model.layers, teacher.llm.model.layers
+        s_blocks, t_blocks = llm_blocks(student.llm), llm_blocks(teacher.llm)
         k = max(1, len(t_blocks) // len(s_blocks))
         pairs = [(i, min(len(t_blocks) - 1, (i + 1) * k - 1)) for i in range(len(s_blocks))]
         if all(_copy_matching(s_blocks[i], t_blocks[j], dry=True) for i, j in pairs):

@@ -158,6 +158,8 @@ def local_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
             loss, metrics = model.compute_loss(batch, weighting, denominators)
             scaler.scale_loss(loss / n).backward()
             add_mean(sums, metrics, n)
+    if reducer is not None:
+        reducer.sum_tp_partial()
     if reducer is not None:  # learned loss weights live outside the sharded model: average their gradients here
         reducer.mean_grads([p for g in optimizer.param_groups if g["component"] not in COMPONENTS
                             for p in g["params"]])

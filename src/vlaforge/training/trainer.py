@@ -19,7 +19,7 @@ from vlaforge.config.schema import VLAConfig
 from vlaforge.data.loader import Data, build_data, build_loader
 from vlaforge.config.shapes import describe as describe_shapes, resolve_shapes
 from vlaforge.errors import VlaforgeError
-from vlaforge.models.build import build_vla, tokens_per_sample
+from vlaforge.models.build import BACKBONES_FILE, backbone_configs, build_vla, tokens_per_sample
 from vlaforge.progress import progress_bar
 from vlaforge.techniques.freezing import apply_freezing, schedule_changes
 from vlaforge.training.numerics import NumericsMonitor
@@ -283,10 +283,25 @@ def save(run: Run, step: int) -> Path | None:
     path = None
     if run.world.is_main:
         path = ckpt.save_checkpoint(run.run_dir, step, run.model, state, dump_toml(run.cfg), t.keep_checkpoints,
-                                    extra=run.data.save_policy_files, weights=weights, prepared=prepared)
+                                    extra=lambda folder: save_policy_files(run, folder), weights=weights,
+                                    prepared=prepared)
     if distributed:
         torch.distributed.barrier()  # no rank runs ahead of a checkpoint it may need to resume from
     return path
+
+
+def save_policy_files(run: Run, folder: Path) -> None:
+    """What a checkpoint needs beyond its weights to load and predict on its own: the observation spec and the
+    tokenizer (training's, or the pretrained LLM's), and the pretrained components' configs (backbones.json), so
+    it loads after the pretrained folders it started from are gone."""
+    run.data.save_policy_files(folder)
+    if run.data.tokenizer is None and run.cfg.model.llm.pretrained:  # synthetic data: the LLM's own tokenizer
+        from vlaforge.data.tokenizer import pretrained_tokenizer
+
+        pretrained_tokenizer(run.cfg.model.llm.pretrained).save(folder)
+    backbones = backbone_configs(run.model, run.cfg.model)
+    if backbones:
+        write_atomic(folder / BACKBONES_FILE, json.dumps(backbones, indent=1, default=str))
 
 
 def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:

@@ -1,0 +1,117 @@
+"""What the techniques need to know about an LLM family, read from the built `transformers` module and its config
+instead of from Llama's attribute names: the one place that knows families differ.
+
+- `llm_parts`: the decoder body (`get_decoder()`: `model` for most families, `gpt_neox` for GPT-NeoX), its blocks,
+  its final norm (`norm`, Phi's `final_layernorm`, GPT-NeoX's `final_layer_norm`: found as the body's one norm
+  child), its token embeddings and LM head.
+- `tp_plan`: each block's tensor-parallel plan from the config's own `base_model_tp_plan` (transformers ships one
+  per family: fused projections gathered, q/k norms `replicated_with_grad_allreduce`, MoE experts), with the
+  styles vlaforge runs and a one-line refusal for the others.
+- `attention_features`: the sliding window (the smallest over the layers that use one) and the attention-logit
+  soft-cap, which context parallel's kernels do not implement.
+- `expert_modules`: the modules holding the 3-D stacked expert weights of MoE blocks, which `nn.Linear`-based converters (fp8,
+  quantization) do not see.
+- `block_norms`: a block's own norm layers (two in Llama, one in Phi, four in Gemma3), for sequence parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from vlaforge.errors import VlaforgeError
+
+# transformers' TP styles vlaforge applies (distributed/parallelize.py maps each to a DTensor ParallelStyle)
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
+# styles of parts vlaforge keeps replicated (correct, not sharded): the token embeddings (the VLA feeds embeddings)
+TP_KEPT_WHOLE = ("embedding_rowwise",)
+
+
+@dataclass(frozen=True)
+class LLMParts:
+    decoder: nn.Module
+    blocks: nn.ModuleList
+    final_norm_name: str  # the attribute of `decoder` holding the final norm
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return getattr(self.decoder, self.final_norm_name)
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A normalization layer: torch's LayerNorm / RMSNorm or a family's own `...Norm` class."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+
+
+def decoder_of(llm: nn.Module) -> nn.Module:
+    """The decoder body of a causal LM (the module whose forward takes `inputs_embeds`)."""
+    decoder = llm.get_decoder() if hasattr(llm, "get_decoder") else getattr(llm, "model", None)
+    # NOTE: a module, not only a ModuleList: a pipeline stage keeps its blocks in a dict by their index
+    if decoder is None or not isinstance(getattr(decoder, "layers", None), nn.Module):
+        raise VlaforgeError(f"the llm is a {type(llm).__name__}, whose decoder blocks vlaforge cannot find (no "
+                            "get_decoder().layers); use a causal-LM folder of a decoder-only family")
+    return decoder
+
+
+def llm_parts(llm: nn.Module) -> LLMParts:
+    """The decoder, its blocks and its final norm (raises one line when they cannot be found)."""
+    decoder = decoder_of(llm)
+    norms = [name for name, child in decoder.named_children() if is_norm(child)]
+    if len(norms) != 1:
+        raise VlaforgeError(f"the llm's decoder ({type(decoder).__name__}) has {len(norms)} norm layers outside its "
+                            f"blocks ({', '.join(norms) or 'none'}), not one final norm; vlaforge cannot place it")
+    return LLMParts(decoder, decoder.layers, norms[0])
+
+
+def family(config) -> str:
+    return getattr(config, "model_type", type(config).__name__)
+
+
+def tp_plan(config) -> dict[str, str]:
+    """Block-relative module name -> transformers TP style, from `config.base_model_tp_plan`.
+
+    Raises:
+        VlaforgeError: the family has no plan, or one with a style vlaforge does not run (MoE experts).
+    """
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    if not plan:
+        raise VlaforgeError(f"parallel.tp > 1: the {family(config)} config has no tensor-parallel plan "
+                            "(base_model_tp_plan); use tp = 1 with dp_shard")
+    out = {}
+    for pattern, style in plan.items():
+        if not pattern.startswith("layers.*."):
+            if style in TP_KEPT_WHOLE:
+                continue
+            raise VlaforgeError(f"parallel.tp > 1: the {family(config)} plan splits {pattern} ({style}), outside "
+                                "the blocks, which vlaforge does not; use tp = 1 with dp_shard")
+        if style not in TP_STYLES:
+            raise VlaforgeError(f"parallel.tp > 1 is not available for {family(config)}: its plan splits "
+                                f"{pattern} as '{style}' (mixture-of-experts weights), which vlaforge's tensor "
+                                "parallel does not run; use tp = 1 with dp_shard (FSDP2)")
+        out[pattern.removeprefix("layers.*.")] = style
+    return out
+
+
+def attention_features(config) -> dict[str, float | None]:
+    """{'sliding_window': the smallest window any layer uses (None: every layer attends to the whole prefix),
+    'softcap': the attention-logit soft-cap (None: none)}."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        window = None
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    return {"sliding_window": window, "softcap": getattr(config, "attn_logit_softcapping", None)}
+
+
+def expert_modules(module: nn.Module) -> list[str]:
+    """Names of the modules in `module` that hold stacked (3-D) expert weights (MoE blocks keep each projection of
+    all experts as one tensor), which `nn.Linear`-based converters do not see."""
+    return [name for name, sub in module.named_modules()
+            if any(p.dim() == 3 for p in sub.parameters(recurse=False)) and "expert" in name]
+
+
+def block_norms(block: nn.Module) -> list[str]:
+    """The block's own norm layers (direct children), in order."""
+    return [name for name, child in block.named_children() if is_norm(child)]

@@ -1,0 +1,83 @@
+"""Tiny random-init `save_pretrained` folders of each LLM family, built with `transformers` the way a user's real
+folder is written (config.json, model.safetensors, a tokenizer): the family matrix's inputs. Each family is built once
+per test session (`family_folder`), in a folder shared by the tests that use it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+# NOTE: the tokenizer is trained in the test process, which later forks CLI runs and ranks: tokenizers' Rust thread
+# pool, once started, deadlocks a forked child (a lock held by a pool thread at the fork)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# hidden 64, 4 heads of 16, 2 kv heads: tp = 2 and cp = 2 divide everything; windows of 8 tokens are shorter than
+# tiny_synthetic's sequence, so a sliding window binds
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=320, max_position_embeddings=256, head_dim=16, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+FAMILIES = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},  # per-head q/k norms
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "gemma": {},  # tied embeddings, scaled embeddings
+    "gemma2": dict(sliding_window=8),  # soft-capped attention logits (eager attention)
+    "gemma3_text": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),  # 4 norms per block
+    "mistral": dict(sliding_window=8),
+    "phi3": {},  # fused qkv_proj / gate_up_proj
+    "phi": {},  # final_layernorm, parallel attention + MLP, partial rotary
+    "olmo2": {},  # full-width q/k norms, post-norms only
+    "gpt_neox": {},  # gpt_neox.layers, fused query_key_value
+}
+_BUILT: dict[str, Path] = {}
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = "open close the door drawer press button reach goal pick place put move push pull left right".split()
+    tok.train_from_iterator([" ".join(words)] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def build_family(name: str, out: Path) -> Path:
+    """A tiny random-init causal LM of family `name` saved with its tokenizer into `out`."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = CONFIG_MAPPING[name](**{**COMMON, **FAMILIES[name]})
+    attn = "eager" if name == "gemma2" else "sdpa"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    with torch.no_grad():  # norms start at ones (zeros for Gemma's 1 + w): random ones catch a misplaced norm
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    _tokenizer().save_pretrained(out)
+    return out
+
+
+def family_folder(name: str, root: Path) -> Path:
+    """The session's folder of family `name` (built on first use under `root`)."""
+    if name not in _BUILT or not _BUILT[name].is_dir():
+        _BUILT[name] = build_family(name, Path(root) / name)
+    return _BUILT[name]
+
+
+def all_folders(root: Path) -> dict[str, Path]:
+    return {name: family_folder(name, root) for name in FAMILIES}
+
+
+if __name__ == "__main__":  # python tests/families.py OUT: build every family into OUT
+    import sys
+
+    for n, p in all_folders(Path(sys.argv[1] if len(sys.argv) > 1 else os.getcwd())).items():
+        print(n, p)

@@ -1,0 +1,65 @@
+"""The family matrix: tiny random-init `save_pretrained` folders of each LLM family (tests/families.py) as
+`model.llm.pretrained`, each technique against one process. A cell is exact (losses and step-3 weights equal one
+process's) or a one-line refusal with exit 2; never an rc-0 run that differs."""
+
+import pytest
+
+from conftest import TINY_RECIPE
+from families import family_folder
+from launch import COMMON, assert_same_weights, metrics, torchrun, train_single
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+class _Singles(dict):
+    """family -> its one-process reference run, trained on first use."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name):
+        self[name] = train_single(self.root / f"single_{name}", *_llm(self.root, name))
+        return self[name]
+
+
+def _llm(root, name):
+    return (f"--model.llm.pretrained={family_folder(name, root / 'folders')}",)
+
+
+@pytest.fixture(scope="module")
+def singles(tmp_path_factory):
+    return _Singles(tmp_path_factory.mktemp("families"))
+
+
+def _matches(run, reference):
+    assert_same_weights(run, reference)
+    for got, want in zip(metrics(run), metrics(reference)):
+        assert got["loss/total"] == pytest.approx(want["loss/total"], abs=1e-5)
+        assert got["grad_norm/total"] == pytest.approx(want["grad_norm/total"], rel=1e-4)
+
+
+TP_FAMILIES = ["qwen3", "gemma3_text", "phi3", "phi", "olmo2", "gpt_neox"]
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
+@pytest.mark.parametrize("name", TP_FAMILIES)
+def test_tensor_parallel_on_each_family_matches_one_process(tmp_path, singles, name, sp):
+    """The family's own plan (fused projections gathered, q/k norms' gradients summed over the TP ranks, every norm
+    of the block sequence-parallel under SP, the final norm found by what it is)."""
+    reference = singles[name]
+    extra = ["--parallel.sequence_parallel=true"] if sp else []
+    done = torchrun("train", str(TINY_RECIPE), *COMMON, *_llm(singles.root, name), "--parallel.tp=2", *extra,
+                    f"--train.output_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    _matches(tmp_path, reference)
+
+
+def test_pipeline_parallel_finds_a_final_norm_not_named_norm(tmp_path, singles):
+    """Phi's final norm is `final_layernorm`: the last stage applies it, the first does not."""
+    reference = train_single(singles.root / "single_phi_accum2", *_llm(singles.root, "phi"), "--train.grad_accum=2")
+    done = torchrun("train", str(TINY_RECIPE), *COMMON, *_llm(singles.root, "phi"), "--parallel.pp=2",
+                    "--parallel.dp_shard=1", "--train.grad_accum=2", f"--train.output_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    _matches(tmp_path, reference)
+
