@@ -55,6 +55,19 @@ def make_batch(cfg, model, size: int = 4, start: int = 0):
     return Batch.collate([ds[i] for i in range(start, start + size)])
 
 
+def fit(model, batch, steps: int, lr: float = 1e-3) -> list[float]:
+    """`steps` AdamW steps of `model` on one batch; the losses before each step."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss, _ = model.compute_loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 FRESH = os.environ.get("VLAFORGE_TEST_FRESH") == "1"  # every CLI call in a new interpreter, as before 2026-12-03
 
 

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -46,6 +47,16 @@ def assert_same_weights(run_dir, reference):
     assert a.keys() == b.keys(), (a.keys() ^ b.keys())
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-3 if k.endswith(NOISE_ONLY) else 1e-5, msg=k)
+
+
+def assert_matches(run, reference, keys=("loss/total",), rel_norm: float = 1e-5):
+    """Same step-3 weights as `reference` and, per logged step, the same `keys` (abs 1e-5) and total gradient norm
+    (relative `rel_norm`)."""
+    assert_same_weights(run, reference)
+    for got, want in zip(metrics(run), metrics(reference)):
+        for key in keys:
+            assert got[key] == pytest.approx(want[key], abs=1e-5), key
+        assert got["grad_norm/total"] == pytest.approx(want["grad_norm/total"], rel=rel_norm)
 
 
 def train_single(out, *args: str):

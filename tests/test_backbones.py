@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_batch, run_cli, tiny_config, TINY_RECIPE
+from conftest import fit, make_batch, run_cli, tiny_config, TINY_RECIPE
 from families import FAMILIES, family_folder
 from vlaforge.config.loading import load_config
 from vlaforge.errors import VlaforgeError
@@ -40,15 +40,7 @@ def test_each_family_loads_as_transformers_loads_it_and_trains(root, name):
         torch.testing.assert_close(model.llm.eval()(input_ids=ids).logits, ref.eval()(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
     model.train()
-    batch = make_batch(cfg, model, size=2)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    losses = []
-    for _ in range(3):
-        loss, _ = model.compute_loss(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = fit(model, make_batch(cfg, model, size=2), steps=3)
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 

@@ -9,7 +9,7 @@ from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla, parameter_counts
 from vlaforge.config.flavors import FLAVORS
 
-from conftest import make_batch, run_cli, tiny_config
+from conftest import fit, make_batch, run_cli, tiny_config
 
 
 @pytest.mark.parametrize("head", ["regression", "flow_matching"])
@@ -49,15 +49,7 @@ def test_text_targets_do_not_change_action_queries(tmp_path):
 def test_compute_loss_decreases_on_fixed_batch(tmp_path):
     cfg = tiny_config(tmp_path)
     model = build_vla(cfg.model, cfg.loss)
-    batch = make_batch(cfg, model, size=8)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(50):
-        loss, _ = model.compute_loss(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = fit(model, make_batch(cfg, model, size=8), steps=50)
     assert losses[-1] < 0.5 * losses[0], losses[::10]
 
 
