@@ -64,12 +64,18 @@ class ModelState:
 
 
 def _tp_split(model: nn.Module) -> set[int]:
-    """ids of the parameters tensor parallel splits: the LLM blocks' q/k/v/o and gate/up/down weights."""
-    from vlaforge.distributed.parallelize import LLM_TP_PLAN
+    """ids of the parameters tensor parallel splits: the LLM blocks' layers the family's plan shards (q/k/v/o and
+    gate/up/down in Llama; `families.tp_plan`). A family tensor parallel refuses (MoE experts) splits nothing."""
+    from vlaforge.errors import VlaforgeError
+    from vlaforge.models.families import tp_plan
 
+    try:
+        plan = tp_plan(model.llm.config)
+    except VlaforgeError:
+        return set()
     ids = set()
     for block in llm_blocks(model.llm):
-        for name in LLM_TP_PLAN:
+        for name in (n for n, kind in plan.items() if kind != "replicated_with_grad_allreduce"):
             module = block.get_submodule(name)
             ids.update(id(p) for p in module.parameters(recurse=False))
     return ids
