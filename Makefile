@@ -20,6 +20,8 @@ DEMO_LONG_RUN ?= runs/tiny_metaworld_long
 # the demo recipe reads corner + behindGripper (the views that keep reach's goal in sight, README); topview is
 # recorded too for the distillation recipes
 DEMO_CAMERAS ?= corner,topview,behindGripper
+# extra `vlaforge train` overrides, e.g. the README's seed spread: make demo DEMO_RUN=runs/seed2 DEMO_ARGS=--train.seed=2
+DEMO_ARGS ?=
 
 .PHONY: venv test test-fast bench demo demo-long quickstart clean
 
@@ -66,7 +68,7 @@ define demo_job
 	else $(VENV)/bin/vlaforge data generate --out $(3) --tasks $(4) --cameras $(DEMO_CAMERAS) \
 		--hide-distractors --steer-tcp --overwrite || exit $$?; fi; \
 	if [ -f $(2)/checkpoints/latest ]; then echo "using the trained run in $(2) (remove it to retrain)"; \
-	else $(VENV)/bin/vlaforge train $(1) --data.path=$(3) --train.output_dir=$(2) || exit $$?; fi; \
+	else $(VENV)/bin/vlaforge train $(1) --data.path=$(3) --train.output_dir=$(2) $(DEMO_ARGS) || exit $$?; fi; \
 	$(VENV)/bin/vlaforge eval $(2) --out $(2)/eval || exit $$?; \
 	echo "$@ finished in $$(( ($$(date +%s) - start) / 60 )) min $$(( ($$(date +%s) - start) % 60 )) s"
 endef

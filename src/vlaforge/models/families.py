@@ -68,12 +68,28 @@ def family(config) -> str:
     return getattr(config, "model_type", type(config).__name__)
 
 
+def num_experts(config) -> int:
+    """How many routed experts the config's MoE blocks hold (0: dense blocks)."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
 def tp_plan(config) -> dict[str, str]:
     """Block-relative module name -> transformers TP style, from `config.base_model_tp_plan`.
 
     Raises:
         VlaforgeError: the family has no plan, or one with a style vlaforge does not run (MoE experts).
     """
+    experts = num_experts(config)
+    if experts:
+        # transformers' plans for expert weights changed between releases (5.25 names only the dense projections,
+        # which a sparse block does not have): the config, not the plan, says whether the blocks are MoE
+        raise VlaforgeError(f"parallel.tp > 1 is not available for {family(config)}: its blocks are mixture-of-experts "
+                            f"({experts} experts), which vlaforge's tensor parallel does not run; use tp = 1 with "
+                            "dp_shard (FSDP2)")
     plan = getattr(config, "base_model_tp_plan", None) or {}
     if not plan:
         raise VlaforgeError(f"parallel.tp > 1: the {family(config)} config has no tensor-parallel plan "
