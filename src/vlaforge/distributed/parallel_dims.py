@@ -7,10 +7,8 @@ parallel groups are the closest ranks (one NVLink island) and pipeline stages th
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -37,14 +35,15 @@ class ModelFacts:
 
 def model_facts(model_cfg) -> ModelFacts:
     from vlaforge.config.flavors import FLAVORS
+    from vlaforge.models.hf_loading import read_config
 
     flavor = FLAVORS.get(model_cfg.flavor)
     llm, vision = dict(flavor.llm), dict(flavor.vision)
     if model_cfg.llm.pretrained:
-        llm = _hf_config(model_cfg.llm.pretrained)
+        llm = read_config(model_cfg.llm.pretrained, "model.llm.pretrained")
         llm = llm.get("text_config", llm)  # a whole-VLM folder keeps its language model's shape there
     if model_cfg.vision.pretrained:
-        vision = _hf_config(model_cfg.vision.pretrained)
+        vision = read_config(model_cfg.vision.pretrained, "model.vision.pretrained")
         vision = vision.get("vision_config", vision)
     if "num_attention_heads" not in llm or "num_hidden_layers" not in llm:
         raise VlaforgeError(f"model.llm.pretrained: {model_cfg.llm.pretrained}/config.json names no "
@@ -54,15 +53,6 @@ def model_facts(model_cfg) -> ModelFacts:
     return ModelFacts(llm_heads=heads, llm_kv_heads=llm.get("num_key_value_heads") or heads,
                       llm_blocks=llm["num_hidden_layers"], vision_heads=vision["num_attention_heads"],
                       tied_embeddings=bool(llm.get("tie_word_embeddings", False)))
-
-
-def _hf_config(folder: str) -> dict:
-    path = Path(folder) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise VlaforgeError(f"{path}: cannot read the model config ({exc}); point the pretrained path at a "
-                            "save_pretrained folder") from None
 
 
 @dataclass(frozen=True)

@@ -83,16 +83,14 @@ def attention_function(method: str, group=None):
                "ulysses": lambda q, k, v, c, s: ulysses_attention(q, k, v, group, causal=c, scale=s),
                "allgather": lambda q, k, v, c, s: allgather_attention(q, k, v, group, causal=c, scale=s)}
     kernel = kernels[method]
-
-    def get_size(g) -> int:
-        return dist.get_world_size(g) if dist.is_initialized() else 1
+    shards = dist.get_world_size(group) if dist.is_initialized() else 1
 
     def attend(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                is_causal: bool | None = None, **kwargs):
         # NOTE: the kernels attend to the whole causal prefix without a cap on the logits: a windowed or soft-capped
         # layer would be computed wrong, so it stops (`check_attention` refuses such models before they get here)
         window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-        if softcap is not None or (window is not None and window < query.shape[2] * get_size(group)):
+        if softcap is not None or (window is not None and window < query.shape[2] * shards):
             raise VlaforgeError(f"context parallel ({method}) does not implement sliding-window attention or "
                                 "soft-capped logits, which this model's attention asks for; use cp = 1")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

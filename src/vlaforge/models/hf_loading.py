@@ -14,26 +14,55 @@ from vlaforge.errors import VlaforgeError, first_line
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
 
+HINT = "give a local folder written by save_pretrained (config.json + model.safetensors)"
+
+
+def read_config(path: str | Path, field: str) -> dict[str, Any]:
+    """The config.json of a pretrained folder, as a dict. The weights need not be there: planning, `model summary`
+    and fake builds read the config alone.
+
+    Raises:
+        VlaforgeError: the folder or its config.json is missing, or config.json is not a JSON object.
+    """
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise VlaforgeError(f"{field}: {folder} is not a folder; {HINT}")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise VlaforgeError(f"{field}: {folder} has no config.json; {HINT}")
+    try:
+        out = json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise VlaforgeError(f"{field}: {config} is not valid JSON ({exc}); {HINT}") from None
+    if not isinstance(out, dict):
+        raise VlaforgeError(f"{field}: {config} holds a JSON {type(out).__name__}, not an object; {HINT}")
+    return out
+
+
 def check_pretrained_folder(path: str | Path, field: str) -> Path:
     """Return the folder as a Path, or raise naming `field` and what is missing.
 
     Raises:
         VlaforgeError: the folder, its config.json or its weight files are missing or config.json is not JSON.
     """
+    read_config(path, field)
     folder = Path(path).expanduser()
-    hint = "give a local folder written by save_pretrained (config.json + model.safetensors)"
-    if not folder.is_dir():
-        raise VlaforgeError(f"{field}: {folder} is not a folder; {hint}")
-    config = folder / "config.json"
-    if not config.is_file():
-        raise VlaforgeError(f"{field}: {folder} has no config.json; {hint}")
-    try:
-        json.loads(config.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise VlaforgeError(f"{field}: {config} is not valid JSON ({exc}); {hint}") from None
     if not any(next(folder.glob(p), None) for p in WEIGHT_PATTERNS):
-        raise VlaforgeError(f"{field}: {folder} has no weight files (*.safetensors); {hint}")
+        raise VlaforgeError(f"{field}: {folder} has no weight files (*.safetensors); {HINT}")
     return folder
+
+
+def _sdpa_or_eager(build: Any, notice: str | None = None) -> Any:
+    """`build(attn_implementation)` with SDPA attention, or eager for a family transformers runs without SDPA
+    (Gemma2's soft-capped logits), printing `notice` when it falls back."""
+    try:
+        return build("sdpa")
+    except ValueError as exc:
+        if "scaled_dot_product_attention" not in str(exc):
+            raise
+        if notice:
+            print(notice, flush=True)
+        return build("eager")
 
 
 def load_pretrained(model_cls: Any, path: str | Path, field: str, families: tuple[str, ...] = ()) -> Any:
@@ -50,7 +79,7 @@ def load_pretrained(model_cls: Any, path: str | Path, field: str, families: tupl
     import torch
 
     folder = check_pretrained_folder(path, field)
-    kind = json.loads((folder / "config.json").read_text()).get("model_type")
+    kind = read_config(folder, field).get("model_type")
     if families and kind not in families:
         raise VlaforgeError(f"{field}: {folder} is a '{kind}' folder; this component is built as "
                             f"{' / '.join(families)} and would not load its weights; give a folder of that family")
@@ -65,13 +94,8 @@ def load_pretrained(model_cls: Any, path: str | Path, field: str, families: tupl
     hf_logging.set_verbosity_error()  # its load report and progress bars: what matters is checked below, in one line
     hf_logging.disable_progress_bar()
     try:
-        try:
-            model, info = load("sdpa")
-        except ValueError as exc:
-            if "scaled_dot_product_attention" not in str(exc):
-                raise
-            print(f"{field}: {kind} has no SDPA attention in transformers: using eager attention", flush=True)
-            model, info = load("eager")
+        model, info = _sdpa_or_eager(load, f"{field}: {kind} has no SDPA attention in transformers: using eager "
+                                           "attention")
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         if "ignore_mismatched_sizes" in str(exc):
             raise VlaforgeError(f"{field}: the weights in {folder} do not match the shapes its config.json gives "
@@ -93,11 +117,6 @@ def load_pretrained(model_cls: Any, path: str | Path, field: str, families: tupl
 
 
 
-def read_config(path: str | Path, field: str) -> dict[str, Any]:
-    """The config.json of a pretrained folder, as a dict (checked as `check_pretrained_folder` checks it)."""
-    return json.loads((check_pretrained_folder(path, field) / "config.json").read_text())
-
-
 def from_config(model_cls: Any, config: dict[str, Any], field: str) -> Any:
     """A module of `model_cls` built from a config dict alone, weights left to the caller (a checkpoint's saved
     backbone config, a planning build under fake tensors). `model_cls`: a model class, or `AutoModelForCausalLM`.
@@ -113,8 +132,6 @@ def from_config(model_cls: Any, config: dict[str, Any], field: str) -> Any:
                             f"({first_line(exc, None)})") from None
     make = model_cls.from_config if hasattr(model_cls, "from_config") else model_cls._from_config
     try:
-        return make(built, attn_implementation="sdpa")
+        return _sdpa_or_eager(lambda attn: make(built, attn_implementation=attn))
     except ValueError as exc:
-        if "scaled_dot_product_attention" not in str(exc):
-            raise VlaforgeError(f"{field}: cannot build a '{kind}' model: {first_line(exc, None)}") from None
-        return make(built, attn_implementation="eager")
+        raise VlaforgeError(f"{field}: cannot build a '{kind}' model: {first_line(exc, None)}") from None

@@ -159,8 +159,8 @@ def local_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
             scaler.scale_loss(loss / n).backward()
             add_mean(sums, metrics, n)
     if reducer is not None:
-        reducer.sum_tp_partial()
-    if reducer is not None:  # learned loss weights live outside the sharded model: average their gradients here
+        reducer.sum_tp_partial()  # replicated weights that see a TP shard of the activations (q/k norms)
+        # learned loss weights live outside the sharded model: average their gradients here
         reducer.mean_grads([p for g in optimizer.param_groups if g["component"] not in COMPONENTS
                             for p in g["params"]])
     grads = local_grads(optimizer, reducer)
