@@ -34,6 +34,16 @@ FAMILIES = {
 }
 _BUILT: dict[str, Path] = {}
 
+# vision towers: width 32, 2 heads, patch 8 on 32-pixel images (a 4 x 4 grid); each family's own extras
+VISION_COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=8)
+VISION_FAMILIES = {
+    "siglip": ("SiglipVisionModel", dict(intermediate_size=64, image_size=32, vision_use_head=True)),  # head dropped
+    "siglip2": ("Siglip2VisionModel", dict(intermediate_size=64, num_patches=16)),  # NaFlex: a 4 x 4 position grid
+    "clip": ("CLIPVisionModel", dict(intermediate_size=64, image_size=32)),  # CLS token, pre-LayerNorm
+    "dinov2": ("Dinov2Model", dict(mlp_ratio=2, image_size=32)),  # CLS token, layer scale, always interpolates
+    "dinov2_with_registers": ("Dinov2WithRegistersModel", dict(mlp_ratio=2, image_size=32, num_register_tokens=2)),
+}
+
 
 def _tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -70,6 +80,30 @@ def family_folder(name: str, root: Path) -> Path:
     if name not in _BUILT or not _BUILT[name].is_dir():
         _BUILT[name] = build_family(name, Path(root) / name)
     return _BUILT[name]
+
+
+def build_tower(name: str, out: Path) -> Path:
+    """A tiny random-init vision tower of family `name` saved into `out`."""
+    import transformers
+
+    torch.manual_seed(0)
+    cls_name, extra = VISION_FAMILIES[name]
+    cls = getattr(transformers, cls_name)
+    model = cls(cls.config_class(**VISION_COMMON, **extra))
+    with torch.no_grad():  # norms and layer scales off their init values: a misplaced one shows
+        for n, p in model.named_parameters():
+            if "norm" in n or "layer_scale" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    return out
+
+
+def tower_folder(name: str, root: Path) -> Path:
+    """The session's folder of vision family `name` (built on first use under `root`)."""
+    key = f"vision:{name}"
+    if key not in _BUILT or not _BUILT[key].is_dir():
+        _BUILT[key] = build_tower(name, Path(root) / f"vision_{name}")
+    return _BUILT[key]
 
 
 def all_folders(root: Path) -> dict[str, Path]:

@@ -54,14 +54,17 @@ def _save_tower(out, head=False):
 
 
 def test_a_folder_that_would_not_load_is_refused_in_one_line(tmp_path):
-    """Another family's folder (DINOv2 as the SigLIP tower), a folder missing weights, a config edited away from
-    its weights: each one line naming the problem, never a randomly initialised module trained in its place."""
+    """A folder whose config names another family than its weights (a DINOv2 relabelled CLIP), a folder missing
+    weights, a config edited away from its weights: each one line naming the problem, never a randomly initialised
+    module trained in its place."""
     from safetensors.torch import load_file, save_file
-    from transformers import Dinov2Config, Dinov2Model
 
-    Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                             image_size=32, patch_size=8)).save_pretrained(tmp_path / "dino")
-    cases = {"dino": "is a 'dinov2' folder"}
+    from families import tower_folder
+
+    relabelled = shutil.copytree(tower_folder("dinov2", tmp_path), tmp_path / "relabelled")
+    config = json.loads((relabelled / "config.json").read_text())
+    (relabelled / "config.json").write_text(json.dumps({**config, "model_type": "clip_vision_model"}))
+    cases = {"relabelled": "of the .* weights of the CLIPVisionModel .* are not in its files"}
     partial = _save_tower(tmp_path / "partial")
     weights = load_file(partial / "model.safetensors")
     save_file({k: v for k, v in weights.items() if "layers.0.mlp" not in k}, partial / "model.safetensors",
@@ -75,9 +78,9 @@ def test_a_folder_that_would_not_load_is_refused_in_one_line(tmp_path):
         cfg = tiny_config(model={"vision": {"pretrained": str(tmp_path / folder)}})
         with pytest.raises(VlaforgeError, match=f"^model.vision.pretrained: [^\n]*{message}[^\n]*$"):
             build_vla(cfg.model, cfg.loss)
-    whole_vlm = family_folder("llama", tmp_path)  # an LLM folder where the vision tower is asked for
-    cfg = tiny_config(model={"vision": {"pretrained": str(whole_vlm)}})
-    with pytest.raises(VlaforgeError, match="is a 'llama' folder"):
+    llm = family_folder("llama", tmp_path)  # an LLM folder where the vision tower is asked for
+    cfg = tiny_config(model={"vision": {"pretrained": str(llm)}})
+    with pytest.raises(VlaforgeError, match="^model.vision.pretrained: .* is a 'llama' folder, not a vision tower"):
         build_vla(cfg.model, cfg.loss)
 
 
@@ -91,14 +94,21 @@ def test_a_family_without_sdpa_gets_eager_attention_with_a_notice(root, capsys):
 def test_planning_builds_never_read_a_folders_weights(root, monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensor
 
-    import vlaforge.models.hf_loading as hf
+    import vlaforge.models.llm
+    import vlaforge.models.vision
+    from families import tower_folder
+    from vlaforge.planner.types import PlanModel
 
-    monkeypatch.setattr(hf, "load_pretrained", lambda *a, **k: pytest.fail("weights read under fake tensors"))
+    for module in (vlaforge.models.llm, vlaforge.models.vision):  # where the builders call it
+        monkeypatch.setattr(module, "load_pretrained", lambda *a, **k: pytest.fail("weights read in a fake build"))
     for name in ("qwen3", "phi"):
         cfg = _cfg(root, name)
         model = build_vla(cfg.model, cfg.loss, fake=True)
         assert all(isinstance(p, FakeTensor) for p in model.parameters())
         assert model.llm.config.model_type == name
+    cfg = tiny_config(model={"llm": {"pretrained": str(family_folder("mistral", root))},
+                             "vision": {"pretrained": str(tower_folder("siglip", root))}})
+    assert PlanModel(cfg).model.llm.config.model_type == "mistral"  # `vlaforge plan`'s build
 
 
 def test_context_parallel_refuses_windows_and_soft_caps_in_one_line(root):
@@ -169,7 +179,7 @@ def test_tensor_parallel_plans_come_from_the_family(root):
         tp_plan(AutoConfig.from_pretrained(family_folder("qwen3_moe", root)))
 
 
-def _train_on_robot_data(tmp_path, folder, name="run"):
+def _train_on_robot_data(tmp_path, folder, name="run", *extra):
     from fake_lerobot import write_dataset
 
     if not (tmp_path / "ds").is_dir():
@@ -178,19 +188,22 @@ def _train_on_robot_data(tmp_path, folder, name="run"):
     done = run_cli("train", str(TINY_RECIPE), "--data.source=lerobot", f"--data.path={tmp_path / 'ds'}",
                    "--model.image_size=32", "--data.max_instruction_tokens=8", "--train.steps=2",
                    "--train.batch_size=2", "--train.progress=false", "--train.tensorboard=false",
-                   f"--model.llm.pretrained={folder}", f"--train.output_dir={run}")
+                   f"--model.llm.pretrained={folder}", f"--train.output_dir={run}", *extra)
     assert done.returncode == 0, done.stderr[-2000:]
     return run
 
 
-def test_a_checkpoint_predicts_after_its_pretrained_folder_is_deleted(root, tmp_path):
-    """The run saves the LLM's tokenizer and config (backbones.json) with its weights."""
+def test_a_checkpoint_predicts_after_its_pretrained_folders_are_deleted(root, tmp_path):
+    """The run saves the LLM's tokenizer and both towers' configs (backbones.json) with its weights."""
+    from families import tower_folder
     from vlaforge.inference.runtime import Observation, PolicyRuntime
 
     folder = shutil.copytree(family_folder("gemma", root), tmp_path / "gemma")  # tied embeddings
-    run = _train_on_robot_data(tmp_path, folder)
+    tower = shutil.copytree(tower_folder("dinov2_with_registers", root), tmp_path / "dinov2")  # CLS + registers
+    run = _train_on_robot_data(tmp_path, folder, "run", f"--model.vision.pretrained={tower}")
     ckpt = run / "checkpoints" / "step_00000002"
-    assert json.loads((ckpt / "backbones.json").read_text())["llm"]["model_type"] == "gemma"
+    saved = json.loads((ckpt / "backbones.json").read_text())
+    assert (saved["llm"]["model_type"], saved["vision"]["model_type"]) == ("gemma", "dinov2_with_registers")
     rt = PolicyRuntime.load(run, device="cpu")
     spec = rt.spec
     cams = [c.removeprefix("observation.images.") for c in spec.cameras]
@@ -199,6 +212,7 @@ def test_a_checkpoint_predicts_after_its_pretrained_folder_is_deleted(root, tmp_
                       np.zeros(len(spec.state_mean), np.float32), "open the door")
     before = rt.predict(obs, "s").actions
     shutil.rmtree(folder)
+    shutil.rmtree(tower)
     after = PolicyRuntime.load(run, device="cpu").predict(obs, "s").actions
     np.testing.assert_array_equal(before, after)
 
@@ -215,3 +229,34 @@ def test_an_onnx_package_of_a_sliding_window_model_is_exact_or_refused(root, tmp
     else:
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
         assert "actions are not the checkpoint's" in done.stderr and not out.exists()
+
+
+def test_the_planner_counts_llama_shaped_families_exactly_and_refuses_the_others(root):
+    """Mistral's and Qwen2's blocks are Llama's (a window, biases): planned activation bytes equal the fake-tensor
+    count; a block with q/k norms, extra norms, fused projections or experts is refused in one line naming what
+    differs (bench/planner_families.py measured those at 0.57x-1.63x)."""
+    from vlaforge import COMPONENTS
+    from vlaforge.models.build import fake_build, synthetic_batch
+    from vlaforge.planner.activations import model_activation_bytes, sequence_of
+    from vlaforge.planner.types import PlanModel
+    from vlaforge.techniques import accounting as memory
+    from vlaforge.training.trainer import build_model
+
+    for name in ("mistral", "qwen2"):
+        for strategy in ("none", "selective"):
+            comps = {c: {"precision": "bf16"} | ({"checkpointing": strategy} if c in ("vision", "llm") else {})
+                     for c in COMPONENTS}
+            cfg = tiny_config(model={"llm": {"pretrained": str(family_folder(name, root))}}, components=comps)
+            PlanModel(cfg)
+            with fake_build():
+                model, _ = build_model(cfg, torch.device("cpu"))
+                batch = synthetic_batch(cfg, model, 2)
+                with memory.count_saved(model) as acc:
+                    model.compute_loss(batch)
+            want = model_activation_bytes(model, sequence_of(model, batch), dict(cfg.components.items()),
+                                          model.objective.active("contrastive"))
+            assert want["llm"] == acc.per_component()["llm"], (name, strategy)
+    for name, what in (("qwen3", r"self_attn: \+k_norm, \+q_norm"), ("phi3", "block: "), ("gpt_neox", "-self_attn")):
+        with pytest.raises(VlaforgeError, match=f"^the planner counts Llama-shaped LLM blocks; this {name} block "
+                                                f"differs \\([^\n]*{what}"):
+            PlanModel(_cfg(root, name))

@@ -1,12 +1,12 @@
 """The family matrix: tiny random-init `save_pretrained` folders of each LLM family (tests/families.py) as
-`model.llm.pretrained`, each technique against one process. A cell is exact (losses and step-3 weights equal one
+`model.llm.pretrained` (and vision families as `model.vision.pretrained`), each technique against one process. A cell is exact (losses and step-3 weights equal one
 process's) or a one-line refusal with exit 2; never an rc-0 run that differs."""
 
 import pytest
 
 from conftest import TINY_RECIPE
-from families import family_folder
-from launch import COMMON, assert_matches, torchrun, train_single
+from families import family_folder, tower_folder
+from launch import COMMON, assert_matches, torchrun, train_distributed, train_single
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -59,3 +59,13 @@ def test_pipeline_parallel_finds_a_final_norm_not_named_norm(tmp_path, singles):
     assert done.returncode == 0, done.stderr[-2000:]
     assert_matches(tmp_path, reference, rel_norm=1e-4)
 
+
+
+@pytest.mark.parametrize("name", ["dinov2_with_registers", "siglip2"])
+def test_fsdp_on_a_vision_family_matches_one_process(tmp_path, singles, name):
+    """Every block of the tower is its own FSDP2 unit (DINOv2's `encoder.layer`, SigLIP2's patch-sequence input);
+    the sharded run's losses and weights are the one process's."""
+    tower = (f"--model.vision.pretrained={tower_folder(name, singles.root / 'folders')}",)
+    reference = train_single(singles.root / f"single_vision_{name}", *tower)
+    train_distributed(tmp_path, *tower)
+    assert_matches(tmp_path, reference, rel_norm=1e-4)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from vlaforge.errors import VlaforgeError
+from vlaforge.models.vision import vision_family
 
 CacheMode = Literal["none", "exact", "frame", "token"]
 CACHE_MODES = ("none", "exact", "frame", "token")
@@ -210,7 +211,7 @@ class TokenReuseEncoder:
 
     def __init__(self, model: torch.nn.Module, config: CacheConfig):
         vision = model.vision
-        if not all(hasattr(vision, a) for a in ("embeddings", "encoder", "post_layernorm")):
+        if vision_family(vision).name != "siglip":  # it re-runs SigLIP's embeddings, layers and post-norm itself
             raise VlaforgeError(f"cache mode 'token' needs a SigLIP vision tower; this one is a "
                                 f"{type(vision).__name__}; use --cache exact or frame")
         self.model, self.config = model, config

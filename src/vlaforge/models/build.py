@@ -15,7 +15,7 @@ from vlaforge.errors import VlaforgeError
 from vlaforge.models.action_heads import ACTION_HEADS
 from vlaforge.models.hf_loading import read_config
 from vlaforge.models.llm import build_llm
-from vlaforge.models.vision import build_vision
+from vlaforge.models.vision import build_vision, native_size
 from vlaforge.models.vla import VLA, Layout, Projector
 from vlaforge.models.losses import Objective
 
@@ -71,10 +71,11 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
             chunk=model_cfg.action_chunk, hidden=head_cfg.hidden or flavor.action_hidden,
             flow_steps=head_cfg.flow_steps, layers=head_cfg.layers, state_dropout=head_cfg.state_dropout,
             env_state_dim=model_cfg.env_state_dim)
-    image_size = model_cfg.image_size or vision.config.image_size
+    native = native_size(vision)
+    image_size = model_cfg.image_size or native
     layout = Layout(frames=model_cfg.frames_per_sample, image_size=image_size,
-                    patches_per_frame=(image_size // vision.config.patch_size) ** 2,
-                    interpolate_pos=image_size != vision.config.image_size)
+                    patches_per_frame=(image_size // vision.config.patch_size) ** 2,  # CLS / registers dropped
+                    interpolate_pos=image_size != native)
     return VLA(vision, projector, llm, action_head, layout, objective_from(loss_cfg or LossConfig()))
 
 

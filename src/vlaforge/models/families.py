@@ -12,6 +12,8 @@ instead of from Llama's attribute names: the one place that knows families diffe
 - `expert_modules`: the modules holding the 3-D stacked expert weights of MoE blocks, which `nn.Linear`-based converters (fp8,
   quantization) do not see.
 - `block_norms`: a block's own norm layers (two in Llama, one in Phi, four in Gemma3), for sequence parallel.
+- `unlike_llama`: what in a block differs from Llama's (q/k norms, extra norms, fused projections, experts), for
+  the planner, whose activation formula counts Llama's block term by term.
 """
 
 from __future__ import annotations
@@ -131,3 +133,22 @@ def expert_modules(module: nn.Module) -> list[str]:
 def block_norms(block: nn.Module) -> list[str]:
     """The block's own norm layers (direct children), in order."""
     return [name for name, child in block.named_children() if is_norm(child)]
+
+
+# the children of a Llama block and of its attention and MLP: the block the planner's formula counts
+LLAMA_BLOCK = {"": {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"},
+               "self_attn": {"q_proj", "k_proj", "v_proj", "o_proj"},
+               "mlp": {"gate_proj", "up_proj", "down_proj", "act_fn"}}
+
+
+def unlike_llama(block: nn.Module) -> str | None:
+    """What in `block` differs from a Llama block ('self_attn: +k_norm, +q_norm'), or None when nothing does."""
+    for path, want in LLAMA_BLOCK.items():
+        sub = block.get_submodule(path) if path and hasattr(block, path) else (block if not path else None)
+        if sub is None:
+            return f"no {path}"
+        have = {name for name, _ in sub.named_children()}
+        if have != want:
+            diff = [f"+{n}" for n in sorted(have - want)] + [f"-{n}" for n in sorted(want - have)]
+            return f"{path or 'block'}: {', '.join(diff)}"
+    return None

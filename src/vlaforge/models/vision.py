@@ -1,12 +1,26 @@
-"""The `vision` component: a `transformers` SigLIP vision tower, from a flavor or a pretrained folder."""
+"""The `vision` component: a `transformers` vision tower, built from a flavor (SigLIP) or loaded from a pretrained
+folder of one of the families in `VISION_FAMILIES` (SigLIP, SigLIP2, CLIP, DINOv2, DINOv2 with registers).
+
+The rule every family follows: the VLA reads the tower's last hidden states at the patch positions only, one token
+per patch of the `image_size // patch_size` grid, row-major. Tokens a family puts before the patches (CLIP's and
+DINOv2's CLS token, DINOv2's registers) are dropped, and pooling heads (SigLIP's attention-pooling head) are
+removed, so `patches_per_frame` is the same formula for every family and the planner counts what the model holds.
+What differs per family (the transformers class, leading tokens, how position embeddings meet another image size,
+SigLIP2's patch-sequence input, where the blocks are) is in its `VisionFamily` row, nowhere else.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 from torch import nn
 
 from vlaforge.config.flavors import Flavor
 from vlaforge.errors import VlaforgeError
-from vlaforge.models.hf_loading import from_config, load_pretrained
+from vlaforge.models.hf_loading import from_config, load_pretrained, read_config
 
 
 class ConvStem(nn.Module):
@@ -34,27 +48,111 @@ class ConvStem(nn.Module):
         return self.proj(self.stages(pixels))
 
 
-SIGLIP = ("siglip_vision_model", "siglip")  # a SigLIP vision folder, or a whole SigLIP (image + text) one
+@dataclass(frozen=True)
+class VisionFamily:
+    """How vlaforge builds and reads one family of `transformers` vision towers."""
+
+    name: str
+    folder_types: tuple[str, ...]  # config model_type of a folder of this family: the tower alone, or the whole model
+    tower_type: str  # model_type of the tower's own config (a checkpoint rebuilds the tower from it)
+    model_class: str  # the transformers class vlaforge builds
+    leading_tokens: Any  # config -> tokens before the patch tokens in the output (CLS, registers), dropped
+    resize_arg: bool = True  # forward takes interpolate_pos_encoding (DINOv2 interpolates always, SigLIP2 resizes)
+    patch_sequence: bool = False  # SigLIP2 (NaFlex): takes (N, patches, p*p*C) with their grid shape and a mask
+    native_size: Any = lambda config: config.image_size  # the image side its position embeddings were trained at
+
+    def cls(self):
+        import transformers
+
+        return getattr(transformers, self.model_class)
+
+
+VISION_FAMILIES = (
+    VisionFamily("siglip", ("siglip_vision_model", "siglip"), "siglip_vision_model", "SiglipVisionModel",
+                 lambda config: 0),
+    VisionFamily("siglip2", ("siglip2_vision_model", "siglip2"), "siglip2_vision_model", "Siglip2VisionModel",
+                 lambda config: 0, resize_arg=False, patch_sequence=True,
+                 native_size=lambda config: math.isqrt(config.num_patches) * config.patch_size),
+    VisionFamily("clip", ("clip_vision_model", "clip"), "clip_vision_model", "CLIPVisionModel", lambda config: 1),
+    VisionFamily("dinov2", ("dinov2",), "dinov2", "Dinov2Model", lambda config: 1, resize_arg=False),
+    VisionFamily("dinov2_with_registers", ("dinov2_with_registers",), "dinov2_with_registers",
+                 "Dinov2WithRegistersModel", lambda config: 1 + config.num_register_tokens, resize_arg=False),
+)
+SIGLIP = VISION_FAMILIES[0].folder_types  # the family vlaforge's own flavors build
+
+
+def family_for_folder(kind: str | None, folder: str = "the folder") -> VisionFamily:
+    """The family of a `folder` whose config.json says `model_type = kind`.
+
+    Raises:
+        VlaforgeError: no vision family vlaforge builds has that model type.
+    """
+    for fam in VISION_FAMILIES:
+        if kind in fam.folder_types or kind == fam.tower_type:
+            return fam
+    known = ", ".join(t for fam in VISION_FAMILIES for t in fam.folder_types)
+    raise VlaforgeError(f"model.vision.pretrained: {folder} is a '{kind}' folder, not a vision tower vlaforge "
+                        f"builds ({known}); give a folder of one of those")
+
+
+def vision_family(vision: nn.Module) -> VisionFamily:
+    """The family of a built tower (by its class; FSDP2 subclasses it)."""
+    names = {c.__name__ for c in type(vision).__mro__}
+    for fam in VISION_FAMILIES:
+        if fam.model_class in names:
+            return fam
+    raise VlaforgeError(f"the vision tower is a {type(vision).__name__}, which vlaforge does not read")
+
+
+def native_size(vision: nn.Module) -> int:
+    """The image side the tower's position embeddings were trained at (SigLIP2: its position grid x patch)."""
+    return vision_family(vision).native_size(vision.config)
+
+
+def patch_sequence(pixels: torch.Tensor, patch: int) -> torch.Tensor:
+    """(N, C, H, W) -> (N, h*w, p*p*C): SigLIP2's input, each patch's pixels in (row, column, channel) order, as its
+    image processor (`convert_image_to_patches`) lays them out."""
+    n, c, hgt, wid = pixels.shape
+    h, w = hgt // patch, wid // patch
+    x = pixels[:, :, :h * patch, :w * patch].reshape(n, c, h, patch, w, patch)
+    return x.permute(0, 2, 4, 3, 5, 1).reshape(n, h * w, patch * patch * c)
+
+
+def tower_features(vision: nn.Module, pixels: torch.Tensor, resize: bool) -> torch.Tensor:
+    """(N, C, H, W) frames -> the tower's last hidden states at the patch positions (N, P, D), the module rule.
+    `resize`: the frames are not the size the tower's position embeddings were trained at."""
+    fam = vision_family(vision)
+    if fam.patch_sequence:
+        patch = vision.config.patch_size
+        grid = (pixels.shape[-2] // patch, pixels.shape[-1] // patch)
+        seq = patch_sequence(pixels, patch)
+        shapes = torch.tensor([grid], dtype=torch.long, device=pixels.device).expand(len(pixels), 2)
+        mask = torch.ones(seq.shape[:2], dtype=torch.long, device=pixels.device)
+        hidden = vision(pixel_values=seq, pixel_attention_mask=mask, spatial_shapes=shapes).last_hidden_state
+    elif fam.resize_arg:
+        hidden = vision(pixel_values=pixels, interpolate_pos_encoding=resize).last_hidden_state
+    else:
+        hidden = vision(pixel_values=pixels).last_hidden_state
+    skip = fam.leading_tokens(vision.config)
+    return hidden[:, skip:] if skip else hidden
 
 
 def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
                  patch_size: int | None = None, stem: str = "patch", config: dict | None = None) -> nn.Module:
-    """SigLIP vision tower without its pooling head (the VLA uses every patch token); `stem` 'conv' swaps its patch
-    embedding for a `ConvStem` (towers built from scratch only). `config`: a pretrained tower's config alone
-    (weights to come from a checkpoint, or none under fake tensors)."""
+    """The vision tower without its pooling head (the VLA uses every patch token): a flavor's SigLIP, or the tower
+    of the `pretrained` folder's family (`VISION_FAMILIES`); `stem` 'conv' swaps its patch embedding for a
+    `ConvStem` (towers built from scratch only). `config`: a pretrained tower's config alone (weights to come from
+    a checkpoint, or none under fake tensors)."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     if pretrained or config is not None:
         if config is not None:
-            kind = config.get("model_type")
-            if kind not in SIGLIP:
-                raise VlaforgeError(f"model.vision.pretrained is a '{kind}' model; the vision tower is built as "
-                                    f"{' / '.join(SIGLIP)}; give a folder of that family")
-            config = {**config.get("vision_config", config), "model_type": "siglip_vision_model"}
-            model = from_config(SiglipVisionModel, config, "model.vision.pretrained")
-        else:  # a SigLIP vision folder, or a whole SigLIP (image + text) folder whose vision tower is taken
-            model = load_pretrained(SiglipVisionModel, pretrained, "model.vision.pretrained",
-                                    families=SIGLIP)
+            fam = family_for_folder(config.get("model_type"))
+            config = {**config.get("vision_config", config), "model_type": fam.tower_type}
+            model = from_config(fam.cls(), config, "model.vision.pretrained")
+        else:  # a tower's folder, or a whole image + text model's (SigLIP, CLIP) whose vision tower is taken
+            fam = family_for_folder(read_config(pretrained, "model.vision.pretrained").get("model_type"), pretrained)
+            model = load_pretrained(fam.cls(), pretrained, "model.vision.pretrained", families=fam.folder_types)
         if getattr(model, "use_head", False):
             # NOTE: an unused head would hold parameters that never get gradients (breaks DDP, wastes memory).
             del model.head
@@ -74,5 +172,6 @@ def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
 
 
 def vision_blocks(vision: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of the vision tower, in order."""
-    return vision.encoder.layers
+    """The transformer blocks of the vision tower, in order (`encoder.layers`; DINOv2's `encoder.layer`)."""
+    encoder = vision.encoder
+    return encoder.layers if hasattr(encoder, "layers") else encoder.layer

@@ -18,6 +18,7 @@ from vlaforge.data.batch import Batch
 from vlaforge.models.action_heads import ActionHead, ActionHeadOutput
 from vlaforge.models import losses as L
 from vlaforge.models.families import decoder_of
+from vlaforge.models.vision import tower_features
 
 # (student VLA, batch, run_llm's pieces, the action head's output, denominators) -> more unweighted loss terms
 ExtraTerms = Callable[["VLA", Batch, dict, ActionHeadOutput, dict], dict[str, torch.Tensor]]
@@ -67,8 +68,7 @@ class VLA(nn.Module):
     # ---- token layout -------------------------------------------------------------------------------------
     def encode_frames(self, pixels: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) frames -> projected patch tokens (N, P, D): the vision tower and the projector."""
-        out = self.vision(pixel_values=pixels, interpolate_pos_encoding=self.layout.interpolate_pos)
-        return self.projector(out.last_hidden_state)
+        return self.projector(tower_features(self.vision, pixels, self.layout.interpolate_pos))
 
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:
         """(B, F, C, H, W) -> projected patch tokens (B, F*P, D); frames are encoded independently."""

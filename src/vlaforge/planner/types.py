@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from vlaforge import COMPONENTS
+from vlaforge.errors import VlaforgeError
 from vlaforge.models.llm import llm_blocks
 from vlaforge.planner.activations import Sequence, sequence_of
 from vlaforge.planner.hardware import GPU
@@ -75,11 +76,23 @@ class PlanModel:
         from vlaforge.models.build import synthetic_batch
         from vlaforge.models.build import build_vla, fake_build
         from vlaforge.distributed.parallel_dims import model_facts
+        from vlaforge.models.families import family, unlike_llama
+        from vlaforge.models.vision import vision_family
 
         self.cfg = cfg
         with fake_build():
-            self.model = build_vla(cfg.model, cfg.loss)
+            self.model = build_vla(cfg.model, cfg.loss, fake=True)  # a pretrained folder: its config alone
             self.seq = sequence_of(self.model, synthetic_batch(cfg, self.model, 1))
+        block = unlike_llama(llm_blocks(self.model.llm)[0])
+        if block is not None:  # NOTE: activations.py counts Llama's block term by term (bench/planner_families.py)
+            raise VlaforgeError(f"the planner counts Llama-shaped LLM blocks; this {family(self.model.llm.config)} "
+                                f"block differs ({block}), which it does not count yet: plan with a Llama-shaped "
+                                "LLM of the same width and depth (--model.flavor)")
+        tower = vision_family(self.model.vision).name
+        if tower != "siglip":  # NOTE: activations.py / throughput.py count SigLIP's block, embeddings and norms
+            raise VlaforgeError(f"the planner models SigLIP vision towers; this one is {tower} "
+                                "(model.vision.pretrained), which it does not count yet: plan with a SigLIP tower of "
+                                "the same width and depth")
         self.facts = model_facts(cfg.model)
         self.contrastive = self.model.objective.active("contrastive")
         self._states: dict = {}
@@ -118,6 +131,7 @@ class PlanModel:
         """Parameters of the linears and convolutions per component, what autocast casts: 'attn' and 'ffn' of one
         block (vision, llm), 'rest' outside the blocks."""
         from vlaforge.models.blocks import blocks_of
+        from vlaforge.techniques.checkpointing import sublayer
 
         def numel(module) -> int:
             return sum(p.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
@@ -128,7 +142,7 @@ class PlanModel:
             blocks = blocks_of(self.model, comp)
             row = {"rest": numel(getattr(self.model, comp)), "attn": 0, "ffn": 0}
             if blocks is not None:
-                row["attn"], row["ffn"] = numel(blocks[0].self_attn), numel(blocks[0].mlp)
+                row["attn"], row["ffn"] = (numel(sublayer(blocks[0], r)) for r in ("attn", "ffn"))
                 row["rest"] -= len(blocks) * (row["attn"] + row["ffn"])
             out[comp] = row
         return out

@@ -1,0 +1,103 @@
+"""Vision towers of every family vlaforge reads (models/vision.py `VISION_FAMILIES`: SigLIP, SigLIP2, CLIP, DINOv2,
+DINOv2 with registers) as `model.vision.pretrained`: the VLA feeds its projector exactly the tower's last hidden
+states at the patch positions as transformers computes them (CLS and register tokens dropped, pooling heads
+removed), at the tower's own image size and at another; each trains, checkpoints exactly, and the techniques that
+read SigLIP's internals refuse the others in one line."""
+
+import pytest
+import torch
+
+from conftest import fit, make_batch, tiny_config
+from families import VISION_FAMILIES, tower_folder
+from vlaforge.errors import VlaforgeError
+from vlaforge.models.build import build_vla
+
+PATCH = 8
+LEADING = {"clip": 1, "dinov2": 1, "dinov2_with_registers": 3}  # CLS (+ 2 registers): what the rule drops
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("towers")
+
+
+def _cfg(root, name, **model):
+    return tiny_config(model={"vision": {"pretrained": str(tower_folder(name, root))}, **model})
+
+
+def _reference(name, folder, pixels):
+    """The tower's patch tokens as transformers computes them, called as its own processor and docs call it."""
+    import transformers
+
+    tower = getattr(transformers, VISION_FAMILIES[name][0]).from_pretrained(folder).eval()
+    side = pixels.shape[-1]
+    if name == "siglip2":
+        from transformers.models.siglip2.image_processing_pil_siglip2 import convert_image_to_patches
+
+        seq = torch.stack([torch.from_numpy(convert_image_to_patches(image.numpy(), PATCH)) for image in pixels])
+        grid = torch.tensor([[side // PATCH, side // PATCH]] * len(pixels))
+        out = tower(pixel_values=seq, pixel_attention_mask=torch.ones(seq.shape[:2], dtype=torch.long),
+                    spatial_shapes=grid)
+    elif name.startswith("dinov2"):
+        out = tower(pixel_values=pixels)
+    else:
+        out = tower(pixel_values=pixels, interpolate_pos_encoding=side != 32)
+    return out.last_hidden_state[:, LEADING.get(name, 0):]
+
+
+@pytest.mark.parametrize("side", [32, 48], ids=["native", "resized"])
+@pytest.mark.parametrize("name", sorted(VISION_FAMILIES))
+def test_each_tower_feeds_the_patch_tokens_transformers_computes(root, name, side):
+    cfg = _cfg(root, name, image_size=side)
+    model = build_vla(cfg.model, cfg.loss).eval()
+    assert model.layout.patches_per_frame == (side // PATCH) ** 2
+    assert model.layout.interpolate_pos == (side != 32)
+    assert not any(n.startswith("vision.head") for n, _ in model.named_parameters())
+    pixels = torch.randn(2, 3, side, side)
+    seen = {}
+    model.projector.register_forward_hook(lambda m, args, out: seen.update(features=args[0]))
+    with torch.no_grad():
+        model.embed_images(pixels[:, None])
+        expected = _reference(name, tower_folder(name, root), pixels)
+    torch.testing.assert_close(seen["features"], expected, rtol=1e-5, atol=1e-5)
+    if side == 32:
+        model.train()
+        losses = fit(model, make_batch(cfg, model, size=2), steps=3)
+        assert losses[-1] < losses[0], losses
+
+
+def _grads(cfg):
+    from vlaforge.training.trainer import build_model
+
+    torch.manual_seed(0)
+    model, _ = build_model(cfg, torch.device("cpu"))  # the components' policies applied, checkpointing with them
+    loss, _ = model.compute_loss(make_batch(cfg, model, size=2))
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["siglip2", "clip", "dinov2_with_registers"])
+def test_checkpointing_each_tower_gives_the_plain_gradients(root, name):
+    """Full and selective checkpointing find each family's blocks (DINOv2's `encoder.layer`) and attention
+    sub-layer (DINOv2's `attention`)."""
+    ref = _grads(_cfg(root, name))
+    assert any(n.startswith("vision.") for n in ref)
+    for strategy in ("full", "selective"):
+        got = _grads(tiny_config(model=_cfg(root, name).model.model_dump(),
+                                 components={"vision": {"checkpointing": strategy}}))
+        assert got.keys() == ref.keys()
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], rtol=0, atol=1e-6, msg=f"{strategy}: {n}")
+
+
+def test_what_reads_siglip_internals_refuses_the_other_towers(root):
+    from vlaforge.inference.feature_cache import CacheConfig, TokenReuseEncoder
+    from vlaforge.planner.types import PlanModel
+
+    cfg = _cfg(root, "clip")  # CLIP has SigLIP's attribute names (embeddings, encoder, post_layernorm)
+    with pytest.raises(VlaforgeError, match="cache mode 'token' needs a SigLIP vision tower"):
+        TokenReuseEncoder(build_vla(cfg.model, cfg.loss), CacheConfig(mode="token"))
+    with pytest.raises(VlaforgeError, match="the planner models SigLIP vision towers; this one is dinov2"):
+        PlanModel(_cfg(root, "dinov2"))
+    whole_llm = tiny_config(model={"vision": {"pretrained": str(tower_folder("siglip", root))}})
+    assert PlanModel(whole_llm).seq.patches == 16  # a SigLIP folder plans, from its config alone
