@@ -260,3 +260,30 @@ def test_the_planner_counts_llama_shaped_families_exactly_and_refuses_the_others
         with pytest.raises(VlaforgeError, match=f"^the planner counts Llama-shaped LLM blocks; this {name} block "
                                                 f"differs \\([^\n]*{what}"):
             PlanModel(_cfg(root, name))
+
+
+def test_model_attn_implementation_picks_the_kernel_of_both_towers(root):
+    """eager gives the same logits and patch tokens as sdpa (float noise), on a pretrained folder and on a checkpoint's
+    rebuild from its saved configs."""
+    from families import tower_folder
+    from vlaforge.models.build import backbone_configs
+
+    models = {}
+    for attn in ("sdpa", "eager"):
+        cfg = tiny_config(model={"llm": {"pretrained": str(family_folder("qwen2", root))},
+                                 "vision": {"pretrained": str(tower_folder("clip", root))},
+                                 "attn_implementation": attn})
+        models[attn] = build_vla(cfg.model, cfg.loss).eval()
+        rebuilt = build_vla(cfg.model, cfg.loss, backbones=backbone_configs(models[attn], cfg.model))
+        for model in (models[attn], rebuilt):
+            assert model.llm.config._attn_implementation == attn
+            assert model.vision.config._attn_implementation == attn
+    from vlaforge.models.vision import tower_features
+
+    ids, pixels = torch.randint(3, 300, (2, 9)), torch.randn(2, 3, 32, 32)
+    eager, sdpa = models["eager"], models["sdpa"]
+    with torch.no_grad():
+        torch.testing.assert_close(eager.llm(input_ids=ids).logits, sdpa.llm(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tower_features(eager.vision, pixels, False),
+                                   tower_features(sdpa.vision, pixels, False), rtol=1e-5, atol=1e-5)

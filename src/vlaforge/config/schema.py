@@ -90,6 +90,11 @@ class ModelConfig(Section):
     env_state_dim: int = Field(0, ge=0, le=MAX_TOKENS, description="size of the dataset's "
                                "observation.environment_state (the goal position: 3) that a linear probe in the action "
                                "head predicts for the auxiliary loss term env_state (training only); 0: no probe")
+    attn_implementation: Literal["sdpa", "eager"] = Field(
+        "sdpa", description="attention kernel of the vision tower and the LLM: sdpa (torch's scaled_dot_product_"
+                            "attention), or eager (transformers' matmul-softmax path, for debugging or a family "
+                            "that needs it); a family transformers runs only eagerly (Gemma2) gets eager with a "
+                            "notice either way; context parallel replaces the LLM's with its own kernels")
     vision: PretrainedSource = Field(default_factory=PretrainedSource)
     llm: PretrainedSource = Field(default_factory=PretrainedSource)
     action_head: ActionHeadConfig = Field(default_factory=ActionHeadConfig)

@@ -59,8 +59,10 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
     ctx = fake_build() if fake else contextlib.nullcontext()
     with ctx:
         vision = build_vision(flavor, model_cfg.image_size, model_cfg.vision.pretrained, model_cfg.patch_size,
-                              model_cfg.vision_stem, config=backbones.get("vision"))
-        llm = build_llm(flavor, model_cfg.llm.pretrained, config=backbones.get("llm"))
+                              model_cfg.vision_stem, config=backbones.get("vision"),
+                              attn=model_cfg.attn_implementation)
+        llm = build_llm(flavor, model_cfg.llm.pretrained, config=backbones.get("llm"),
+                        attn=model_cfg.attn_implementation)
         if fake:
             llm.tie_weights()  # NOTE: no_init_weights also skips tying (e.g. small's tied embeddings)
         v_dim, l_dim = vision.config.hidden_size, llm.config.hidden_size

@@ -52,9 +52,11 @@ def check_pretrained_folder(path: str | Path, field: str) -> Path:
     return folder
 
 
-def _sdpa_or_eager(build: Any, notice: str | None = None) -> Any:
-    """`build(attn_implementation)` with SDPA attention, or eager for a family transformers runs without SDPA
-    (Gemma2's soft-capped logits), printing `notice` when it falls back."""
+def _sdpa_or_eager(build: Any, notice: str | None = None, attn: str = "sdpa") -> Any:
+    """`build(attn_implementation)` with `attn` ('sdpa' or 'eager'); SDPA falls back to eager for a family
+    transformers runs without SDPA (Gemma2's soft-capped logits), printing `notice` when it does."""
+    if attn == "eager":
+        return build("eager")
     try:
         return build("sdpa")
     except ValueError as exc:
@@ -65,7 +67,8 @@ def _sdpa_or_eager(build: Any, notice: str | None = None) -> Any:
         return build("eager")
 
 
-def load_pretrained(model_cls: Any, path: str | Path, field: str, families: tuple[str, ...] = ()) -> Any:
+def load_pretrained(model_cls: Any, path: str | Path, field: str, families: tuple[str, ...] = (),
+                    attn: str = "sdpa") -> Any:
     """`model_cls.from_pretrained(path)` in fp32, local files only, with SDPA attention (eager, with a printed
     notice, for a family transformers runs without SDPA: Gemma2's soft-capped logits).
 
@@ -95,7 +98,7 @@ def load_pretrained(model_cls: Any, path: str | Path, field: str, families: tupl
     hf_logging.disable_progress_bar()
     try:
         model, info = _sdpa_or_eager(load, f"{field}: {kind} has no SDPA attention in transformers: using eager "
-                                           "attention")
+                                           "attention", attn)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         if "ignore_mismatched_sizes" in str(exc):
             raise VlaforgeError(f"{field}: the weights in {folder} do not match the shapes its config.json gives "
@@ -117,7 +120,7 @@ def load_pretrained(model_cls: Any, path: str | Path, field: str, families: tupl
 
 
 
-def from_config(model_cls: Any, config: dict[str, Any], field: str) -> Any:
+def from_config(model_cls: Any, config: dict[str, Any], field: str, attn: str = "sdpa") -> Any:
     """A module of `model_cls` built from a config dict alone, weights left to the caller (a checkpoint's saved
     backbone config, a planning build under fake tensors). `model_cls`: a model class, or `AutoModelForCausalLM`.
     SDPA attention, or eager for a family transformers runs without it, as `load_pretrained` chooses."""
@@ -132,6 +135,6 @@ def from_config(model_cls: Any, config: dict[str, Any], field: str) -> Any:
                             f"({first_line(exc, None)})") from None
     make = model_cls.from_config if hasattr(model_cls, "from_config") else model_cls._from_config
     try:
-        return _sdpa_or_eager(lambda attn: make(built, attn_implementation=attn))
+        return _sdpa_or_eager(lambda kind: make(built, attn_implementation=kind), attn=attn)
     except ValueError as exc:
         raise VlaforgeError(f"{field}: cannot build a '{kind}' model: {first_line(exc, None)}") from None

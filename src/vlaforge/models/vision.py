@@ -138,21 +138,23 @@ def tower_features(vision: nn.Module, pixels: torch.Tensor, resize: bool) -> tor
 
 
 def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
-                 patch_size: int | None = None, stem: str = "patch", config: dict | None = None) -> nn.Module:
+                 patch_size: int | None = None, stem: str = "patch", config: dict | None = None,
+                 attn: str = "sdpa") -> nn.Module:
     """The vision tower without its pooling head (the VLA uses every patch token): a flavor's SigLIP, or the tower
     of the `pretrained` folder's family (`VISION_FAMILIES`); `stem` 'conv' swaps its patch embedding for a
     `ConvStem` (towers built from scratch only). `config`: a pretrained tower's config alone (weights to come from
-    a checkpoint, or none under fake tensors)."""
+    a checkpoint, or none under fake tensors). `attn`: `model.attn_implementation`."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     if pretrained or config is not None:
         if config is not None:
             fam = family_for_folder(config.get("model_type"))
             config = {**config.get("vision_config", config), "model_type": fam.tower_type}
-            model = from_config(fam.cls(), config, "model.vision.pretrained")
+            model = from_config(fam.cls(), config, "model.vision.pretrained", attn)
         else:  # a tower's folder, or a whole image + text model's (SigLIP, CLIP) whose vision tower is taken
             fam = family_for_folder(read_config(pretrained, "model.vision.pretrained").get("model_type"), pretrained)
-            model = load_pretrained(fam.cls(), pretrained, "model.vision.pretrained", families=fam.folder_types)
+            model = load_pretrained(fam.cls(), pretrained, "model.vision.pretrained", families=fam.folder_types,
+                                    attn=attn)
         if getattr(model, "use_head", False):
             # NOTE: an unused head would hold parameters that never get gradients (breaks DDP, wastes memory).
             del model.head
@@ -164,7 +166,7 @@ def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
         kwargs["image_size"] = image_size
     if patch_size is not None:
         kwargs["patch_size"] = patch_size
-    config = SiglipVisionConfig(vision_use_head=False, attn_implementation="sdpa", **kwargs)
+    config = SiglipVisionConfig(vision_use_head=False, attn_implementation=attn, **kwargs)
     model = SiglipVisionModel(config)
     if stem == "conv":
         model.embeddings.patch_embedding = ConvStem(config.num_channels, config.hidden_size, config.patch_size)
