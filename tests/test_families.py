@@ -61,11 +61,23 @@ def test_pipeline_parallel_finds_a_final_norm_not_named_norm(tmp_path, singles):
 
 
 
+def test_pipeline_parallel_shares_tied_embeddings_between_the_first_and_last_stage(tmp_path, singles):
+    """Gemma ties its token embeddings to its LM head: stage 0 looks tokens up in the weight, the last stage
+    projects with it; their gradients are summed (and counted once in the norm), so both copies stay the one
+    process's weight, and the checkpoint names it once."""
+    reference = train_single(singles.root / "single_gemma_accum2", *_llm(singles.root, "gemma"), "--train.grad_accum=2")
+    done = torchrun("train", str(TINY_RECIPE), *COMMON, *_llm(singles.root, "gemma"), "--parallel.pp=2",
+                    "--parallel.dp_shard=1", "--train.grad_accum=2", f"--train.output_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_matches(tmp_path, reference, rel_norm=1e-4)
+
+
 @pytest.mark.parametrize("name", ["dinov2_with_registers", "siglip2"])
 def test_fsdp_on_a_vision_family_matches_one_process(tmp_path, singles, name):
     """Every block of the tower is its own FSDP2 unit (DINOv2's `encoder.layer`, SigLIP2's patch-sequence input);
     the sharded run's losses and weights are the one process's."""
     tower = (f"--model.vision.pretrained={tower_folder(name, singles.root / 'folders')}",)
-    reference = train_single(singles.root / f"single_vision_{name}", *tower)
+    # one process takes the two ranks' global batch as two accumulated micro-batches (tests/test_data_parallel.py)
+    reference = train_single(singles.root / f"single_vision_{name}", *tower, "--train.grad_accum=2")
     train_distributed(tmp_path, *tower)
     assert_matches(tmp_path, reference, rel_norm=1e-4)

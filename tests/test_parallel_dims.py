@@ -27,7 +27,6 @@ def test_rest_of_the_world_goes_to_dp_shard_and_mesh_order():
     ("vla-7b", dict(tp=3, dp_shard=1), 3, "parallel.tp = 3 does not divide the llm's 32 attention heads"),
     ("tiny", dict(pp=4, dp_shard=1), 4, "parallel.pp = 4 exceeds the llm's 2 blocks"),
     ("tiny", dict(backend="ddp"), 4, "backend = 'ddp' replicates the model and cannot shard it"),
-    ("small", dict(pp=2), 4, "parallel.pp > 1 with tied input/output embeddings"),
 ])
 def test_impossible_layouts_are_one_line(flavor, kwargs, world, message):
     with pytest.raises(LayoutError) as err:

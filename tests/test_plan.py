@@ -45,10 +45,23 @@ def test_search_never_recommends_what_the_trainer_refuses(vla7b):
     assert tps == sorted(tps, reverse=True)
 
 
-def test_tied_embeddings_are_never_pipelined():
-    pm = PlanModel(load_config(None, {"model": {"flavor": "small"}}))
-    plan = search(pm, Cluster(get_gpu("a100-40"), 4, 1), 16, keep=100)
-    assert plan.ranked and all(e.config.parallel.pp == 1 for e in plan.ranked)
+def test_a_pipelined_tied_head_is_counted_on_the_last_stage_too():
+    """The small flavor ties its LM head to the token embeddings: the first stage holds the embeddings and the last
+    a copy for the head (distributed/pipeline.py), so each stage's LLM state is its own blocks plus that weight."""
+    from vlaforge.planner.estimate import _state_share, build_case
+
+    base = load_config(None, {"model": {"flavor": "small"}, "parallel": {"pp": 2, "dp_shard": 1},
+                              "train": {"grad_accum": 2}})
+    pm = PlanModel(base)
+    n = pm.llm_numel
+    assert n["tied_head"] == n["embed"] > 0
+    case = build_case(pm, base, Cluster(get_gpu("a100-40"), 2, 1))
+    (a0, b0), (a1, b1) = case.bounds
+    whole = case.state.by_component["llm"].params
+    total = n["embed"] + n["tail"] + pm.model.llm.config.num_hidden_layers * n["block"]  # the weight counted once
+    first, last = (_state_share(pm, case, "llm", s).params for s in (0, 1))
+    assert first == pytest.approx(whole * ((b0 - a0) * n["block"] + n["embed"]) / total, rel=1e-6)
+    assert last == pytest.approx(whole * ((b1 - a1) * n["block"] + n["tail"] + n["embed"]) / total, rel=1e-6)
 
 
 def test_fix_pins_fields_and_evaluates_one_configuration(vla7b):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from vlaforge.distributed.parallelize import GradReducer, apply_data_parallel, apply_tensor_parallel
-from vlaforge.distributed.pipeline import StageModule, StagePlan, split_for_stage
+from vlaforge.distributed.pipeline import StageModule, StagePlan, split_for_stage, tie_stages
 from vlaforge.distributed.sequence_parallel import SequenceParallel, apply_sequence_parallel
 from vlaforge.techniques.checkpointing import apply_checkpointing
 from vlaforge.techniques.compile import compile_blocks
@@ -70,4 +70,6 @@ def apply_techniques(model: nn.Module, cfg, device: torch.device, dims: "Paralle
     # 6. data-parallel sharding (FSDP2 / HSDP / DDP); DeepSpeed's engine takes this place in the trainer
     if layout:
         applied.reducer = apply_data_parallel(model, dims, mesh, policies, root=applied.stage, tp_partial=tp_partial)
+        if dims.pp > 1:
+            tie_stages(model, applied.reducer, mesh)  # tied embeddings on the first and last stage
     return applied

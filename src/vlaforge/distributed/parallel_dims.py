@@ -103,10 +103,6 @@ class ParallelDims:
         if self.pp > facts.llm_blocks:
             raise LayoutError(f"parallel.pp = {self.pp} exceeds the llm's {facts.llm_blocks} blocks; use at most "
                               f"{facts.llm_blocks} stages")
-        if self.pp > 1 and facts.tied_embeddings:
-            raise LayoutError("parallel.pp > 1 with tied input/output embeddings (this llm ties them) is not "
-                              "supported: the first and last stages would share one weight; use pp = 1 with "
-                              "dp_shard / tp")
 
     @property
     def dp(self) -> int:

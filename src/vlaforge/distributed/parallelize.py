@@ -39,13 +39,26 @@ class GradReducer:
     pp_group: Any = None  # pipeline stages hold different parameters: their sums add up too
     tp_partial: list = field(default_factory=list)  # parameters whose gradients are partial sums over TP ranks
 
+    pp_tied: list = field(default_factory=list)  # this stage's copy of a weight tied across the first and last stage
+    pp_tied_group: Any = None  # the first and the last stage's rank of this pipeline
+    norm_skip: set = field(default_factory=set)  # ids of gradients another stage counts in the norms (tied copies)
+
     def sum_tp_partial(self) -> None:
         """Add up, over the TP group, the gradients each TP rank holds a part of (per-head q/k norms: a rank's
         heads only), as transformers' `replicated_with_grad_allreduce` does; after backward, before any norm."""
-        grads = [self.local(p.grad) for p in self.tp_partial if p.grad is not None]
-        if grads and self.tp_group is not None:
+        self._sum_grads(self.tp_partial, self.tp_group)
+
+    def sum_pp_tied(self) -> None:
+        """Add up the gradients of the weights the first and the last pipeline stage share (tied token embeddings
+        and LM head: the lookup's gradient on stage 0, the head's on the last, as Megatron's embedding group does),
+        so both copies take the same optimizer step; after backward, before any norm."""
+        self._sum_grads(self.pp_tied, self.pp_tied_group)
+
+    def _sum_grads(self, params: list, group) -> None:
+        grads = [self.local(p.grad) for p in params if p.grad is not None]
+        if grads and group is not None:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.tp_group)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     def tp_sharded(self, t: torch.Tensor) -> bool:

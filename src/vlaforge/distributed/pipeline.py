@@ -111,8 +111,20 @@ def plan_stages(model: VLA, stages: int, instruction_tokens: int, text_tokens: i
     return StagePlan(tuple(bounds), tuple(work(a, b, i) for i, (a, b) in enumerate(bounds)))
 
 
+def tied_names(model: nn.Module) -> list[tuple[str, ...]]:
+    """The names of each parameter `model` holds under more than one name (tied token embeddings and LM head),
+    sorted."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [tuple(sorted(group)) for group in names.values() if len(group) > 1]
+
+
 def split_model(model: VLA, plan: StagePlan, stage: int) -> None:
-    """Keep only stage `stage`'s parameters in `model`, in place (names unchanged)."""
+    """Keep only stage `stage`'s parameters in `model`, in place (names unchanged). A weight tied across the first
+    and last stage (the token embeddings and the LM head) stays on both, under the name each uses;
+    `model.pipeline_tied` records the tied names (`tie_stages` sums their gradients, checkpoints keep one)."""
+    model.pipeline_tied = tied_names(model)
     first, last = stage == 0, stage == len(plan.bounds) - 1
     a, b = plan.bounds[stage]
     parts = llm_parts(model.llm)
@@ -238,6 +250,32 @@ def share_metrics(sums: dict[str, torch.Tensor], group, device: torch.device) ->
     for part in gathered:
         merged.update(part)
     return {k: v.to(device) for k, v in merged.items()}
+
+
+def tie_stages(model: VLA, reducer, mesh) -> None:
+    """Register with `reducer` this stage's copies of the weights tied across the first and the last stage, the
+    group of the two ranks that hold them, and which copy the gradient norms skip (the last stage's: counted once,
+    on stage 0). A collective: every rank calls it (the groups are created in the same order everywhere)."""
+    if not model.pipeline_tied:
+        return
+    names = {n for group in model.pipeline_tied for n in group}
+    pp_axis = mesh.mesh_dim_names.index("pp")
+    ranks = mesh.mesh.movedim(pp_axis, 0).reshape(mesh.mesh.shape[pp_axis], -1)  # (stages, the other coordinates)
+    me = dist.get_rank()
+    if ranks.shape[0] == 2:
+        group = mesh.get_group("pp")
+    else:
+        group = None
+        for col in range(ranks.shape[1]):
+            pair = [int(ranks[0, col]), int(ranks[-1, col])]
+            made = dist.new_group(pair)
+            if me in pair:
+                group = made
+    stage, last = mesh["pp"].get_local_rank(), ranks.shape[0] - 1
+    reducer.pp_tied = [p for n, p in model.named_parameters() if n in names]
+    reducer.pp_tied_group = group if stage in (0, last) else None
+    if stage == last:
+        reducer.norm_skip |= {id(p) for p in reducer.pp_tied}
 
 
 def split_for_stage(model: VLA, cfg, stages: int, mesh) -> tuple[StageModule, StagePlan]:

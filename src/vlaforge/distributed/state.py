@@ -41,17 +41,17 @@ def full_model_state(model: nn.Module, pp: int = 1) -> dict[str, torch.Tensor]:
         return _untied(model, get_model_state_dict(model, options=_options(cpu_offload=True)))
     # NOTE: cpu_offload would keep the tensors on global rank 0 only, which holds stage 0 alone
     state = get_model_state_dict(model, options=_options())
-    return _merge_stages({k: v.cpu() for k, v in state.items()}, _merge_dicts, pp)
+    return _untied(model, _merge_stages({k: v.cpu() for k, v in state.items()}, _merge_dicts, pp))
 
 
 def _untied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` with one name per tied parameter (Gemma's, Qwen's tied embeddings), the one safetensors'
-    `save_model` keeps in one process (the first in sorted order): the gathered state names it twice."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    for tied in names.values():
-        for extra in sorted(tied)[1:]:
+    `save_model` keeps in one process (the first in sorted order): the gathered state names it twice. Under
+    pipeline parallel the names come from the whole model before its split (`pipeline.split_model`)."""
+    from vlaforge.distributed.pipeline import tied_names
+
+    for tied in getattr(model, "pipeline_tied", None) or tied_names(model):
+        for extra in tied[1:]:
             state.pop(extra, None)
     return state
 

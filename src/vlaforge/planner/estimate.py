@@ -206,7 +206,7 @@ def _state_share(pm: PlanModel, case: Case, comp: str, stage: int) -> StateBytes
         else:
             n = pm.llm_numel
             a, b = case.bounds[stage]
-            own = (b - a) * n["block"] + n["embed"] * first + n["tail"] * last
+            own = (b - a) * n["block"] + n["embed"] * first + (n["tail"] + n["tied_head"]) * last
             frac = own / (n["embed"] + n["tail"] + case.layers * n["block"])
     s = _scaled(s, frac)
     if par.backend == "deepspeed":

@@ -11,7 +11,7 @@ Enumerated (each dimension only where `--fix` leaves it free):
 - the micro-batch (1, 2, 4, ... 64) and the accumulation that reach the global batch.
 Every layout goes through the trainer's own checks (`VLAConfig` validation and `distributed.parallel_dims.check_layout`) before it
 is estimated, so the search never proposes what `vlaforge train` refuses (cp with pp or DDP, Ulysses whose heads
-do not split, pipelines of tied embeddings, ...). DeepSpeed is not searched (FSDP2 covers its sharding);
+do not split, ...). DeepSpeed is not searched (FSDP2 covers its sharding);
 `--fix parallel.backend=deepspeed` evaluates it, and it is tried as an alternative when nothing fits.
 """
 

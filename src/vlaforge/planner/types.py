@@ -118,13 +118,17 @@ class PlanModel:
 
     @cached_property
     def llm_numel(self) -> dict[str, int]:
-        """The LLM's parameters by place: the token embeddings, one block, and the tail (final norm + LM head)."""
+        """The LLM's parameters by place: the token embeddings, one block, the tail (final norm + LM head; a tied
+        head is the embeddings, counted there), and 'tied_head': the embeddings again when the head is tied to
+        them, which the last pipeline stage holds a copy of."""
         llm = self.model.llm
         blocks = llm_blocks(llm)
         block = sum(p.numel() for p in blocks[0].parameters())
         embed = llm.get_input_embeddings().weight.numel()
         total = sum(p.numel() for p in llm.parameters())
-        return {"embed": embed, "block": block, "tail": total - embed - block * len(blocks)}
+        tied = llm.get_output_embeddings().weight is llm.get_input_embeddings().weight
+        return {"embed": embed, "block": block, "tail": total - embed - block * len(blocks),
+                "tied_head": embed if tied else 0}
 
     @cached_property
     def matmul_numel(self) -> dict[str, dict[str, int]]:

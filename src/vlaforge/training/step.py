@@ -40,7 +40,7 @@ def grad_norms(optimizer: torch.optim.Optimizer, reducer=None) -> dict[str, torc
     for group in optimizer.param_groups:
         if group["component"] in COMPONENTS:
             for p in group["params"]:
-                if p.grad is not None:
+                if p.grad is not None and (reducer is None or id(p) not in reducer.norm_skip):
                     owners.append(group["component"])
                     grads.append(reducer.local(p.grad) if reducer is not None else p.grad)
                     tp.append(reducer is not None and reducer.tp_sharded(p.grad))
@@ -160,6 +160,7 @@ def local_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
             add_mean(sums, metrics, n)
     if reducer is not None:
         reducer.sum_tp_partial()  # replicated weights that see a TP shard of the activations (q/k norms)
+        reducer.sum_pp_tied()  # the embeddings the first and last pipeline stage share
         # learned loss weights live outside the sharded model: average their gradients here
         reducer.mean_grads([p for g in optimizer.param_groups if g["component"] not in COMPONENTS
                             for p in g["params"]])
