@@ -25,11 +25,24 @@ def _cfg(root, name, **model):
     return tiny_config(model={"vision": {"pretrained": str(tower_folder(name, root))}, **model})
 
 
-def _reference(name, folder, pixels):
-    """The tower's patch tokens as transformers computes them, called as its own processor and docs call it."""
+def _stats(name):
+    from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    if name == "clip":
+        return OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+    if name.startswith("dinov2"):
+        return IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+    return (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+
+
+def _reference(name, folder, images, stats=None):
+    """The tower's patch tokens of uint8 `images` (N, 3, H, W) as transformers computes them, the pixels
+    normalized as the family's image processor does (transformers' constants, or `stats`)."""
     import transformers
 
     tower = getattr(transformers, VISION_FAMILIES[name][0]).from_pretrained(folder).eval()
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (stats or _stats(name)))
+    pixels = (images / 255.0 - mean) / std
     side = pixels.shape[-1]
     if name == "siglip2":
         from transformers.models.siglip2.image_processing_pil_siglip2 import convert_image_to_patches
@@ -53,17 +66,45 @@ def test_each_tower_feeds_the_patch_tokens_transformers_computes(root, name, sid
     assert model.layout.patches_per_frame == (side // PATCH) ** 2
     assert model.layout.interpolate_pos == (side != 32)
     assert not any(n.startswith("vision.head") for n, _ in model.named_parameters())
-    pixels = torch.randn(2, 3, side, side)
+    images = torch.randint(0, 256, (2, 3, side, side)).float()
     seen = {}
     model.projector.register_forward_hook(lambda m, args, out: seen.update(features=args[0]))
     with torch.no_grad():
-        model.embed_images(pixels[:, None])
-        expected = _reference(name, tower_folder(name, root), pixels)
+        model.embed_images((images / 127.5 - 1)[:, None])  # vlaforge's input (data/transforms.py)
+        expected = _reference(name, tower_folder(name, root), images)
     torch.testing.assert_close(seen["features"], expected, rtol=1e-5, atol=1e-5)
     if side == 32:
         model.train()
         losses = fit(model, make_batch(cfg, model, size=2), steps=3)
         assert losses[-1] < losses[0], losses
+
+
+def test_a_folders_image_processor_sets_the_normalization_and_the_checkpoint_keeps_it(root, tmp_path):
+    """A CLIP folder with a preprocessor_config.json of its own mean / std: the tower sees pixels normalized by them,
+    after a checkpoint's rebuild from its saved config too; a damaged one is refused in one line."""
+    import json
+    import shutil
+
+    from vlaforge.models.build import backbone_configs
+
+    folder = shutil.copytree(tower_folder("clip", root), tmp_path / "clip")
+    stats = ([0.4, 0.45, 0.5], [0.2, 0.25, 0.3])
+    (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": stats[0], "image_std": stats[1]}))
+    cfg = tiny_config(model={"vision": {"pretrained": str(folder)}})
+    model = build_vla(cfg.model, cfg.loss).eval()
+    rebuilt = build_vla(cfg.model, cfg.loss, backbones=backbone_configs(model, cfg.model)).eval()
+    rebuilt.load_state_dict(model.state_dict())
+    images = torch.randint(0, 256, (2, 3, 32, 32)).float()
+    expected = _reference("clip", folder, images, stats)
+    from vlaforge.models.vision import tower_features
+
+    with torch.no_grad():
+        for m in (model, rebuilt):
+            torch.testing.assert_close(tower_features(m.vision, images / 127.5 - 1, False), expected,
+                                       rtol=1e-5, atol=1e-5)
+    (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5], "image_std": [0, 1, 1]}))
+    with pytest.raises(VlaforgeError, match="preprocessor_config.json gives image_mean"):
+        build_vla(cfg.model, cfg.loss)
 
 
 def _grads(cfg):

@@ -11,8 +11,10 @@ SigLIP2's patch-sequence input, where the blocks are) is in its `VisionFamily` r
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +62,7 @@ class VisionFamily:
     resize_arg: bool = True  # forward takes interpolate_pos_encoding (DINOv2 interpolates always, SigLIP2 resizes)
     patch_sequence: bool = False  # SigLIP2 (NaFlex): takes (N, patches, p*p*C) with their grid shape and a mask
     native_size: Any = lambda config: config.image_size  # the image side its position embeddings were trained at
+    pixel_stats: str = "half"  # the per-channel mean / std its pretraining normalized pixels with (`PIXEL_STATS`)
 
     def cls(self):
         import transformers
@@ -73,12 +76,20 @@ VISION_FAMILIES = (
     VisionFamily("siglip2", ("siglip2_vision_model", "siglip2"), "siglip2_vision_model", "Siglip2VisionModel",
                  lambda config: 0, resize_arg=False, patch_sequence=True,
                  native_size=lambda config: math.isqrt(config.num_patches) * config.patch_size),
-    VisionFamily("clip", ("clip_vision_model", "clip"), "clip_vision_model", "CLIPVisionModel", lambda config: 1),
-    VisionFamily("dinov2", ("dinov2",), "dinov2", "Dinov2Model", lambda config: 1, resize_arg=False),
+    VisionFamily("clip", ("clip_vision_model", "clip"), "clip_vision_model", "CLIPVisionModel", lambda config: 1,
+                 pixel_stats="openai_clip"),
+    VisionFamily("dinov2", ("dinov2",), "dinov2", "Dinov2Model", lambda config: 1, resize_arg=False,
+                 pixel_stats="imagenet"),
     VisionFamily("dinov2_with_registers", ("dinov2_with_registers",), "dinov2_with_registers",
-                 "Dinov2WithRegistersModel", lambda config: 1 + config.num_register_tokens, resize_arg=False),
+                 "Dinov2WithRegistersModel", lambda config: 1 + config.num_register_tokens, resize_arg=False,
+                 pixel_stats="imagenet"),
 )
 SIGLIP = VISION_FAMILIES[0].folder_types  # the family vlaforge's own flavors build
+# (mean, std) per channel of pixels in [0, 1], as the families' image processors normalize them (transformers'
+# constants): SigLIP's 0.5 / 0.5 is vlaforge's own [-1, 1] input (data/transforms.py:to_model_images)
+PIXEL_STATS = {"half": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+               "openai_clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+               "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
 
 
 def family_for_folder(kind: str | None, folder: str = "the folder") -> VisionFamily:
@@ -109,6 +120,40 @@ def native_size(vision: nn.Module) -> int:
     return vision_family(vision).native_size(vision.config)
 
 
+def set_pixel_stats(vision: nn.Module, fam: VisionFamily, folder: str | None) -> None:
+    """Record on the tower's config (`image_mean` / `image_std`, saved with it in a checkpoint's backbones.json)
+    the normalization its pretraining used: the folder's `preprocessor_config.json` when it has one, else the
+    family's. A config that already carries them (a checkpoint's rebuild) keeps its own."""
+    config = vision.config
+    if getattr(config, "image_mean", None) is not None and getattr(config, "image_std", None) is not None:
+        return
+    mean, std = PIXEL_STATS[fam.pixel_stats]
+    processor = Path(folder) / "preprocessor_config.json" if folder else None
+    if processor is not None and processor.is_file():
+        try:
+            saved = json.loads(processor.read_text())
+        except ValueError as exc:
+            raise VlaforgeError(f"model.vision.pretrained: {processor} is not valid JSON ({exc}); fix or remove "
+                                "it") from None
+        mean, std = saved.get("image_mean", mean), saved.get("image_std", std)
+        if not (isinstance(mean, list) and isinstance(std, list) and len(mean) == len(std) == 3
+                and all(isinstance(v, (int, float)) for v in mean + std) and min(std) > 0):
+            raise VlaforgeError(f"model.vision.pretrained: {processor} gives image_mean {mean} / image_std {std}; "
+                                "give three numbers each (std > 0) or remove the file")
+    config.image_mean, config.image_std = [float(v) for v in mean], [float(v) for v in std]
+
+
+def normalize_pixels(vision: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """vlaforge's [-1, 1] pixels -> the tower's own normalization ((x01 - mean) / std per channel); unchanged for
+    the 0.5 / 0.5 of SigLIP and the flavors' towers."""
+    mean, std = getattr(vision.config, "image_mean", None), getattr(vision.config, "image_std", None)
+    if mean is None or std is None or (list(mean) == [0.5] * 3 and list(std) == [0.5] * 3):
+        return pixels
+    m = torch.tensor(mean, dtype=pixels.dtype, device=pixels.device).view(1, 3, 1, 1)
+    s = torch.tensor(std, dtype=pixels.dtype, device=pixels.device).view(1, 3, 1, 1)
+    return ((pixels + 1) * 0.5 - m) / s
+
+
 def patch_sequence(pixels: torch.Tensor, patch: int) -> torch.Tensor:
     """(N, C, H, W) -> (N, h*w, p*p*C): SigLIP2's input, each patch's pixels in (row, column, channel) order, as its
     image processor (`convert_image_to_patches`) lays them out."""
@@ -119,9 +164,11 @@ def patch_sequence(pixels: torch.Tensor, patch: int) -> torch.Tensor:
 
 
 def tower_features(vision: nn.Module, pixels: torch.Tensor, resize: bool) -> torch.Tensor:
-    """(N, C, H, W) frames -> the tower's last hidden states at the patch positions (N, P, D), the module rule.
-    `resize`: the frames are not the size the tower's position embeddings were trained at."""
+    """(N, C, H, W) frames in [-1, 1] -> the tower's last hidden states at the patch positions (N, P, D), the module
+    rule, the pixels first normalized as the tower was pretrained (`normalize_pixels`). `resize`: the frames are not
+    the size the tower's position embeddings were trained at."""
     fam = vision_family(vision)
+    pixels = normalize_pixels(vision, pixels)
     if fam.patch_sequence:
         patch = vision.config.patch_size
         grid = (pixels.shape[-2] // patch, pixels.shape[-1] // patch)
@@ -155,6 +202,7 @@ def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
             fam = family_for_folder(read_config(pretrained, "model.vision.pretrained").get("model_type"), pretrained)
             model = load_pretrained(fam.cls(), pretrained, "model.vision.pretrained", families=fam.folder_types,
                                     attn=attn)
+        set_pixel_stats(model, fam, pretrained if config is None else None)
         if getattr(model, "use_head", False):
             # NOTE: an unused head would hold parameters that never get gradients (breaks DDP, wastes memory).
             del model.head
