@@ -77,6 +77,10 @@ def test_each_tower_feeds_the_patch_tokens_transformers_computes(root, name, sid
         model.train()
         losses = fit(model, make_batch(cfg, model, size=2), steps=3)
         assert losses[-1] < losses[0], losses
+        model.zero_grad(set_to_none=True)
+        model.compute_loss(make_batch(cfg, model, size=2))[0].backward()
+        idle = [n for n, p in model.vision.named_parameters() if p.grad is None]
+        assert not idle, idle  # nothing the patch tokens skip is kept (CLIP's pooled-token norm, SigLIP's head)
 
 
 def test_a_folders_image_processor_sets_the_normalization_and_the_checkpoint_keeps_it(root, tmp_path):

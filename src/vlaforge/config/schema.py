@@ -97,6 +97,11 @@ class ModelConfig(Section):
                             "notice either way; context parallel replaces the LLM's with its own kernels")
     vision: PretrainedSource = Field(default_factory=PretrainedSource)
     llm: PretrainedSource = Field(default_factory=PretrainedSource)
+    vlm: PretrainedSource = Field(
+        default_factory=PretrainedSource,
+        description="a whole pretrained vision-language model's save_pretrained folder (models/vlm.py: LLaVA) "
+                    "mapped onto vision (its tower), projector (its connector), llm (its language model and LM "
+                    "head), with its tokenizer and image normalization; excludes vision / llm .pretrained")
     action_head: ActionHeadConfig = Field(default_factory=ActionHeadConfig)
 
     @field_validator("flavor")
@@ -108,15 +113,28 @@ class ModelConfig(Section):
             raise ValueError(FLAVORS.unknown_message(v))
         return v
 
+    @property
+    def pretrained_tower(self) -> str | None:
+        """The folder the vision tower comes from (its own, or a whole VLM's)."""
+        return self.vision.pretrained or self.vlm.pretrained
+
+    @property
+    def text_folder(self) -> str | None:
+        """The folder whose tokenizer and language model the LLM comes from (its own, or a whole VLM's)."""
+        return self.llm.pretrained or self.vlm.pretrained
+
     @model_validator(mode="after")
     def _patch_fits(self) -> "ModelConfig":
-        if self.patch_size is not None and self.vision.pretrained:
+        if self.vlm.pretrained and (self.vision.pretrained or self.llm.pretrained):
+            raise ValueError("model.vlm.pretrained gives the vision tower and the LLM both; drop "
+                             "model.vision.pretrained / model.llm.pretrained, or model.vlm.pretrained")
+        if self.patch_size is not None and self.pretrained_tower:
             raise ValueError("model.patch_size cannot change a pretrained vision tower; drop it or "
                              "model.vision.pretrained")
-        if self.vision_stem == "conv" and self.vision.pretrained:
+        if self.vision_stem == "conv" and self.pretrained_tower:
             raise ValueError("model.vision_stem = 'conv' replaces the patch embedding of a tower trained from "
                              "scratch; a pretrained tower keeps its own: drop one of the two")
-        if not self.vision.pretrained:  # a pretrained tower's patch size is checked when it is loaded
+        if not self.pretrained_tower:  # a pretrained tower's patch size is checked when it is loaded
             from vlaforge.config.flavors import FLAVORS
 
             vision = FLAVORS.get(self.flavor).vision
@@ -470,7 +488,7 @@ class VLAConfig(Section):
         from vlaforge.config.flavors import FLAVORS
 
         m, d = self.model, self.data
-        if m.vision.pretrained or m.llm.pretrained:
+        if m.pretrained_tower or m.text_folder:
             return
         flavor = FLAVORS.get(m.flavor)
         size = m.image_size or flavor.vision["image_size"]

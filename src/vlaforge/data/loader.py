@@ -100,7 +100,7 @@ def _lerobot_data(cfg, model) -> Data:
                             f"language loss; set data.text_column to one of {have or 'its text columns'}, or "
                             "turn the term off with --loss.weights.language=0")
     vocab = model.llm.config.vocab_size
-    tokenizer = build_tokenizer(texts, vocab, m.llm.pretrained)
+    tokenizer = build_tokenizer(texts, vocab, m.text_folder)
     if tokenizer.vocab_size > vocab:
         raise VlaforgeError(f"the tokenizer has {tokenizer.vocab_size} tokens but the LLM only {vocab}")
     cameras = resolve_cameras(reader, m.cameras)

@@ -39,14 +39,16 @@ def model_facts(model_cfg) -> ModelFacts:
 
     flavor = FLAVORS.get(model_cfg.flavor)
     llm, vision = dict(flavor.llm), dict(flavor.vision)
-    if model_cfg.llm.pretrained:
-        llm = read_config(model_cfg.llm.pretrained, "model.llm.pretrained")
+    field = "model.vlm.pretrained" if model_cfg.vlm.pretrained else "model.llm.pretrained"
+    if model_cfg.text_folder:
+        llm = read_config(model_cfg.text_folder, field)
         llm = llm.get("text_config", llm)  # a whole-VLM folder keeps its language model's shape there
-    if model_cfg.vision.pretrained:
-        vision = read_config(model_cfg.vision.pretrained, "model.vision.pretrained")
+    if model_cfg.pretrained_tower:
+        tower_field = field if model_cfg.vlm.pretrained else "model.vision.pretrained"
+        vision = read_config(model_cfg.pretrained_tower, tower_field)
         vision = vision.get("vision_config", vision)
     if "num_attention_heads" not in llm or "num_hidden_layers" not in llm:
-        raise VlaforgeError(f"model.llm.pretrained: {model_cfg.llm.pretrained}/config.json names no "
+        raise VlaforgeError(f"{field}: {model_cfg.text_folder}/config.json names no "
                             "num_attention_heads / num_hidden_layers; give a causal-LM folder written by "
                             "save_pretrained")
     heads = llm["num_attention_heads"]
@@ -173,8 +175,8 @@ def check_layout(cfg, world: World) -> ParallelDims:
         if dims.sequence_parallel:
             raise VlaforgeError("parallel.sequence_parallel with pp > 1 is not supported (stages exchange whole "
                                 "sequences); set sequence_parallel = false or pp = 1")
-    if (dims.tp > 1 or dims.cp > 1) and cfg.model.llm.pretrained:
-        check_family(cfg.model.llm.pretrained, dims)
+    if (dims.tp > 1 or dims.cp > 1) and cfg.model.text_folder:
+        check_family(cfg.model.text_folder, dims)
     if dims.cp > 1:
         if dims.pp > 1 or dims.backend != "fsdp2":
             raise VlaforgeError(f"parallel.cp = {dims.cp} runs with backend = 'fsdp2' and pp = 1 (the gathered "

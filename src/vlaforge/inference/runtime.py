@@ -174,7 +174,7 @@ class PolicyRuntime:
 
         model, cfg, ckpt = load_policy_model(checkpoint, pick_device(device))
         spec = ObservationSpec.load(ckpt)
-        tokenizer = load_tokenizer(ckpt, cfg.model.llm.pretrained)
+        tokenizer = load_tokenizer(ckpt, cfg.model.text_folder)
         return cls(model, spec, tokenizer, device=device, dtype=dtype, compile=compile, cache=cache,
                    source=str(ckpt))
 

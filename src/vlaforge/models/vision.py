@@ -63,6 +63,8 @@ class VisionFamily:
     patch_sequence: bool = False  # SigLIP2 (NaFlex): takes (N, patches, p*p*C) with their grid shape and a mask
     native_size: Any = lambda config: config.image_size  # the image side its position embeddings were trained at
     pixel_stats: str = "half"  # the per-channel mean / std its pretraining normalized pixels with (`PIXEL_STATS`)
+    final_norm: str | None = "post_layernorm"  # the norm its last hidden states pass through (none: CLIP's)
+    unused: tuple[str, ...] = ()  # modules the patch tokens never pass through (CLIP's pooled-token norm)
 
     def cls(self):
         import transformers
@@ -77,12 +79,12 @@ VISION_FAMILIES = (
                  lambda config: 0, resize_arg=False, patch_sequence=True,
                  native_size=lambda config: math.isqrt(config.num_patches) * config.patch_size),
     VisionFamily("clip", ("clip_vision_model", "clip"), "clip_vision_model", "CLIPVisionModel", lambda config: 1,
-                 pixel_stats="openai_clip"),
+                 pixel_stats="openai_clip", final_norm=None, unused=("post_layernorm",)),
     VisionFamily("dinov2", ("dinov2",), "dinov2", "Dinov2Model", lambda config: 1, resize_arg=False,
-                 pixel_stats="imagenet"),
+                 pixel_stats="imagenet", final_norm="layernorm"),
     VisionFamily("dinov2_with_registers", ("dinov2_with_registers",), "dinov2_with_registers",
                  "Dinov2WithRegistersModel", lambda config: 1 + config.num_register_tokens, resize_arg=False,
-                 pixel_stats="imagenet"),
+                 pixel_stats="imagenet", final_norm="layernorm"),
 )
 SIGLIP = VISION_FAMILIES[0].folder_types  # the family vlaforge's own flavors build
 # (mean, std) per channel of pixels in [0, 1], as the families' image processors normalize them (transformers'
@@ -120,27 +122,52 @@ def native_size(vision: nn.Module) -> int:
     return vision_family(vision).native_size(vision.config)
 
 
-def set_pixel_stats(vision: nn.Module, fam: VisionFamily, folder: str | None) -> None:
-    """Record on the tower's config (`image_mean` / `image_std`, saved with it in a checkpoint's backbones.json)
-    the normalization its pretraining used: the folder's `preprocessor_config.json` when it has one, else the
-    family's. A config that already carries them (a checkpoint's rebuild) keeps its own."""
-    config = vision.config
-    if getattr(config, "image_mean", None) is not None and getattr(config, "image_std", None) is not None:
-        return
+def read_pixel_stats(fam: VisionFamily, folder: str | None, field: str = "model.vision.pretrained"
+                     ) -> tuple[list[float], list[float]]:
+    """The normalization a tower's pretraining used: the folder's `preprocessor_config.json` (image_mean /
+    image_std) when it has one, else the family's (`PIXEL_STATS`).
+
+    Raises:
+        VlaforgeError: the processor file is not JSON or its mean / std are not three numbers each (std > 0).
+    """
     mean, std = PIXEL_STATS[fam.pixel_stats]
     processor = Path(folder) / "preprocessor_config.json" if folder else None
     if processor is not None and processor.is_file():
         try:
             saved = json.loads(processor.read_text())
         except ValueError as exc:
-            raise VlaforgeError(f"model.vision.pretrained: {processor} is not valid JSON ({exc}); fix or remove "
-                                "it") from None
+            raise VlaforgeError(f"{field}: {processor} is not valid JSON ({exc}); fix or remove it") from None
         mean, std = saved.get("image_mean", mean), saved.get("image_std", std)
-        if not (isinstance(mean, list) and isinstance(std, list) and len(mean) == len(std) == 3
-                and all(isinstance(v, (int, float)) for v in mean + std) and min(std) > 0):
-            raise VlaforgeError(f"model.vision.pretrained: {processor} gives image_mean {mean} / image_std {std}; "
-                                "give three numbers each (std > 0) or remove the file")
-    config.image_mean, config.image_std = [float(v) for v in mean], [float(v) for v in std]
+        if not (isinstance(mean, (list, tuple)) and isinstance(std, (list, tuple)) and len(mean) == len(std) == 3
+                and all(isinstance(v, (int, float)) for v in (*mean, *std)) and min(std) > 0):
+            raise VlaforgeError(f"{field}: {processor} gives image_mean {mean} / image_std {std}; give three "
+                                "numbers each (std > 0) or remove the file")
+    return [float(v) for v in mean], [float(v) for v in std]
+
+
+def set_pixel_stats(vision: nn.Module, fam: VisionFamily, folder: str | None) -> None:
+    """Record on the tower's config (`image_mean` / `image_std`, saved with it in a checkpoint's backbones.json)
+    the normalization its pretraining used (`read_pixel_stats`). A config that already carries them (a
+    checkpoint's rebuild, a VLM's tower) keeps its own."""
+    config = vision.config
+    if getattr(config, "image_mean", None) is not None and getattr(config, "image_std", None) is not None:
+        return
+    config.image_mean, config.image_std = read_pixel_stats(fam, folder)
+
+
+def prune_tower(vision: nn.Module, fam: VisionFamily) -> None:
+    """Drop what the patch-token rule never uses, so no parameter goes without a gradient (DDP) or memory: SigLIP's
+    pooling head, the final norm of CLIP's pooled CLS token (`unused`), and the final norm of a tower a VLM reads
+    before its last blocks (its config's `vlaforge_final_norm = False`: LLaVA's `vision_feature_layer = -2`)."""
+    if getattr(vision, "use_head", False):
+        del vision.head
+        vision.use_head = False
+        vision.config.vision_use_head = False
+    drop = list(fam.unused)
+    if getattr(vision.config, "vlaforge_final_norm", True) is False and fam.final_norm:
+        drop.append(fam.final_norm)
+    for name in drop:
+        setattr(vision, name, nn.Identity())
 
 
 def normalize_pixels(vision: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -203,11 +230,7 @@ def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
             model = load_pretrained(fam.cls(), pretrained, "model.vision.pretrained", families=fam.folder_types,
                                     attn=attn)
         set_pixel_stats(model, fam, pretrained if config is None else None)
-        if getattr(model, "use_head", False):
-            # NOTE: an unused head would hold parameters that never get gradients (breaks DDP, wastes memory).
-            del model.head
-            model.use_head = False
-            model.config.vision_use_head = False
+        prune_tower(model, fam)  # NOTE: unused parameters would never get gradients (breaks DDP, wastes memory)
         return model
     kwargs = dict(flavor.vision)
     if image_size is not None:

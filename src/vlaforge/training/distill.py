@@ -245,7 +245,7 @@ def check_compatible(teacher: Teacher, data, kl: bool) -> None:
             raise VlaforgeError(f"the teacher {teacher.ckpt} was trained with {name} = {b}, the student's data gives "
                                 f"{a}; distil on the teacher's dataset and model shapes")
     if kl and data.tokenizer is not None:
-        tok = load_tokenizer(teacher.ckpt, teacher.cfg.model.llm.pretrained)
+        tok = load_tokenizer(teacher.ckpt, teacher.cfg.model.text_folder)
         if tok.tok.get_vocab() != data.tokenizer.tok.get_vocab():
             raise VlaforgeError(f"the teacher {teacher.ckpt} has another vocabulary than the student's tokenizer, so "
                                 "their language logits cannot be compared; train the student on the same dataset "

@@ -294,10 +294,10 @@ def save_policy_files(run: Run, folder: Path) -> None:
     """What a checkpoint needs beyond its weights to load and predict on its own: the observation spec and the
     tokenizer (training's, or the pretrained LLM's), and the pretrained components' configs (backbones.json), so
     it loads after the pretrained folders it started from are gone."""
-    if run.data.tokenizer is None and run.cfg.model.llm.pretrained:  # synthetic data: the LLM's own tokenizer,
+    if run.data.tokenizer is None and run.cfg.model.text_folder:  # synthetic data: the LLM's own tokenizer,
         from vlaforge.data.tokenizer import pretrained_tokenizer  # read at the first save and held after it
 
-        run.data.tokenizer = pretrained_tokenizer(run.cfg.model.llm.pretrained)
+        run.data.tokenizer = pretrained_tokenizer(run.cfg.model.text_folder)
     run.data.save_policy_files(folder)
     backbones = backbone_configs(run.model, run.cfg.model)
     if backbones:
