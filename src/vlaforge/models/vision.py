@@ -65,6 +65,7 @@ class VisionFamily:
     pixel_stats: str = "half"  # the per-channel mean / std its pretraining normalized pixels with (`PIXEL_STATS`)
     final_norm: str | None = "post_layernorm"  # the norm its last hidden states pass through (none: CLIP's)
     unused: tuple[str, ...] = ()  # modules the patch tokens never pass through (CLIP's pooled-token norm)
+    frozen: tuple[str, ...] = ()  # parameters they never use: kept as buffers (same state-dict name), not trained
 
     def cls(self):
         import transformers
@@ -81,10 +82,10 @@ VISION_FAMILIES = (
     VisionFamily("clip", ("clip_vision_model", "clip"), "clip_vision_model", "CLIPVisionModel", lambda config: 1,
                  pixel_stats="openai_clip", final_norm=None, unused=("post_layernorm",)),
     VisionFamily("dinov2", ("dinov2",), "dinov2", "Dinov2Model", lambda config: 1, resize_arg=False,
-                 pixel_stats="imagenet", final_norm="layernorm"),
+                 pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",)),
     VisionFamily("dinov2_with_registers", ("dinov2_with_registers",), "dinov2_with_registers",
                  "Dinov2WithRegistersModel", lambda config: 1 + config.num_register_tokens, resize_arg=False,
-                 pixel_stats="imagenet", final_norm="layernorm"),
+                 pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",)),
 )
 SIGLIP = VISION_FAMILIES[0].folder_types  # the family vlaforge's own flavors build
 # (mean, std) per channel of pixels in [0, 1], as the families' image processors normalize them (transformers'
@@ -157,7 +158,7 @@ def set_pixel_stats(vision: nn.Module, fam: VisionFamily, folder: str | None) ->
 
 def prune_tower(vision: nn.Module, fam: VisionFamily) -> None:
     """Drop what the patch-token rule never uses, so no parameter goes without a gradient (DDP) or memory: SigLIP's
-    pooling head, the final norm of CLIP's pooled CLS token (`unused`), and the final norm of a tower a VLM reads
+    pooling head, the final norm of CLIP's pooled CLS token (`unused`; DINOv2's mask token becomes a buffer), and the final norm of a tower a VLM reads
     before its last blocks (its config's `vlaforge_final_norm = False`: LLaVA's `vision_feature_layer = -2`)."""
     if getattr(vision, "use_head", False):
         del vision.head
@@ -168,6 +169,11 @@ def prune_tower(vision: nn.Module, fam: VisionFamily) -> None:
         drop.append(fam.final_norm)
     for name in drop:
         setattr(vision, name, nn.Identity())
+    for name in fam.frozen:  # DINOv2's mask token (masked image modelling only); a buffer keeps its state-dict key
+        owner_name, _, attr = name.rpartition(".")
+        owner = vision.get_submodule(owner_name)
+        value = owner._parameters.pop(attr).detach()
+        owner.register_buffer(attr, value)
 
 
 def normalize_pixels(vision: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
