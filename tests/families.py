@@ -106,6 +106,41 @@ def tower_folder(name: str, root: Path) -> Path:
     return _BUILT[key]
 
 
+VLM_STATS = ([0.45, 0.42, 0.4], [0.27, 0.26, 0.28])  # the tiny VLMs' processor normalization (not a default)
+
+
+def build_vlm(name: str, out: Path) -> Path:
+    """A tiny random-init whole VLM of family `name` (LLaVA: a CLIP tower read at layer -2, a 2-layer GELU
+    connector, a Llama LM) saved with its tokenizer and a processor file of its own mean / std into `out`."""
+    import json
+
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    assert name == "llava", name
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(**{**VISION_COMMON, "num_hidden_layers": 3}, intermediate_size=64, image_size=32)
+    text = LlamaConfig(**{**COMMON, "num_hidden_layers": 2})
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                                                      image_token_index=COMMON["vocab_size"] - 1))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    _tokenizer().save_pretrained(out)
+    (out / "preprocessor_config.json").write_text(json.dumps({"image_mean": VLM_STATS[0],
+                                                               "image_std": VLM_STATS[1]}))
+    return out
+
+
+def vlm_folder(name: str, root: Path) -> Path:
+    """The session's folder of VLM family `name` (built on first use under `root`)."""
+    key = f"vlm:{name}"
+    if key not in _BUILT or not _BUILT[key].is_dir():
+        _BUILT[key] = build_vlm(name, Path(root) / f"vlm_{name}")
+    return _BUILT[key]
+
+
 def all_folders(root: Path) -> dict[str, Path]:
     return {name: family_folder(name, root) for name in FAMILIES}
 

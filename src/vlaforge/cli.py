@@ -238,13 +238,17 @@ def config_show(ctx: typer.Context, config: Optional[Path] = typer.Argument(None
 
 
 @model_app.command("summary")
-def model_summary(flavor: str = typer.Argument(..., help="tiny | small | vla-7b | vla-30b | vla-70b"),
+def model_summary(flavor: str = typer.Argument("tiny", help="tiny | small | vla-7b | vla-30b | vla-70b (with --vlm: "
+                                                               "the flavor of the action head's width)"),
                   vision_stem: str = typer.Option("patch", help="model.vision_stem: patch or conv"),
+                  vlm: str = typer.Option(None, "--vlm", help="a whole VLM's save_pretrained folder "
+                                                              "(model.vlm.pretrained): its four components, from "
+                                                              "its config.json alone"),
                   as_json: bool = typer.Option(False, "--json", help="print JSON")):
-    """Parameters and bytes per component, built on fake tensors (no weights allocated)."""
+    """Parameters and bytes per component, built on fake tensors (no weights allocated or read)."""
     from vlaforge.models.summary import render_summary, summarize
 
-    summary = summarize(flavor, vision_stem)
+    summary = summarize(flavor, vision_stem, vlm)
     typer.echo(json.dumps(summary, indent=2) if as_json else render_summary(summary))
 
 

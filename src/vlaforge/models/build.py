@@ -16,6 +16,7 @@ from vlaforge.models.action_heads import ACTION_HEADS
 from vlaforge.models.hf_loading import read_config
 from vlaforge.models.llm import build_llm
 from vlaforge.models.vision import build_vision, native_size
+from vlaforge.models.vlm import component_configs, load_weights
 from vlaforge.models.vla import VLA, Layout, Projector
 from vlaforge.models.losses import Objective
 
@@ -32,9 +33,11 @@ def backbone_configs(model: VLA, model_cfg: ModelConfig) -> dict[str, dict]:
     """The configs of `model`'s pretrained components, which rebuild them without their folders."""
     out = {}
     for name in ("vision", "llm"):
-        if getattr(model_cfg, name).pretrained:
+        if getattr(model_cfg, name).pretrained or model_cfg.vlm.pretrained:
             config = getattr(model, name).config.to_dict()
             out[name] = {k: v for k, v in config.items() if not k.startswith("_")}
+    if model_cfg.vlm.pretrained:  # the VLM's connector width, not the flavor's
+        out["projector"] = {"hidden": model.projector.mlp[0].out_features}
     return out
 
 
@@ -47,10 +50,17 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
             summaries of large flavors. Parameters are then FakeTensors; a pretrained component is built from its
             folder's config.json alone (its weights are never read).
         backbones: the pretrained components' configs (`backbone_configs`, a checkpoint's backbones.json): they
-            are built from these, and their folders are not read (the checkpoint's weights follow).
+            are built from these, and their folders are not read (the checkpoint's weights follow). A whole VLM
+            (`model.vlm.pretrained`) is built from the configs its adapter derives, then filled from its files
+            (models/vlm.py).
     """
     flavor = FLAVORS.get(model_cfg.flavor)
     backbones = dict(backbones or {})
+    vlm_weights = None  # a whole VLM's folder whose weights fill the components once built
+    if model_cfg.vlm.pretrained and not {"vision", "llm", "projector"} <= backbones.keys():
+        derived = component_configs(model_cfg.vlm.pretrained)
+        backbones.update(vision=derived["vision"], llm=derived["llm"], projector={"hidden": derived["projector_hidden"]})
+        vlm_weights = None if fake else model_cfg.vlm.pretrained
     if fake:
         for name in ("vision", "llm"):
             folder = getattr(model_cfg, name).pretrained
@@ -66,13 +76,16 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
         if fake:
             llm.tie_weights()  # NOTE: no_init_weights also skips tying (e.g. small's tied embeddings)
         v_dim, l_dim = vision.config.hidden_size, llm.config.hidden_size
-        projector = Projector(v_dim, l_dim, flavor.projector_hidden)
+        projector = Projector(v_dim, l_dim, backbones.get("projector", {}).get("hidden", flavor.projector_hidden))
         head_cfg = model_cfg.action_head
         action_head = ACTION_HEADS.get(head_cfg.kind)(
             llm_dim=l_dim, action_dim=model_cfg.action_dim, state_dim=model_cfg.state_dim,
             chunk=model_cfg.action_chunk, hidden=head_cfg.hidden or flavor.action_hidden,
             flow_steps=head_cfg.flow_steps, layers=head_cfg.layers, state_dropout=head_cfg.state_dropout,
             env_state_dim=model_cfg.env_state_dim)
+    if vlm_weights is not None:
+        load_weights(vlm_weights, {"vision": vision, "projector": projector, "llm": llm},
+                     new={"projector": {"logit_scale"}})
     native = native_size(vision)
     image_size = model_cfg.image_size or native
     layout = Layout(frames=model_cfg.frames_per_sample, image_size=image_size,

@@ -5,9 +5,10 @@ from __future__ import annotations
 from vlaforge import COMPONENTS
 
 
-def summarize(flavor: str, vision_stem: str = "patch") -> dict:
+def summarize(flavor: str, vision_stem: str = "patch", vlm: str | None = None) -> dict:
     """{'flavor', 'components': {name: {'params', 'fp32_bytes', 'bf16_bytes', 'nominal_params'?}}, 'total'};
-    `vision_stem`: model.vision_stem (a conv stem has more vision parameters than a patch embedding)."""
+    `vision_stem`: model.vision_stem (a conv stem has more vision parameters than a patch embedding); `vlm`: a
+    whole VLM folder (model.vlm.pretrained) whose tower, connector and language model the components are."""
     from vlaforge.config.schema import ModelConfig
     from vlaforge.errors import VlaforgeError
     from vlaforge.models.build import build_vla, parameter_counts
@@ -17,7 +18,7 @@ def summarize(flavor: str, vision_stem: str = "patch") -> dict:
         raise VlaforgeError(FLAVORS.unknown_message(flavor))
     spec = FLAVORS.get(flavor)
     try:
-        model_cfg = ModelConfig(flavor=flavor, vision_stem=vision_stem)
+        model_cfg = ModelConfig(flavor=flavor, vision_stem=vision_stem, vlm={"pretrained": vlm})
     except ValueError as exc:  # pydantic's ValidationError: the stem does not fit the flavor
         from vlaforge.config.loading import format_validation_error
 
@@ -29,6 +30,14 @@ def summarize(flavor: str, vision_stem: str = "patch") -> dict:
         if name in spec.nominal_params:
             row["nominal_params"] = int(spec.nominal_params[name])
         rows[name] = row
+    if vlm is not None:
+        from vlaforge.models.vlm import vlm_family
+
+        fam, _ = vlm_family(vlm)
+        rows = {name: {k: v for k, v in row.items() if k != "nominal_params"} for name, row in rows.items()}
+        return {"flavor": flavor, "vlm": vlm, "vision_stem": vision_stem, "components": rows,
+                "description": f"{vlm}: a {fam.name} VLM mapped onto the components (the action head from "
+                               f"the {flavor} flavor)"}
     return {"flavor": flavor, "vision_stem": vision_stem, "description": spec.description, "components": rows}
 
 

@@ -1,0 +1,167 @@
+"""Whole pretrained vision-language models as vlaforge's components (`model.vlm.pretrained = DIR`): one adapter per
+family, here and nowhere else, maps the folder onto `vision` (its tower, read where the VLM reads it), `projector`
+(its connector, weights and all) and `llm` (its language model and LM head); the action head is new. The token
+layout stays vlaforge's (`[frames][instruction][action queries]`, fed as embeddings): the VLM's image tokens and
+chat template are not used.
+
+Every path goes through configs first: `component_configs` derives each component's config from the folder's
+`config.json` (the tower truncated to the layer the VLM reads, the connector's shape), vlaforge builds the
+components from them as it builds a checkpoint's saved backbones, and `load_weights` fills them from the folder's
+safetensors by a per-family key map, refusing in one line when any weight is missing. Planning (`--fake`) stops
+after the configs; a checkpoint carries the derived configs (`backbones.json`) and needs no folder.
+
+LLaVA (`llava`): `vision_tower` (CLIP or SigLIP) read at `vision_feature_layer` (-2: the output of the penultimate
+block, so the last block is not built and a SigLIP tower's post-norm is dropped) with the CLS token dropped
+(`vision_feature_select_strategy = "default"`); `multi_modal_projector` (linear, GELU, linear) is vlaforge's
+`Projector` with the VLM's weights; `language_model` + `lm_head` are the causal LM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from vlaforge.errors import VlaforgeError
+from vlaforge.models.hf_loading import HINT, read_config
+
+FIELD = "model.vlm.pretrained"
+
+
+@dataclass(frozen=True)
+class VLMFamily:
+    """How one family of whole VLM folders maps onto vlaforge's components."""
+
+    name: str
+    model_types: tuple[str, ...]  # config.json model_type
+    configs: Callable[[dict], dict]  # the folder's config -> {"vision": dict, "llm": dict, "projector_hidden": int}
+    key: Callable[[str], tuple[str, str] | None]  # a weight's name in the folder -> (component, name there) / None
+
+
+def _tower_layers(vision: dict, layer: Any) -> dict:
+    """The tower's config cut to the blocks up to `layer` (a `hidden_states` index: -1 all, -2 all but the last)."""
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise VlaforgeError(f"{FIELD}: vision_feature_layer = {layer!r} (several layers concatenated) is not read "
+                            "by vlaforge; give a VLM that reads one layer")
+    blocks = vision["num_hidden_layers"]
+    kept = blocks + 1 + layer if layer < 0 else layer
+    if not 1 <= kept <= blocks:
+        raise VlaforgeError(f"{FIELD}: vision_feature_layer = {layer} is outside the tower's {blocks} blocks")
+    out = {**vision, "num_hidden_layers": kept}
+    if kept < blocks:  # hidden_states[kept] precedes the tower's final norm
+        out["vlaforge_final_norm"] = False
+    return out
+
+
+def _llava_configs(config: dict) -> dict:
+    vision, text = config.get("vision_config"), config.get("text_config")
+    if not isinstance(vision, dict) or not isinstance(text, dict):
+        raise VlaforgeError(f"{FIELD}: the LLaVA config has no vision_config / text_config; {HINT}")
+    strategy = config.get("vision_feature_select_strategy", "default")
+    if strategy != "default":
+        raise VlaforgeError(f"{FIELD}: vision_feature_select_strategy = {strategy!r} keeps the CLS token, which "
+                            "vlaforge drops (docs/families.md); give a VLM with the 'default' strategy")
+    act, bias = config.get("projector_hidden_act", "gelu"), config.get("multimodal_projector_bias", True)
+    if act != "gelu" or not bias:
+        raise VlaforgeError(f"{FIELD}: the LLaVA connector uses {act} (bias {bias}); vlaforge's projector is "
+                            "linear + GELU + linear with biases")
+    return {"vision": _tower_layers(vision, config.get("vision_feature_layer", -2)), "llm": dict(text),
+            "projector_hidden": text["hidden_size"]}
+
+
+# (prefix in the folder, component, prefix in the component): transformers 5's names, then the older ones
+_LLAVA_PREFIXES = (("model.vision_tower.", "vision", ""), ("vision_tower.", "vision", ""),
+                   ("model.multi_modal_projector.", "projector", ""), ("multi_modal_projector.", "projector", ""),
+                   ("model.language_model.", "llm", "model."), ("language_model.model.", "llm", "model."),
+                   ("language_model.lm_head.", "llm", "lm_head."), ("lm_head.", "llm", "lm_head."))
+
+
+def _llava_key(key: str) -> tuple[str, str] | None:
+    for prefix, comp, inner in _LLAVA_PREFIXES:
+        if key.startswith(prefix):
+            rest = key[len(prefix):]
+            if comp == "projector":
+                rest = rest.replace("linear_1.", "mlp.0.").replace("linear_2.", "mlp.2.")
+            return comp, inner + rest
+    return None
+
+
+VLM_FAMILIES = (VLMFamily("llava", ("llava",), _llava_configs, _llava_key),)
+
+
+def vlm_family(folder: str | Path) -> tuple[VLMFamily, dict]:
+    """The family of a VLM folder and its config.json.
+
+    Raises:
+        VlaforgeError: not a folder with a config, or a model type no adapter maps.
+    """
+    config = read_config(folder, FIELD)
+    kind = config.get("model_type")
+    for fam in VLM_FAMILIES:
+        if kind in fam.model_types:
+            return fam, config
+    known = ", ".join(t for fam in VLM_FAMILIES for t in fam.model_types)
+    raise VlaforgeError(f"{FIELD}: {folder} is a '{kind}' folder; vlaforge maps these VLM families: {known} "
+                        "(a vision tower or an LLM alone goes in model.vision / model.llm .pretrained)")
+
+
+def component_configs(folder: str | Path) -> dict:
+    """{"vision": the tower's config (its image normalization from the folder's processor file), "llm": the
+    language model's, "projector_hidden": the connector's width}, from the folder's config.json alone."""
+    from vlaforge.models.vision import family_for_folder, read_pixel_stats
+
+    fam, config = vlm_family(folder)
+    out = fam.configs(config)
+    tower = family_for_folder(out["vision"].get("model_type"), f"{folder} (its vision tower)")
+    out["vision"]["image_mean"], out["vision"]["image_std"] = read_pixel_stats(tower, str(folder), FIELD)
+    return out
+
+
+def _expected(module: nn.Module) -> list[tuple[str, ...]]:
+    """The names `module`'s state must be given: one of each group of names a tied tensor has."""
+    groups: dict[int, list[str]] = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(t), []).append(name)
+    persistent = set(module.state_dict())
+    return [tuple(g) for g in groups.values() if any(n in persistent for n in g)]
+
+
+def load_weights(folder: str | Path, parts: dict[str, nn.Module], new: dict[str, set[str]] | None = None) -> None:
+    """Fill `parts` ({"vision", "projector", "llm"} modules built from `component_configs`) from the folder's
+    safetensors files. `new`: per component, the names vlaforge adds that no VLM has (the projector's contrastive
+    temperature).
+
+    Raises:
+        VlaforgeError: no weight files, or a weight of a component is not in them (it would train from random
+        values), or a file's tensor does not fit the component's shape.
+    """
+    from safetensors.torch import load_file
+
+    fam, _ = vlm_family(folder)
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise VlaforgeError(f"{FIELD}: {folder} has no weight files (*.safetensors); {HINT}")
+    states: dict[str, dict[str, torch.Tensor]] = {name: {} for name in parts}
+    for file in files:
+        for key, value in load_file(str(file)).items():
+            target = fam.key(key)
+            if target is not None and target[0] in states:
+                states[target[0]][target[1]] = value
+    for name, module in parts.items():
+        given = states[name]
+        ours = (new or {}).get(name, set())
+        missing = [g[0] for g in _expected(module) if not any(n in given or n in ours for n in g)]
+        if missing:
+            shown = ", ".join(sorted(missing)[:3]) + (", ..." if len(missing) > 3 else "")
+            raise VlaforgeError(f"{FIELD}: {len(missing)} weights of the {name} component are not in {folder}'s "
+                                f"files ({shown}): it would train from random values; {HINT}")
+        own = module.state_dict()
+        kept = {k: v for k, v in given.items() if k in own}  # the tower's unread blocks and norms are left out
+        for k, v in kept.items():
+            if v.shape != own[k].shape:
+                raise VlaforgeError(f"{FIELD}: {k} of the {name} component is {tuple(v.shape)} in the files and "
+                                    f"{tuple(own[k].shape)} in its config; give the folder save_pretrained wrote")
+        module.load_state_dict(kept, strict=False)

@@ -1,0 +1,131 @@
+"""Whole VLM folders (`model.vlm.pretrained`, models/vlm.py) mapped onto the components: a tiny random-init LLaVA
+(CLIP tower read at layer -2, GELU connector, Llama) written by transformers with its tokenizer and a processor file
+of its own mean / std. The VLA holds exactly the folder's weights, computes the image features and logits
+transformers' LLaVA computes, trains, carries everything in its checkpoint, and refuses what it does not map in one
+line."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY_RECIPE, fit, make_batch, run_cli, tiny_config
+from families import VLM_STATS, vlm_folder
+from vlaforge.errors import VlaforgeError
+from vlaforge.models.build import build_vla
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return vlm_folder("llava", tmp_path_factory.mktemp("vlms"))
+
+
+def _cfg(folder, **model):
+    return tiny_config(model={"vlm": {"pretrained": str(folder)}, **model})
+
+
+def _reference(folder):
+    from transformers import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration.from_pretrained(folder).eval()
+
+
+def test_a_llava_folder_becomes_the_components_with_its_own_weights(llava):
+    cfg = _cfg(llava)
+    model = build_vla(cfg.model, cfg.loss).eval()
+    ref = _reference(llava)
+    folder_state = {"vision": ref.model.vision_tower.state_dict(), "llm": {
+        **{f"model.{k}": v for k, v in ref.model.language_model.state_dict().items()}, "lm_head.weight":
+        ref.lm_head.weight}, "projector": {k.replace("linear_1", "mlp.0").replace("linear_2", "mlp.2"): v
+                                           for k, v in ref.model.multi_modal_projector.state_dict().items()}}
+    for comp, want in folder_state.items():
+        got = getattr(model, comp).state_dict()
+        own = [k for k in got if k != "logit_scale"]  # the contrastive temperature is vlaforge's
+        for k in own:
+            assert torch.equal(got[k], want[k]), (comp, k)
+    assert len(model.vision.encoder.layers) == 2  # layer -2 of 3: the last block is not built
+    assert model.layout.patches_per_frame == 16 and model.projector.mlp[0].out_features == 64
+
+    images = torch.randint(0, 256, (2, 3, 32, 32)).float()
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in VLM_STATS)
+    ids = torch.randint(3, 300, (2, 9))
+    with torch.no_grad():
+        ours = model.encode_frames(images / 127.5 - 1)  # vlaforge's [-1, 1] input
+        theirs = ref.model.get_image_features(pixel_values=(images / 255 - mean) / std, vision_feature_layer=-2,
+                                              vision_feature_select_strategy="default", output_hidden_states=True)
+        torch.testing.assert_close(ours, torch.stack(list(theirs.pooler_output)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.llm(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    model.train()
+    losses = fit(model, make_batch(cfg, model, size=2), steps=3)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_a_run_on_a_vlm_carries_its_tokenizer_and_configs_and_predicts_without_the_folder(llava, tmp_path):
+    from fake_lerobot import write_dataset
+    from transformers import AutoTokenizer
+
+    from vlaforge.inference.runtime import Observation, PolicyRuntime
+
+    folder = shutil.copytree(llava, tmp_path / "llava")
+    write_dataset(tmp_path / "ds")
+    run = tmp_path / "run"
+    done = run_cli("train", str(TINY_RECIPE), "--data.source=lerobot", f"--data.path={tmp_path / 'ds'}",
+                   "--model.image_size=32", "--data.max_instruction_tokens=8", "--train.steps=2",
+                   "--train.batch_size=2", "--train.progress=false", "--train.tensorboard=false",
+                   f"--model.vlm.pretrained={folder}", f"--train.output_dir={run}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    ckpt = run / "checkpoints" / "step_00000002"
+    saved = json.loads((ckpt / "backbones.json").read_text())
+    assert saved["vision"]["num_hidden_layers"] == 2 and saved["vision"]["image_mean"] == VLM_STATS[0]
+    assert saved["projector"] == {"hidden": 64} and saved["llm"]["model_type"] == "llama"
+    assert AutoTokenizer.from_pretrained(ckpt / "tokenizer").get_vocab() == \
+        AutoTokenizer.from_pretrained(folder).get_vocab()
+    rt = PolicyRuntime.load(run, device="cpu")
+    cams = [c.removeprefix("observation.images.") for c in rt.spec.cameras]
+    g = np.random.default_rng(0)
+    obs = Observation({c: g.integers(0, 256, (rt.spec.render_size, rt.spec.render_size, 3), dtype=np.uint8)
+                       for c in cams}, np.zeros(len(rt.spec.state_mean), np.float32), "open the door")
+    before = rt.predict(obs, "s").actions
+    shutil.rmtree(folder)
+    np.testing.assert_array_equal(PolicyRuntime.load(run, device="cpu").predict(obs, "s").actions, before)
+
+
+def test_what_a_vlm_folder_cannot_give_is_refused_in_one_line(llava, tmp_path):
+    from families import family_folder
+
+    with pytest.raises(VlaforgeError, match="model.vlm.pretrained gives the vision tower and the LLM both"):
+        tiny_config(model={"vlm": {"pretrained": str(llava)}, "llm": {"pretrained": str(llava)}})
+    lm = family_folder("llama", tmp_path)
+    with pytest.raises(VlaforgeError, match="is a 'llama' folder; vlaforge maps these VLM families: llava"):
+        build_vla(_cfg(lm).model)
+    full = shutil.copytree(llava, tmp_path / "full")
+    config = json.loads((full / "config.json").read_text())
+    (full / "config.json").write_text(json.dumps({**config, "vision_feature_select_strategy": "full"}))
+    with pytest.raises(VlaforgeError, match="keeps the CLS token"):
+        build_vla(_cfg(full).model)
+    partial = shutil.copytree(llava, tmp_path / "partial")
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(partial / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "multi_modal_projector.linear_2" not in k},
+              partial / "model.safetensors", metadata={"format": "pt"})
+    missing = r"2 weights of the projector component are not in .* files \(mlp.2.bias, mlp.2.weight\)"
+    with pytest.raises(VlaforgeError, match=missing):
+        build_vla(_cfg(partial).model)
+
+
+def test_model_summary_of_a_vlm_folder_counts_its_components_from_the_config(llava, monkeypatch):
+    import vlaforge.models.build as build
+    from vlaforge.models.build import parameter_counts
+
+    cfg = _cfg(llava)
+    want = parameter_counts(build_vla(cfg.model, cfg.loss))
+    done = run_cli("model", "summary", "--vlm", str(llava), "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout)["components"]
+    assert {c: rows[c]["params"] for c in want} == want
+    monkeypatch.setattr(build, "load_weights", lambda *a, **k: pytest.fail("weights read in a fake build"))
+    fake = build_vla(cfg.model, cfg.loss, fake=True)
+    assert parameter_counts(fake) == want
