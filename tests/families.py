@@ -110,18 +110,28 @@ VLM_STATS = ([0.45, 0.42, 0.4], [0.27, 0.26, 0.28])  # the tiny VLMs' processor 
 
 
 def build_vlm(name: str, out: Path) -> Path:
-    """A tiny random-init whole VLM of family `name` (LLaVA: a CLIP tower read at layer -2, a 2-layer GELU
-    connector, a Llama LM) saved with its tokenizer and a processor file of its own mean / std into `out`."""
+    """A tiny random-init whole VLM of family `name` (LLaVA: a 3-block CLIP tower read at layer -2, a 2-layer GELU
+    connector, a Llama LM; PaliGemma: a SigLIP tower, a one-linear connector, a tied-embedding Gemma) saved with its
+    tokenizer and a processor file of its own mean / std into `out`."""
     import json
 
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    assert name == "llava", name
     torch.manual_seed(0)
-    vision = CLIPVisionConfig(**{**VISION_COMMON, "num_hidden_layers": 3}, intermediate_size=64, image_size=32)
-    text = LlamaConfig(**{**COMMON, "num_hidden_layers": 2})
-    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
-                                                      image_token_index=COMMON["vocab_size"] - 1))
+    if name == "llava":
+        vision = CLIPVisionConfig(**{**VISION_COMMON, "num_hidden_layers": 3}, intermediate_size=64, image_size=32)
+        text = LlamaConfig(**COMMON)
+        model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                                                          image_token_index=COMMON["vocab_size"] - 1))
+    else:
+        from transformers import GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration, SiglipVisionConfig
+
+        assert name == "paligemma", name
+        vision = SiglipVisionConfig(**VISION_COMMON, intermediate_size=64, image_size=32)
+        text = GemmaConfig(**COMMON)  # tied embeddings
+        model = PaliGemmaForConditionalGeneration(PaliGemmaConfig(
+            vision_config=vision.to_dict(), text_config=text.to_dict(), projection_dim=COMMON["hidden_size"],
+            hidden_size=COMMON["hidden_size"], image_token_index=COMMON["vocab_size"] - 1))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:

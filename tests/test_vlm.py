@@ -18,44 +18,71 @@ from vlaforge.models.build import build_vla
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    return vlm_folder("llava", tmp_path_factory.mktemp("vlms"))
+def vlms(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlms")
+    return lambda name: vlm_folder(name, root)
+
+
+@pytest.fixture(scope="module")
+def llava(vlms):
+    return vlms("llava")
 
 
 def _cfg(folder, **model):
     return tiny_config(model={"vlm": {"pretrained": str(folder)}, **model})
 
 
-def _reference(folder):
-    from transformers import LlavaForConditionalGeneration
+def _reference(name, folder):
+    import transformers
 
-    return LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    cls = {"llava": "LlavaForConditionalGeneration", "paligemma": "PaliGemmaForConditionalGeneration"}[name]
+    return getattr(transformers, cls).from_pretrained(folder).eval()
 
 
-def test_a_llava_folder_becomes_the_components_with_its_own_weights(llava):
-    cfg = _cfg(llava)
+def _image_features(name, ref, pixels):
+    """transformers' projected image features, as the VLM's own forward computes them."""
+    if name == "llava":
+        out = ref.model.get_image_features(pixel_values=pixels, vision_feature_layer=-2,
+                                           vision_feature_select_strategy="default", output_hidden_states=True)
+        return torch.stack(list(out.pooler_output))
+    return ref.model.get_image_features(pixel_values=pixels).pooler_output
+
+
+CONNECTORS = {"llava": {"linear_1": "mlp.0", "linear_2": "mlp.2"}, "paligemma": {"linear": "mlp.0"}}
+
+
+@pytest.mark.parametrize("name", ["llava", "paligemma"])
+def test_a_vlm_folder_becomes_the_components_with_its_own_weights(vlms, name):
+    folder = vlms(name)
+    cfg = _cfg(folder)
     model = build_vla(cfg.model, cfg.loss).eval()
-    ref = _reference(llava)
-    folder_state = {"vision": ref.model.vision_tower.state_dict(), "llm": {
-        **{f"model.{k}": v for k, v in ref.model.language_model.state_dict().items()}, "lm_head.weight":
-        ref.lm_head.weight}, "projector": {k.replace("linear_1", "mlp.0").replace("linear_2", "mlp.2"): v
-                                           for k, v in ref.model.multi_modal_projector.state_dict().items()}}
+    ref = _reference(name, folder)
+
+    def connector(key):
+        for theirs, ours in CONNECTORS[name].items():
+            key = key.replace(f"{theirs}.", f"{ours}.")
+        return key
+
+    language = {f"model.{k}": v for k, v in ref.model.language_model.state_dict().items()}
+    folder_state = {"vision": ref.model.vision_tower.state_dict(),
+                    "llm": {**language, "lm_head.weight": ref.lm_head.weight},
+                    "projector": {connector(k): v for k, v in ref.model.multi_modal_projector.state_dict().items()}}
     for comp, want in folder_state.items():
         got = getattr(model, comp).state_dict()
-        own = [k for k in got if k != "logit_scale"]  # the contrastive temperature is vlaforge's
-        for k in own:
+        for k in (k for k in got if k != "logit_scale"):  # the contrastive temperature is vlaforge's
             assert torch.equal(got[k], want[k]), (comp, k)
-    assert len(model.vision.encoder.layers) == 2  # layer -2 of 3: the last block is not built
-    assert model.layout.patches_per_frame == 16 and model.projector.mlp[0].out_features == 64
+    # LLaVA reads its 3-block tower at layer -2: the last block is not built
+    assert len(model.vision.encoder.layers) == {"llava": 2, "paligemma": 2}[name]
+    assert model.layout.patches_per_frame == 16
+    assert len(model.projector.mlp) == {"llava": 3, "paligemma": 1}[name]
 
     images = torch.randint(0, 256, (2, 3, 32, 32)).float()
     mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in VLM_STATS)
     ids = torch.randint(3, 300, (2, 9))
     with torch.no_grad():
         ours = model.encode_frames(images / 127.5 - 1)  # vlaforge's [-1, 1] input
-        theirs = ref.model.get_image_features(pixel_values=(images / 255 - mean) / std, vision_feature_layer=-2,
-                                              vision_feature_select_strategy="default", output_hidden_states=True)
-        torch.testing.assert_close(ours, torch.stack(list(theirs.pooler_output)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours, _image_features(name, ref, (images / 255 - mean) / std), rtol=1e-5,
+                                   atol=1e-5)
         torch.testing.assert_close(model.llm(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     model.train()
     losses = fit(model, make_batch(cfg, model, size=2), steps=3)
@@ -79,7 +106,7 @@ def test_a_run_on_a_vlm_carries_its_tokenizer_and_configs_and_predicts_without_t
     ckpt = run / "checkpoints" / "step_00000002"
     saved = json.loads((ckpt / "backbones.json").read_text())
     assert saved["vision"]["num_hidden_layers"] == 2 and saved["vision"]["image_mean"] == VLM_STATS[0]
-    assert saved["projector"] == {"hidden": 64} and saved["llm"]["model_type"] == "llama"
+    assert saved["projector"] == {"hidden": 64, "layers": 2} and saved["llm"]["model_type"] == "llama"
     assert AutoTokenizer.from_pretrained(ckpt / "tokenizer").get_vocab() == \
         AutoTokenizer.from_pretrained(folder).get_vocab()
     rt = PolicyRuntime.load(run, device="cpu")

@@ -36,8 +36,9 @@ def backbone_configs(model: VLA, model_cfg: ModelConfig) -> dict[str, dict]:
         if getattr(model_cfg, name).pretrained or model_cfg.vlm.pretrained:
             config = getattr(model, name).config.to_dict()
             out[name] = {k: v for k, v in config.items() if not k.startswith("_")}
-    if model_cfg.vlm.pretrained:  # the VLM's connector width, not the flavor's
-        out["projector"] = {"hidden": model.projector.mlp[0].out_features}
+    if model_cfg.vlm.pretrained:  # the VLM's connector shape, not the flavor's
+        mlp = model.projector.mlp
+        out["projector"] = {"hidden": mlp[0].out_features, "layers": 2} if len(mlp) == 3 else {"layers": 1}
     return out
 
 
@@ -59,7 +60,7 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
     vlm_weights = None  # a whole VLM's folder whose weights fill the components once built
     if model_cfg.vlm.pretrained and not {"vision", "llm", "projector"} <= backbones.keys():
         derived = component_configs(model_cfg.vlm.pretrained)
-        backbones.update(vision=derived["vision"], llm=derived["llm"], projector={"hidden": derived["projector_hidden"]})
+        backbones.update(vision=derived["vision"], llm=derived["llm"], projector=derived["projector"])
         vlm_weights = None if fake else model_cfg.vlm.pretrained
     if fake:
         for name in ("vision", "llm"):
@@ -76,7 +77,8 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
         if fake:
             llm.tie_weights()  # NOTE: no_init_weights also skips tying (e.g. small's tied embeddings)
         v_dim, l_dim = vision.config.hidden_size, llm.config.hidden_size
-        projector = Projector(v_dim, l_dim, backbones.get("projector", {}).get("hidden", flavor.projector_hidden))
+        shape = backbones.get("projector", {})  # a VLM's connector, or the flavor's
+        projector = Projector(v_dim, l_dim, shape.get("hidden") or flavor.projector_hidden, shape.get("layers", 2))
         head_cfg = model_cfg.action_head
         action_head = ACTION_HEADS.get(head_cfg.kind)(
             llm_dim=l_dim, action_dim=model_cfg.action_dim, state_dim=model_cfg.state_dim,

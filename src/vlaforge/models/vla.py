@@ -32,9 +32,11 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
 class Projector(nn.Module):
     """MLP from vision width to LLM width; also holds the contrastive loss's learned temperature."""
 
-    def __init__(self, vision_dim: int, llm_dim: int, hidden: int):
+    def __init__(self, vision_dim: int, llm_dim: int, hidden: int, layers: int = 2):
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(vision_dim, hidden), nn.GELU(), nn.Linear(hidden, llm_dim))
+        # two layers (linear, GELU, linear: vlaforge's, LLaVA's), or one linear (PaliGemma's connector)
+        self.mlp = nn.Sequential(nn.Linear(vision_dim, hidden), nn.GELU(), nn.Linear(hidden, llm_dim)) if layers == 2 \
+            else nn.Sequential(nn.Linear(vision_dim, llm_dim))
         # (1,), not a scalar: FSDP2 cannot shard 0-d parameters.
         self.logit_scale = nn.Parameter(torch.tensor([math.log(1 / 0.07)]))
 

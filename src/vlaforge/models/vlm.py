@@ -14,6 +14,11 @@ LLaVA (`llava`): `vision_tower` (CLIP or SigLIP) read at `vision_feature_layer` 
 block, so the last block is not built and a SigLIP tower's post-norm is dropped) with the CLS token dropped
 (`vision_feature_select_strategy = "default"`); `multi_modal_projector` (linear, GELU, linear) is vlaforge's
 `Projector` with the VLM's weights; `language_model` + `lm_head` are the causal LM.
+
+PaliGemma (`paligemma`, pi0's backbone): the whole SigLIP tower (its last hidden states, post-norm included), the
+one-linear connector (a one-layer `Projector`), Gemma with its tied embeddings. Its 1-based positions are not
+copied: rotary attention depends on position differences only. Its prefix-bidirectional mask is not either:
+vlaforge's layout is causal.
 """
 
 from __future__ import annotations
@@ -37,8 +42,29 @@ class VLMFamily:
 
     name: str
     model_types: tuple[str, ...]  # config.json model_type
-    configs: Callable[[dict], dict]  # the folder's config -> {"vision": dict, "llm": dict, "projector_hidden": int}
-    key: Callable[[str], tuple[str, str] | None]  # a weight's name in the folder -> (component, name there) / None
+    configs: Callable[[dict], dict]  # the folder's config -> {"vision": dict, "llm": dict, "projector": dict}
+    connector: dict[str, str]  # the connector's layer names -> vlaforge's Projector's (`mlp.0.`, `mlp.2.`)
+
+    def key(self, key: str) -> tuple[str, str] | None:
+        """A weight's name in the folder -> (component, its name there), or None for what no component takes."""
+        for prefix, comp, inner in PREFIXES:
+            if key.startswith(prefix):
+                rest = key[len(prefix):]
+                if comp == "vision":
+                    rest = rest.removeprefix("vision_model.")  # checkpoints before transformers 5 nest the tower
+                if comp == "projector":
+                    for theirs, ours in self.connector.items():
+                        rest = rest.replace(theirs, ours)
+                return comp, inner + rest
+        return None
+
+
+# (prefix in the folder, component, prefix in the component): transformers 5's names, then the older ones (which
+# `save_pretrained` still writes for some families)
+PREFIXES = (("model.vision_tower.", "vision", ""), ("vision_tower.", "vision", ""),
+            ("model.multi_modal_projector.", "projector", ""), ("multi_modal_projector.", "projector", ""),
+            ("model.language_model.", "llm", "model."), ("language_model.model.", "llm", "model."),
+            ("language_model.lm_head.", "llm", "lm_head."), ("lm_head.", "llm", "lm_head."))
 
 
 def _tower_layers(vision: dict, layer: Any) -> dict:
@@ -69,27 +95,22 @@ def _llava_configs(config: dict) -> dict:
         raise VlaforgeError(f"{FIELD}: the LLaVA connector uses {act} (bias {bias}); vlaforge's projector is "
                             "linear + GELU + linear with biases")
     return {"vision": _tower_layers(vision, config.get("vision_feature_layer", -2)), "llm": dict(text),
-            "projector_hidden": text["hidden_size"]}
+            "projector": {"hidden": text["hidden_size"], "layers": 2}}
 
 
-# (prefix in the folder, component, prefix in the component): transformers 5's names, then the older ones
-_LLAVA_PREFIXES = (("model.vision_tower.", "vision", ""), ("vision_tower.", "vision", ""),
-                   ("model.multi_modal_projector.", "projector", ""), ("multi_modal_projector.", "projector", ""),
-                   ("model.language_model.", "llm", "model."), ("language_model.model.", "llm", "model."),
-                   ("language_model.lm_head.", "llm", "lm_head."), ("lm_head.", "llm", "lm_head."))
+def _paligemma_configs(config: dict) -> dict:
+    vision, text = config.get("vision_config"), config.get("text_config")
+    if not isinstance(vision, dict) or not isinstance(text, dict):
+        raise VlaforgeError(f"{FIELD}: the PaliGemma config has no vision_config / text_config; {HINT}")
+    width = vision.get("projection_dim", text.get("hidden_size"))
+    if width != text["hidden_size"]:
+        raise VlaforgeError(f"{FIELD}: the PaliGemma connector projects to {width}, the language model is "
+                            f"{text['hidden_size']} wide; give a folder save_pretrained wrote")
+    return {"vision": dict(vision), "llm": dict(text), "projector": {"layers": 1}}
 
 
-def _llava_key(key: str) -> tuple[str, str] | None:
-    for prefix, comp, inner in _LLAVA_PREFIXES:
-        if key.startswith(prefix):
-            rest = key[len(prefix):]
-            if comp == "projector":
-                rest = rest.replace("linear_1.", "mlp.0.").replace("linear_2.", "mlp.2.")
-            return comp, inner + rest
-    return None
-
-
-VLM_FAMILIES = (VLMFamily("llava", ("llava",), _llava_configs, _llava_key),)
+VLM_FAMILIES = (VLMFamily("llava", ("llava",), _llava_configs, {"linear_1.": "mlp.0.", "linear_2.": "mlp.2."}),
+                VLMFamily("paligemma", ("paligemma",), _paligemma_configs, {"linear.": "mlp.0."}))
 
 
 def vlm_family(folder: str | Path) -> tuple[VLMFamily, dict]:
@@ -110,7 +131,7 @@ def vlm_family(folder: str | Path) -> tuple[VLMFamily, dict]:
 
 def component_configs(folder: str | Path) -> dict:
     """{"vision": the tower's config (its image normalization from the folder's processor file), "llm": the
-    language model's, "projector_hidden": the connector's width}, from the folder's config.json alone."""
+    language model's, "projector": the connector's shape ({"layers": 1 | 2, "hidden"})}, from config.json alone."""
     from vlaforge.models.vision import family_for_folder, read_pixel_stats
 
     fam, config = vlm_family(folder)
