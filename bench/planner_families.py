@@ -9,6 +9,7 @@ A ratio of 1.0 is exact; the planner refuses (one line) the families whose block
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -24,11 +25,8 @@ def measure(folder: Path, precision: str, strategy: str) -> float | str:
     from conftest import tiny_config
     from vlaforge import COMPONENTS
     from vlaforge.errors import VlaforgeError
-    from vlaforge.models.build import fake_build, synthetic_batch
-    from vlaforge.planner.activations import model_activation_bytes, sequence_of
+    from vlaforge.planner.measure import side_by_side
     from vlaforge.planner.types import PlanModel
-    from vlaforge.techniques import accounting as memory
-    from vlaforge.training.trainer import build_model
 
     comps = {c: {"precision": precision} for c in COMPONENTS}
     for c in ("vision", "llm"):
@@ -36,19 +34,15 @@ def measure(folder: Path, precision: str, strategy: str) -> float | str:
     cfg = tiny_config(model={"llm": {"pretrained": str(folder)}}, components=comps)
     try:
         PlanModel(cfg)
+        refused = None
     except VlaforgeError as exc:
-        return f"refused: {exc}"
-    try:
-        with fake_build():
-            model, _ = build_model(cfg, torch.device("cpu"))
-            batch = synthetic_batch(cfg, model, 2)
-            with memory.count_saved(model) as acc:
-                model.compute_loss(batch)
+        refused = f"refused: {exc}"
+    try:  # measured also where the planner refuses: the ratio says why
+        llm = side_by_side(cfg, 2)["by_component"]["llm"]
     except RuntimeError as exc:  # e.g. Qwen3-MoE's grouped matmul under autocast on CPU
-        return f"not measured: {str(exc).splitlines()[0]}"
-    seq, policies = sequence_of(model, batch), dict(cfg.components.items())
-    want = model_activation_bytes(model, seq, policies, model.objective.active("contrastive"))
-    return round(want["llm"] / acc.per_component()["llm"], 4)
+        return f"not measured: {str(exc).splitlines()[0]}" + (f"; {refused}" if refused else "")
+    ratio = round(llm["ratio"], 4)
+    return ratio if refused is None else f"{ratio} ({refused})"
 
 
 def main() -> None:
@@ -59,8 +53,9 @@ def main() -> None:
     p.add_argument("--out", default=None, help="where the family folders are built (a temporary folder)")
     args = p.parse_args()
     root = Path(args.out or tempfile.mkdtemp(prefix="families_"))
-    out = {name: {s: measure(family_folder(name, root), args.precision, s) for s in ("none", "full", "selective")}
-           for name in FAMILIES}
+    with contextlib.redirect_stdout(sys.stderr):  # the loaders' notices (Gemma2's eager attention): JSON alone
+        out = {name: {s: measure(family_folder(name, root), args.precision, s) for s in ("none", "full", "selective")}
+               for name in FAMILIES}
     print(json.dumps(out, indent=1))
 
 

@@ -75,11 +75,16 @@ def build_family(name: str, out: Path) -> Path:
     return out
 
 
+def _cached(key: str, build, out: Path) -> Path:
+    """The session's folder `key`, built by `build(out)` on first use (again if it was deleted)."""
+    if key not in _BUILT or not _BUILT[key].is_dir():
+        _BUILT[key] = build(out)
+    return _BUILT[key]
+
+
 def family_folder(name: str, root: Path) -> Path:
     """The session's folder of family `name` (built on first use under `root`)."""
-    if name not in _BUILT or not _BUILT[name].is_dir():
-        _BUILT[name] = build_family(name, Path(root) / name)
-    return _BUILT[name]
+    return _cached(name, lambda out: build_family(name, out), Path(root) / name)
 
 
 def build_tower(name: str, out: Path) -> Path:
@@ -100,10 +105,7 @@ def build_tower(name: str, out: Path) -> Path:
 
 def tower_folder(name: str, root: Path) -> Path:
     """The session's folder of vision family `name` (built on first use under `root`)."""
-    key = f"vision:{name}"
-    if key not in _BUILT or not _BUILT[key].is_dir():
-        _BUILT[key] = build_tower(name, Path(root) / f"vision_{name}")
-    return _BUILT[key]
+    return _cached(f"vision:{name}", lambda out: build_tower(name, out), Path(root) / f"vision_{name}")
 
 
 VLM_STATS = ([0.45, 0.42, 0.4], [0.27, 0.26, 0.28])  # the tiny VLMs' processor normalization (not a default)
@@ -145,10 +147,7 @@ def build_vlm(name: str, out: Path) -> Path:
 
 def vlm_folder(name: str, root: Path) -> Path:
     """The session's folder of VLM family `name` (built on first use under `root`)."""
-    key = f"vlm:{name}"
-    if key not in _BUILT or not _BUILT[key].is_dir():
-        _BUILT[key] = build_vlm(name, Path(root) / f"vlm_{name}")
-    return _BUILT[key]
+    return _cached(f"vlm:{name}", lambda out: build_vlm(name, out), Path(root) / f"vlm_{name}")
 
 
 def all_folders(root: Path) -> dict[str, Path]:

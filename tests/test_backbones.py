@@ -236,11 +236,8 @@ def test_the_planner_counts_llama_shaped_families_exactly_and_refuses_the_others
     count; a block with q/k norms, extra norms, fused projections or experts is refused in one line naming what
     differs (bench/planner_families.py measured those at 0.57x-1.63x)."""
     from vlaforge import COMPONENTS
-    from vlaforge.models.build import fake_build, synthetic_batch
-    from vlaforge.planner.activations import model_activation_bytes, sequence_of
+    from vlaforge.planner.measure import side_by_side
     from vlaforge.planner.types import PlanModel
-    from vlaforge.techniques import accounting as memory
-    from vlaforge.training.trainer import build_model
 
     for name in ("mistral", "qwen2"):
         for strategy in ("none", "selective"):
@@ -248,14 +245,8 @@ def test_the_planner_counts_llama_shaped_families_exactly_and_refuses_the_others
                      for c in COMPONENTS}
             cfg = tiny_config(model={"llm": {"pretrained": str(family_folder(name, root))}}, components=comps)
             PlanModel(cfg)
-            with fake_build():
-                model, _ = build_model(cfg, torch.device("cpu"))
-                batch = synthetic_batch(cfg, model, 2)
-                with memory.count_saved(model) as acc:
-                    model.compute_loss(batch)
-            want = model_activation_bytes(model, sequence_of(model, batch), dict(cfg.components.items()),
-                                          model.objective.active("contrastive"))
-            assert want["llm"] == acc.per_component()["llm"], (name, strategy)
+            llm = side_by_side(cfg, 2)["by_component"]["llm"]  # `vlaforge plan --measure`'s comparison
+            assert llm["analytic"] == llm["measured"], (name, strategy, llm)
     for name, what in (("qwen3", r"self_attn: \+k_norm, \+q_norm"), ("phi3", "block: "), ("gpt_neox", "-self_attn")):
         with pytest.raises(VlaforgeError, match=f"^the planner counts Llama-shaped LLM blocks; this {name} block "
                                                 f"differs \\([^\n]*{what}"):
