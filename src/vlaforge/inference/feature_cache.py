@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from vlaforge.errors import VlaforgeError
-from vlaforge.models.vision import vision_family
+from vlaforge.models.vision import normalize_pixels, vision_family
 
 CacheMode = Literal["none", "exact", "frame", "token"]
 CACHE_MODES = ("none", "exact", "frame", "token")
@@ -243,8 +243,9 @@ class TokenReuseEncoder:
 
     def _embeddings(self, pixels: torch.Tensor) -> torch.Tensor:
         embeddings = self.model.vision.embeddings
+        pixels = normalize_pixels(self.model.vision, pixels[None])  # the tower's own mean / std (a folder's)
         pixels = pixels.to(embeddings.patch_embedding.weight.dtype)  # a vision tower cast by `vlaforge quantize`
-        emb = embeddings(pixels[None], interpolate_pos_encoding=self.model.layout.interpolate_pos)
+        emb = embeddings(pixels, interpolate_pos_encoding=self.model.layout.interpolate_pos)
         return emb[0]  # (P, D)
 
     def _full(self, cache: SessionCache, cam: str, pixels: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:

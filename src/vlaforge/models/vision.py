@@ -22,7 +22,7 @@ from torch import nn
 
 from vlaforge.config.flavors import Flavor
 from vlaforge.errors import VlaforgeError
-from vlaforge.models.hf_loading import from_config, load_pretrained, read_config
+from vlaforge.models.hf_loading import check_pretrained_folder, from_config, load_pretrained, read_config
 
 
 class ConvStem(nn.Module):
@@ -232,7 +232,8 @@ def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
             config = {**config.get("vision_config", config), "model_type": fam.tower_type}
             model = from_config(fam.cls(), config, "model.vision.pretrained", attn)
         else:  # a tower's folder, or a whole image + text model's (SigLIP, CLIP) whose vision tower is taken
-            fam = family_for_folder(read_config(pretrained, "model.vision.pretrained").get("model_type"), pretrained)
+            folder = check_pretrained_folder(pretrained, "model.vision.pretrained")  # config and weights there
+            fam = family_for_folder(read_config(folder, "model.vision.pretrained").get("model_type"), pretrained)
             model = load_pretrained(fam.cls(), pretrained, "model.vision.pretrained", families=fam.folder_types,
                                     attn=attn)
         set_pixel_stats(model, fam, pretrained if config is None else None)
