@@ -51,6 +51,24 @@ def test_tensor_parallel_on_each_family_matches_one_process(tmp_path, singles, n
     assert_matches(tmp_path, reference, rel_norm=1e-4)
 
 
+# context parallel on the families whose attention differs from Llama's: per-head q/k norms (Qwen3, OLMo2's
+# full-width ones), partial rotary and a parallel MLP (Phi), fused query_key_value (GPT-NeoX), scaled embeddings
+# (Gemma); ring and Ulysses both run (sliding windows and soft-caps are refused: test_backbones.py)
+CP_CELLS = [("qwen3", "ring"), ("olmo2", "ulysses"), ("phi", "ring"), ("gpt_neox", "ulysses"), ("gemma", "ring")]
+
+
+@pytest.mark.parametrize("name,method", CP_CELLS, ids=[f"{n}-{m}" for n, m in CP_CELLS])
+def test_context_parallel_on_each_family_matches_one_process(tmp_path, singles, name, method):
+    """Both ranks hold half of the sequence; losses (the language loss after the logits' gather too) and step-3
+    weights are the one process's."""
+    reference = singles[name]
+    done = torchrun("train", str(TINY_RECIPE), *COMMON, *_llm(singles.root, name), "--parallel.cp=2",
+                    f"--parallel.cp_method={method}", "--train.progress=true", f"--train.output_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"context parallel: cp = 2, {method}" in done.stdout
+    assert_matches(tmp_path, reference, ("loss/total", "loss/language"), rel_norm=1e-4)
+
+
 def test_pipeline_parallel_finds_a_final_norm_not_named_norm(tmp_path, singles):
     """Phi's final norm is `final_layernorm`: the last stage applies it, the first does not."""
     reference = train_single(singles.root / "single_phi_accum2", *_llm(singles.root, "phi"), "--train.grad_accum=2")
