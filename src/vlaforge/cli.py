@@ -195,9 +195,9 @@ def plan(model: str = typer.Option("vla-7b", help="a flavor (tiny | small | vla-
                                                   "tensors and print analytic vs measured activation bytes"),
          write_config: Optional[Path] = typer.Option(None, help="write the best candidate as a vlaforge train recipe"),
          plot: Optional[Path] = typer.Option(None, help="save the best candidate's per-GPU memory chart (PNG)"),
-         whitepaper: Optional[Path] = typer.Option(None, help="generate the configuration white paper (7B/30B/70B x "
-                                                              "1/8 frames x 8xA100-80, 8xH100, 4x8xH100) to this "
-                                                              "Markdown file and exit")):
+         whitepaper: Optional[Path] = typer.Option(None, help="generate the configuration white paper (pi0, "
+                                                              "OpenVLA-7B, 7B/30B/70B x 1/8 frames x 8xA100-80, "
+                                                              "8xH100, 4x8xH100) to this Markdown file and exit")):
     """Plan memory and throughput per GPU for a VLA on a cluster, and recommend the fastest configuration that fits:
     layout (FSDP2 / HSDP / DDP, tp, pp, cp), precision, checkpointing, offload, micro-batch and accumulation."""
     from vlaforge.planner import cli as planner_cli

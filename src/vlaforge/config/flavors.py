@@ -103,3 +103,36 @@ FLAVORS.add("vla-70b", Flavor(
     action_hidden=1024,
     nominal_params={"vision": 3e9, "llm": 69e9},
 ))
+
+# Real VLAs' shapes for planning (`vlaforge plan`, docs/whitepaper.md), each as the SigLIP tower + Llama-shaped LLM
+# the planner counts. Not mirrored yet: connectors that merge patches before the LLM (SmolVLM's 4x4 pixel shuffle,
+# Qwen-VL's 2x2 merger), so SmolVLA and Qwen2.5-VL / Qwen3-VL have no flavor (docs/families.md).
+
+# pi0: PaliGemma-3B (SigLIP-so400m/14 at 224 px + Gemma-2B: MQA 8/1, head dim 256, tied embeddings, 257k
+# vocabulary). Not mirrored: pi0's ~300M action expert (an 18-layer Gemma of width 1024 beside the VLM); the action
+# head is vlaforge's at width 1024 (model.action_head.kind = "flow_matching" for pi0's objective).
+FLAVORS.add("pi0", Flavor(
+    description="pi0's VLM shapes: PaliGemma-3B (SigLIP-so400m + Gemma-2B); vlaforge's action head, not pi0's expert",
+    vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                image_size=224, patch_size=14),
+    llm=dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
+             num_key_value_heads=1, head_dim=256, vocab_size=257152, tie_word_embeddings=True,
+             max_position_embeddings=8192),
+    projector_hidden=2048,
+    action_hidden=1024,
+    nominal_params={"vision": 0.413e9, "llm": 2.51e9},
+))
+
+# OpenVLA-7B: Prismatic's fused DINOv2-L/14 + SigLIP-so400m/14 at 224 px (features concatenated per patch) as one
+# so400m-wide tower of the two towers' parameters and per-patch FLOPs (47 blocks: 0.71B), + Llama-2-7B with the
+# 256 action tokens added to its vocabulary.
+FLAVORS.add("openvla-7b", Flavor(
+    description="OpenVLA-7B's shapes: fused DINOv2-L + SigLIP-so400m (as one 0.71B tower) + Llama-2-7B",
+    vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=47, num_attention_heads=16,
+                image_size=224, patch_size=14),
+    llm=dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+             num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096),
+    projector_hidden=8704,
+    action_hidden=1024,
+    nominal_params={"vision": 0.717e9, "llm": 6.74e9},
+))
