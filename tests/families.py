@@ -113,7 +113,8 @@ VLM_STATS = ([0.45, 0.42, 0.4], [0.27, 0.26, 0.28])  # the tiny VLMs' processor 
 
 def build_vlm(name: str, out: Path) -> Path:
     """A tiny random-init whole VLM of family `name` (LLaVA: a 3-block CLIP tower read at layer -2, a 2-layer GELU
-    connector, a Llama LM; PaliGemma: a SigLIP tower, a one-linear connector, a tied-embedding Gemma) saved with its
+    connector, a Llama LM; PaliGemma: a SigLIP tower, a one-linear connector, a tied-embedding Gemma; Idefics3 and
+    SmolVLM: their SigLIP-shaped tower, a 2 x 2 pixel shuffle and a bias-free linear, a Llama LM) saved with its
     tokenizer and a processor file of its own mean / std into `out`."""
     import json
 
@@ -125,6 +126,15 @@ def build_vlm(name: str, out: Path) -> Path:
         text = LlamaConfig(**COMMON)
         model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
                                                           image_token_index=COMMON["vocab_size"] - 1))
+    elif name in ("idefics3", "smolvlm"):
+        import transformers
+
+        prefix = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[name]
+        vision = getattr(transformers, f"{prefix}VisionConfig")(**VISION_COMMON, intermediate_size=64, image_size=32)
+        config = getattr(transformers, f"{prefix}Config")(vision_config=vision.to_dict(),
+                                                          text_config=LlamaConfig(**COMMON).to_dict(), scale_factor=2,
+                                                          image_token_id=COMMON["vocab_size"] - 1)
+        model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
     else:
         from transformers import GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration, SiglipVisionConfig
 

@@ -35,7 +35,8 @@ def _cfg(folder, **model):
 def _reference(name, folder):
     import transformers
 
-    cls = {"llava": "LlavaForConditionalGeneration", "paligemma": "PaliGemmaForConditionalGeneration"}[name]
+    cls = {"llava": "LlavaForConditionalGeneration", "paligemma": "PaliGemmaForConditionalGeneration",
+           "idefics3": "Idefics3ForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration"}[name]
     return getattr(transformers, cls).from_pretrained(folder).eval()
 
 
@@ -45,13 +46,19 @@ def _image_features(name, ref, pixels):
         out = ref.model.get_image_features(pixel_values=pixels, vision_feature_layer=-2,
                                            vision_feature_select_strategy="default", output_hidden_states=True)
         return torch.stack(list(out.pooler_output))
+    if name in ("idefics3", "smolvlm"):  # one image per sample: (B, images, C, H, W)
+        return torch.stack(list(ref.model.get_image_features(pixel_values=pixels[:, None]).pooler_output))
     return ref.model.get_image_features(pixel_values=pixels).pooler_output
 
 
-CONNECTORS = {"llava": {"linear_1": "mlp.0", "linear_2": "mlp.2"}, "paligemma": {"linear": "mlp.0"}}
+CONNECTORS = {"llava": {"linear_1": "mlp.0", "linear_2": "mlp.2"}, "paligemma": {"linear": "mlp.0"},
+              "idefics3": {"modality_projection.proj": "mlp.0"}, "smolvlm": {"modality_projection.proj": "mlp.0"}}
+TOWER = {"idefics3": "vision_model", "smolvlm": "vision_model"}  # the others' `vision_tower`
+LANGUAGE = {"idefics3": "text_model", "smolvlm": "text_model"}  # the others' `language_model`
+CONNECTOR = {"idefics3": "connector", "smolvlm": "connector"}  # the others' `multi_modal_projector`
 
 
-@pytest.mark.parametrize("name", ["llava", "paligemma"])
+@pytest.mark.parametrize("name", ["llava", "paligemma", "idefics3", "smolvlm"])
 def test_a_vlm_folder_becomes_the_components_with_its_own_weights(vlms, name):
     folder = vlms(name)
     cfg = _cfg(folder)
@@ -63,18 +70,21 @@ def test_a_vlm_folder_becomes_the_components_with_its_own_weights(vlms, name):
             key = key.replace(f"{theirs}.", f"{ours}.")
         return key
 
-    language = {f"model.{k}": v for k, v in ref.model.language_model.state_dict().items()}
-    folder_state = {"vision": ref.model.vision_tower.state_dict(),
-                    "llm": {**language, "lm_head.weight": ref.lm_head.weight},
-                    "projector": {connector(k): v for k, v in ref.model.multi_modal_projector.state_dict().items()}}
+    parts = {c: getattr(ref.model, table.get(name, default)) for c, table, default in
+             (("vision", TOWER, "vision_tower"), ("llm", LANGUAGE, "language_model"),
+              ("projector", CONNECTOR, "multi_modal_projector"))}
+    language = {f"model.{k}": v for k, v in parts["llm"].state_dict().items()}
+    folder_state = {"vision": parts["vision"].state_dict(), "llm": {**language, "lm_head.weight": ref.lm_head.weight},
+                    "projector": {connector(k): v for k, v in parts["projector"].state_dict().items()}}
     for comp, want in folder_state.items():
         got = getattr(model, comp).state_dict()
         for k in (k for k in got if k != "logit_scale"):  # the contrastive temperature is vlaforge's
             assert torch.equal(got[k], want[k]), (comp, k)
     # LLaVA reads its 3-block tower at layer -2: the last block is not built
-    assert len(model.vision.encoder.layers) == {"llava": 2, "paligemma": 2}[name]
-    assert model.layout.patches_per_frame == 16
-    assert len(model.projector.mlp) == {"llava": 3, "paligemma": 1}[name]
+    assert len(model.vision.encoder.layers) == 2
+    # Idefics3 / SmolVLM merge 2 x 2 patches of the 4 x 4 grid per token
+    assert model.layout.patches_per_frame == (4 if name in ("idefics3", "smolvlm") else 16)
+    assert len(model.projector.mlp) == (3 if name == "llava" else 1)
 
     images = torch.randint(0, 256, (2, 3, 32, 32)).float()
     mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in VLM_STATS)

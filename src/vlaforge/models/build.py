@@ -37,8 +37,9 @@ def backbone_configs(model: VLA, model_cfg: ModelConfig) -> dict[str, dict]:
             config = getattr(model, name).config.to_dict()
             out[name] = {k: v for k, v in config.items() if not k.startswith("_")}
     if model_cfg.vlm.pretrained:  # the VLM's connector shape, not the flavor's
-        mlp = model.projector.mlp
-        out["projector"] = {"hidden": mlp[0].out_features, "layers": 2} if len(mlp) == 3 else {"layers": 1}
+        proj = model.projector
+        out["projector"] = {"hidden": proj.mlp[0].out_features, "layers": 2} if len(proj.mlp) == 3 else \
+            {"layers": 1, "merge": proj.merge, "bias": proj.mlp[0].bias is not None}
     return out
 
 
@@ -78,7 +79,9 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
             llm.tie_weights()  # NOTE: no_init_weights also skips tying (e.g. small's tied embeddings)
         v_dim, l_dim = vision.config.hidden_size, llm.config.hidden_size
         shape = backbones.get("projector", {})  # a VLM's connector, or the flavor's
-        projector = Projector(v_dim, l_dim, shape.get("hidden") or flavor.projector_hidden, shape.get("layers", 2))
+        merge = shape.get("merge", 1)
+        projector = Projector(v_dim, l_dim, shape.get("hidden") or flavor.projector_hidden, shape.get("layers", 2),
+                              merge, shape.get("bias", True))
         head_cfg = model_cfg.action_head
         action_head = ACTION_HEADS.get(head_cfg.kind)(
             llm_dim=l_dim, action_dim=model_cfg.action_dim, state_dim=model_cfg.state_dim,
@@ -91,7 +94,8 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
     native = native_size(vision)
     image_size = model_cfg.image_size or native
     layout = Layout(frames=model_cfg.frames_per_sample, image_size=image_size,
-                    patches_per_frame=(image_size // vision.config.patch_size) ** 2,  # CLS / registers dropped
+                    # CLS / registers dropped; a pixel-shuffle connector's merged tokens
+                    patches_per_frame=(image_size // vision.config.patch_size // merge) ** 2,
                     interpolate_pos=image_size != native)
     return VLA(vision, projector, llm, action_head, layout, objective_from(loss_cfg or LossConfig()))
 

@@ -83,6 +83,11 @@ VISION_FAMILIES = (
                  pixel_stats="openai_clip", final_norm=None, unused=("post_layernorm",)),
     VisionFamily("dinov2", ("dinov2",), "dinov2", "Dinov2Model", lambda config: 1, resize_arg=False,
                  pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",)),
+    # the towers of Idefics3 and SmolVLM (SigLIP-shaped; positions bucketed onto their grid, so any size reads)
+    VisionFamily("idefics3", ("idefics3_vision",), "idefics3_vision", "Idefics3VisionTransformer", lambda config: 0,
+                 resize_arg=False),
+    VisionFamily("smolvlm", ("smolvlm_vision",), "smolvlm_vision", "SmolVLMVisionTransformer", lambda config: 0,
+                 resize_arg=False),
     VisionFamily("dinov2_with_registers", ("dinov2_with_registers",), "dinov2_with_registers",
                  "Dinov2WithRegistersModel", lambda config: 1 + config.num_register_tokens, resize_arg=False,
                  pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",)),

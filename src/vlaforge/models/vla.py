@@ -32,16 +32,30 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
 class Projector(nn.Module):
     """MLP from vision width to LLM width; also holds the contrastive loss's learned temperature."""
 
-    def __init__(self, vision_dim: int, llm_dim: int, hidden: int, layers: int = 2):
+    def __init__(self, vision_dim: int, llm_dim: int, hidden: int, layers: int = 2, merge: int = 1,
+                 bias: bool = True):
         super().__init__()
-        # two layers (linear, GELU, linear: vlaforge's, LLaVA's), or one linear (PaliGemma's connector)
-        self.mlp = nn.Sequential(nn.Linear(vision_dim, hidden), nn.GELU(), nn.Linear(hidden, llm_dim)) if layers == 2 \
-            else nn.Sequential(nn.Linear(vision_dim, llm_dim))
+        # two layers (linear, GELU, linear: vlaforge's, LLaVA's), or one linear (PaliGemma's connector; Idefics3's
+        # and SmolVLM's after their pixel shuffle, which merges `merge` x `merge` patches into one token)
+        self.merge = merge
+        width = vision_dim * merge * merge
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, llm_dim)) if layers == 2 \
+            else nn.Sequential(nn.Linear(width, llm_dim, bias=bias))
         # (1,), not a scalar: FSDP2 cannot shard 0-d parameters.
         self.logit_scale = nn.Parameter(torch.tensor([math.log(1 / 0.07)]))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.mlp(features)
+        return self.mlp(pixel_shuffle(features, self.merge) if self.merge > 1 else features)
+
+
+def pixel_shuffle(x: torch.Tensor, s: int) -> torch.Tensor:
+    """(B, h*w, D) patch tokens of a square grid -> (B, h*w / s^2, D * s^2): each s x s block of patches as one token,
+    in Idefics3's order (its connector's `pixel_shuffle`)."""
+    b, n, d = x.shape
+    side = math.isqrt(n)
+    x = x.reshape(b, side, side // s, d * s).permute(0, 2, 1, 3)
+    x = x.reshape(b, side // s, side // s, d * s * s).permute(0, 2, 1, 3)
+    return x.reshape(b, n // (s * s), d * s * s)
 
 
 @dataclass(frozen=True)

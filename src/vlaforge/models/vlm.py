@@ -15,6 +15,11 @@ block, so the last block is not built and a SigLIP tower's post-norm is dropped)
 (`vision_feature_select_strategy = "default"`); `multi_modal_projector` (linear, GELU, linear) is vlaforge's
 `Projector` with the VLM's weights; `language_model` + `lm_head` are the causal LM.
 
+Idefics3 / SmolVLM (`idefics3`, `smolvlm`; SmolVLA's backbone): the SigLIP-shaped tower whole, the connector's pixel
+shuffle (`scale_factor` x `scale_factor` patches per token) and bias-free linear as a one-layer merging `Projector`,
+the Llama-shaped text model. One image per frame at the tower's size: the image processor's tiling into sub-images
+is not done.
+
 PaliGemma (`paligemma`, pi0's backbone): the whole SigLIP tower (its last hidden states, post-norm included), the
 one-linear connector (a one-layer `Projector`), Gemma with its tied embeddings. Its 1-based positions are not
 copied: rotary attention depends on position differences only. Its prefix-bidirectional mask is not either:
@@ -44,10 +49,11 @@ class VLMFamily:
     model_types: tuple[str, ...]  # config.json model_type
     configs: Callable[[dict], dict]  # the folder's config -> {"vision": dict, "llm": dict, "projector": dict}
     connector: dict[str, str]  # the connector's layer names -> vlaforge's Projector's (`mlp.0.`, `mlp.2.`)
+    prefixes: tuple[tuple[str, str, str], ...] = ()  # (in the folder, component, in the component)
 
     def key(self, key: str) -> tuple[str, str] | None:
         """A weight's name in the folder -> (component, its name there), or None for what no component takes."""
-        for prefix, comp, inner in PREFIXES:
+        for prefix, comp, inner in self.prefixes:
             if key.startswith(prefix):
                 rest = key[len(prefix):]
                 if comp == "vision":
@@ -59,9 +65,9 @@ class VLMFamily:
         return None
 
 
-# (prefix in the folder, component, prefix in the component): transformers 5's names, then the older ones (which
-# `save_pretrained` still writes for some families)
-PREFIXES = (("model.vision_tower.", "vision", ""), ("vision_tower.", "vision", ""),
+# (prefix in the folder, component, prefix in the component) of LLaVA and PaliGemma: transformers 5's names, then the
+# older ones (which `save_pretrained` still writes for some families)
+TOWER_CONNECTOR_LM = (("model.vision_tower.", "vision", ""), ("vision_tower.", "vision", ""),
             ("model.multi_modal_projector.", "projector", ""), ("multi_modal_projector.", "projector", ""),
             ("model.language_model.", "llm", "model."), ("language_model.model.", "llm", "model."),
             ("language_model.lm_head.", "llm", "lm_head."), ("lm_head.", "llm", "lm_head."))
@@ -109,8 +115,29 @@ def _paligemma_configs(config: dict) -> dict:
     return {"vision": dict(vision), "llm": dict(text), "projector": {"layers": 1}}
 
 
-VLM_FAMILIES = (VLMFamily("llava", ("llava",), _llava_configs, {"linear_1.": "mlp.0.", "linear_2.": "mlp.2."}),
-                VLMFamily("paligemma", ("paligemma",), _paligemma_configs, {"linear.": "mlp.0."}))
+def _idefics3_configs(config: dict) -> dict:
+    vision, text = config.get("vision_config"), config.get("text_config")
+    if not isinstance(vision, dict) or not isinstance(text, dict):
+        raise VlaforgeError(f"{FIELD}: the {config.get('model_type')} config has no vision_config / text_config; "
+                            f"{HINT}")
+    scale = config.get("scale_factor", 2)
+    grid = vision["image_size"] // vision["patch_size"]
+    if not isinstance(scale, int) or scale < 1 or grid % scale:
+        raise VlaforgeError(f"{FIELD}: scale_factor = {scale} does not divide the tower's {grid} x {grid} patch grid")
+    return {"vision": dict(vision), "llm": dict(text), "projector": {"layers": 1, "merge": scale, "bias": False}}
+
+
+# Idefics3 and SmolVLM: vision_model, connector.modality_projection.proj (after the pixel shuffle), text_model
+VISION_CONNECTOR_TEXT = (("model.vision_model.", "vision", ""),
+                         ("model.connector.modality_projection.", "projector", ""),
+                         ("model.text_model.", "llm", "model."), ("lm_head.", "llm", "lm_head."))
+
+VLM_FAMILIES = (
+    VLMFamily("llava", ("llava",), _llava_configs, {"linear_1.": "mlp.0.", "linear_2.": "mlp.2."}, TOWER_CONNECTOR_LM),
+    VLMFamily("paligemma", ("paligemma",), _paligemma_configs, {"linear.": "mlp.0."}, TOWER_CONNECTOR_LM),
+    VLMFamily("idefics3", ("idefics3",), _idefics3_configs, {"proj.": "mlp.0."}, VISION_CONNECTOR_TEXT),
+    VLMFamily("smolvlm", ("smolvlm",), _idefics3_configs, {"proj.": "mlp.0."}, VISION_CONNECTOR_TEXT),
+)
 
 
 def vlm_family(folder: str | Path) -> tuple[VLMFamily, dict]:
