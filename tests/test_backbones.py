@@ -111,17 +111,21 @@ def test_planning_builds_never_read_a_folders_weights(root, monkeypatch):
     assert PlanModel(cfg).model.llm.config.model_type == "mistral"  # `vlaforge plan`'s build
 
 
-def test_context_parallel_refuses_windows_and_soft_caps_in_one_line(root):
+def test_the_ring_refuses_windows_and_soft_caps_in_one_line_and_ulysses_takes_them(root):
     from transformers import AutoConfig
 
     from vlaforge.distributed.sequence_parallel import check_attention
 
     mistral = AutoConfig.from_pretrained(family_folder("mistral", root))
+    gemma2 = AutoConfig.from_pretrained(family_folder("gemma2", root))
     check_attention(mistral, tokens=8)  # the window does not bind: every query sees its whole prefix
-    with pytest.raises(VlaforgeError, match="8-token sliding window, shorter than the 40-token sequence"):
+    with pytest.raises(VlaforgeError, match="8-token sliding window, shorter than the 40-token sequence, which the "
+                                            "ring kernel does not implement; use cp_method = 'ulysses'"):
         check_attention(mistral, tokens=40)
     with pytest.raises(VlaforgeError, match="soft-caps its attention logits"):
-        check_attention(AutoConfig.from_pretrained(family_folder("gemma2", root)), tokens=4)
+        check_attention(gemma2, tokens=4, method="allgather")
+    for config in (mistral, gemma2):  # its ranks hold whole sequences (tests/test_families.py: exact)
+        check_attention(config, tokens=40, method="ulysses")
     check_attention(AutoConfig.from_pretrained(family_folder("qwen2", root)), tokens=4096)  # full attention
 
 

@@ -53,8 +53,11 @@ def test_tensor_parallel_on_each_family_matches_one_process(tmp_path, singles, n
 
 # context parallel on the families whose attention differs from Llama's: per-head q/k norms (Qwen3, OLMo2's
 # full-width ones), partial rotary and a parallel MLP (Phi), fused query_key_value (GPT-NeoX), scaled embeddings
-# (Gemma); ring and Ulysses both run (sliding windows and soft-caps are refused: test_backbones.py)
-CP_CELLS = [("qwen3", "ring"), ("olmo2", "ulysses"), ("phi", "ring"), ("gpt_neox", "ulysses"), ("gemma", "ring")]
+# (Gemma); ring and Ulysses both run (the ring refuses windows and soft-caps: test_backbones.py)
+CP_CELLS = [("qwen3", "ring"), ("olmo2", "ulysses"), ("phi", "ring"), ("gpt_neox", "ulysses"), ("gemma", "ring"),
+            # an 8-token sliding window on a longer sequence (Mistral; Gemma3 on every other layer), Gemma2's
+            # soft-capped logits with its window: Ulysses, whose ranks hold whole sequences, computes both
+            ("mistral", "ulysses"), ("gemma3_text", "ulysses"), ("gemma2", "ulysses")]
 
 
 @pytest.mark.parametrize("name,method", CP_CELLS, ids=[f"{n}-{m}" for n, m in CP_CELLS])

@@ -176,7 +176,7 @@ def check_layout(cfg, world: World) -> ParallelDims:
             raise VlaforgeError("parallel.sequence_parallel with pp > 1 is not supported (stages exchange whole "
                                 "sequences); set sequence_parallel = false or pp = 1")
     if (dims.tp > 1 or dims.cp > 1) and cfg.model.text_folder:
-        check_family(cfg.model.text_folder, dims)
+        check_family(cfg.model.text_folder, dims, cfg.parallel.cp_method)
     if dims.cp > 1:
         if dims.pp > 1 or dims.backend != "fsdp2":
             raise VlaforgeError(f"parallel.cp = {dims.cp} runs with backend = 'fsdp2' and pp = 1 (the gathered "
@@ -192,10 +192,11 @@ def check_layout(cfg, world: World) -> ParallelDims:
     return dims
 
 
-def check_family(folder: str, dims: ParallelDims) -> None:
+def check_family(folder: str, dims: ParallelDims, method: str = "ring") -> None:
     """What the family of a pretrained LLM allows, from its config alone (before any process group): its tensor-
-    parallel plan (`families.tp_plan` refuses MoE experts) and, under context parallel, soft-capped attention
-    logits (a sliding window is checked once the sequence length is known, `sequence_parallel.check_attention`)."""
+    parallel plan (`families.tp_plan` refuses MoE experts) and, under context parallel's ring / all-gather `method`,
+    soft-capped attention logits (a sliding window is checked once the sequence length is known,
+    `sequence_parallel.check_attention`)."""
     from transformers import AutoConfig
 
     from vlaforge.distributed.sequence_parallel import check_attention
@@ -210,7 +211,7 @@ def check_family(folder: str, dims: ParallelDims) -> None:
     if dims.tp > 1:
         tp_plan(config)
     if dims.cp > 1:
-        check_attention(config, tokens=0)
+        check_attention(config, tokens=0, method=method)
 
 
 def check_deepspeed(cfg, dims: ParallelDims) -> None:

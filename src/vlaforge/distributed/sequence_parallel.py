@@ -69,20 +69,20 @@ def cp_method_for(parallel, tokens: int, heads: int) -> tuple[str, str]:
     return choose_cp_method(parallel.cp_method, tokens, parallel.cp, heads // parallel.tp)
 
 
-def attention_function(method: str, group=None):
+def attention_function(method: str, group=None, places=None):
     """An attention function with the `transformers` AttentionInterface signature that runs `method` over the
     sequence shards of `group`. Causality comes from the module (Llama: causal; SigLIP: not). It applies the global
     causal pattern itself; `register_attention` refuses a padding mask (one line) rather than ignore it: the trainer
-    compacts each row's padding to its end, behind every real token, and passes no mask."""
+    compacts each row's padding to its end, behind every real token, and passes no mask. `places`: a callable
+    giving each compacted slot's index in the uncompacted layout (B, N), which a sliding window counts in, as one
+    process counts it (padding in the middle of a row included)."""
     from vlaforge.distributed.ring import ring_attention
     from vlaforge.distributed.ulysses import allgather_attention, ulysses_attention
 
     kernels = {"ring": lambda q, k, v, c, s: ring_attention(q, k, v, group, causal=c, zigzag=True, scale=s),
                "ring_contiguous": lambda q, k, v, c, s: ring_attention(q, k, v, group, causal=c, zigzag=False,
                                                                        scale=s),
-               "ulysses": lambda q, k, v, c, s: ulysses_attention(q, k, v, group, causal=c, scale=s),
                "allgather": lambda q, k, v, c, s: allgather_attention(q, k, v, group, causal=c, scale=s)}
-    kernel = kernels[method]
     shards = dist.get_world_size(group) if dist.is_initialized() else 1
 
     def attend(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -90,28 +90,35 @@ def attention_function(method: str, group=None):
         # NOTE: the kernels attend to the whole causal prefix without a cap on the logits: a windowed or soft-capped
         # layer would be computed wrong, so it stops (`check_attention` refuses such models before they get here)
         window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-        if softcap is not None or (window is not None and window < query.shape[2] * shards):
+        if window is not None and window >= query.shape[2] * shards:
+            window = None  # every query sees its whole prefix
+        if method != "ulysses" and (softcap is not None or window is not None):
             raise VlaforgeError(f"context parallel ({method}) does not implement sliding-window attention or "
-                                "soft-capped logits, which this model's attention asks for; use cp = 1")
+                                "soft-capped logits, which this model's attention asks for; use cp_method = "
+                                "'ulysses' (or cp = 1)")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         device = query.device.type
         if torch.is_autocast_enabled(device):  # NOTE: as autocast casts SDPA's inputs (Llama's rotary step returns
             # fp32 q/k under fp32 masters): the kernels then save, send and return the autocast dtype, as SDPA would
             dtype = torch.get_autocast_dtype(device)
             query, key, value = (t.to(dtype) for t in (query, key, value))
-        out = kernel(query, key, value, bool(causal), scaling)  # (B, H, S_local, D)
+        if method == "ulysses":  # whole sequences per head group: windows and soft-caps as one process
+            out = ulysses_attention(query, key, value, group, causal=bool(causal), scale=scaling, window=window,
+                                    softcap=softcap, places=places() if places is not None and window else None)
+        else:
+            out = kernels[method](query, key, value, bool(causal), scaling)  # (B, H, S_local, D)
         return out.transpose(1, 2).contiguous(), None  # (B, S_local, H, D), as transformers expects
 
     return attend
 
 
-def register_attention(method: str, group=None) -> str:
+def register_attention(method: str, group=None, places=None) -> str:
     """Register `method` over `group` in the `transformers` attention registry; returns the implementation name
-    to pass as `attn_implementation` (or to `set_attn_implementation`)."""
+    to pass as `attn_implementation` (or to `set_attn_implementation`). `places`: see `attention_function`."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
     name = f"vlaforge_{method}"
-    AttentionInterface.register(name, attention_function(method, group))
+    AttentionInterface.register(name, attention_function(method, group, places))
     # NOTE: without a mask function of its own, transformers drops a padded batch's mask on the way to the
     # attention function, which would then attend to the padding. This one builds no (S x S) mask at all: it
     # refuses padding, in one line, from the 2-D mask.
@@ -225,23 +232,28 @@ class SequenceParallel:
         return torch.zeros_like(full).scatter(1, index, full)[:, :lay.length]
 
 
-def check_attention(config, tokens: int) -> None:
-    """Context parallel's kernels attend to the whole causal prefix, uncapped.
+def check_attention(config, tokens: int, method: str = "ring") -> None:
+    """The ring and all-gather kernels attend to the whole causal prefix, uncapped; Ulysses, whose ranks hold whole
+    sequences, computes windows and soft-caps (`ulysses_attention`). `method`: the cp method ('auto' not resolved
+    yet: checked again once it is).
 
     Raises:
-        VlaforgeError: the LLM has layers with a sliding window shorter than the sequence (Mistral, Gemma2/3), or
-            soft-capped attention logits (Gemma2).
+        VlaforgeError: under ring / all-gather, the LLM has layers with a sliding window shorter than the sequence
+            (Mistral, Gemma2/3), or soft-capped attention logits (Gemma2).
     """
     from vlaforge.models.families import attention_features, family
 
+    if method in ("ulysses", "auto"):
+        return
     found = attention_features(config)
     if found["softcap"] is not None:
         raise VlaforgeError(f"parallel.cp > 1: {family(config)} soft-caps its attention logits "
-                            f"({found['softcap']:g}), which context parallel's kernels do not; use cp = 1")
+                            f"({found['softcap']:g}), which the {method} kernel does not; use cp_method = 'ulysses' "
+                            "(or cp = 1)")
     if found["sliding_window"] is not None and found["sliding_window"] < tokens:
         raise VlaforgeError(f"parallel.cp > 1: {family(config)} has layers with a {found['sliding_window']}-token "
-                            f"sliding window, shorter than the {tokens}-token sequence, which context parallel's "
-                            "kernels do not implement; use cp = 1 (or tp / dp_shard)")
+                            f"sliding window, shorter than the {tokens}-token sequence, which the {method} kernel "
+                            "does not implement; use cp_method = 'ulysses' (or cp = 1)")
 
 
 def apply_sequence_parallel(model, dims, mesh, cfg, tokens: int) -> SequenceParallel:
@@ -249,11 +261,11 @@ def apply_sequence_parallel(model, dims, mesh, cfg, tokens: int) -> SequencePara
     the final hidden states (see the module docstring). `tokens`: the LLM sequence of one sample, for `auto`."""
     from vlaforge.models.families import llm_parts
 
-    check_attention(model.llm.config, tokens)
     method, why = cp_method_for(cfg.parallel, tokens, model.llm.config.num_attention_heads)
+    check_attention(model.llm.config, tokens, method)
     group = mesh.get_group("cp")
     sp = SequenceParallel(group, dist.get_rank(group), dims.cp, method, why)
-    model.llm.set_attn_implementation(register_attention(method, group))
+    model.llm.set_attn_implementation(register_attention(method, group, places=lambda: sp.layout.order))
     model.llm.register_forward_pre_hook(sp.enter, with_kwargs=True)
     llm_parts(model.llm).final_norm.register_forward_hook(lambda module, args, out: sp.gather(out))
     return sp

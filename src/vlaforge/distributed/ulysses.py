@@ -76,8 +76,13 @@ def _heads_to_seq(x: torch.Tensor, world: int, group) -> torch.Tensor:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = False,
-                      scale: float | None = None) -> torch.Tensor:
-    """Exact attention with sequence shards, via two all-to-alls around local full-sequence attention."""
+                      scale: float | None = None, window: int | None = None,
+                      softcap: float | None = None, places: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact attention with sequence shards, via two all-to-alls around local full-sequence attention. Each rank
+    then holds whole sequences, so `window` (a query sees the `window` latest keys up to itself, transformers'
+    sliding window) and `softcap` (logits -> softcap * tanh(logits / softcap), Gemma2's) are computed as one
+    process computes them. `places` (B, S): each position's index in the layout the window counts in (the
+    trainer's uncompacted one; default: the positions themselves)."""
     group = group or dist.group.WORLD
     world, _ = _world(group)
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -88,9 +93,39 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     if kv_heads % world:  # GQA with fewer kv-heads than ranks: replicate K/V heads up to the query heads
         k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
     qh, kh, vh = (_seq_to_heads(t, world, group) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale,
-                                         enable_gqa=kh.shape[1] != qh.shape[1])
+    if window is None and softcap is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale,
+                                             enable_gqa=kh.shape[1] != qh.shape[1])
+    else:
+        out = _local_attention(qh, kh, vh, causal, scale, window, softcap, places)
     return _heads_to_seq(out, world, group)
+
+
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
+                     window: int | None, softcap: float | None, places: torch.Tensor | None) -> torch.Tensor:
+    """Whole-sequence attention with a sliding window and / or soft-capped logits (transformers' eager math:
+    softmax in fp32, then the input dtype)."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    allowed = _allowed(q.shape[2], causal, window, places, q.device)
+    if softcap is None:  # a window alone: SDPA with its boolean mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    logits = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+    return torch.matmul(torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _allowed(n: int, causal: bool, window: int | None, places: torch.Tensor | None, device) -> torch.Tensor:
+    """(B or 1, 1, n, n) bool: key j visible to query i: j <= i when causal (in the order attended, where padding
+    sits behind every real token), and under a sliding window places[i] - places[j] < window."""
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    allowed = ((j <= i) if causal else torch.ones(n, n, dtype=torch.bool, device=device))[None, None]
+    if window is not None:
+        at = (places if places is not None else torch.arange(n, device=device)[None]).to(device)
+        allowed = allowed & ((at[:, :, None] - at[:, None, :]) < window)[:, None]
+    return allowed
 
 
 class _GatheredAttention(torch.autograd.Function):
