@@ -1,12 +1,14 @@
 """The family matrix: tiny random-init `save_pretrained` folders of each LLM family (tests/families.py) as
-`model.llm.pretrained` (and vision families as `model.vision.pretrained`), each technique against one process. A cell is exact (losses and step-3 weights equal one
-process's) or a one-line refusal with exit 2; never an rc-0 run that differs."""
+`model.llm.pretrained` (and vision families as `model.vision.pretrained`), each technique against one process. A
+cell is exact (losses and step-3 weights equal one process's) or a one-line refusal with exit 2; never an rc-0 run
+that differs."""
 
 import pytest
+import torch
 
-from conftest import TINY_RECIPE
+from conftest import TINY_RECIPE, run_cli
 from families import family_folder, tower_folder
-from launch import COMMON, assert_matches, torchrun, train_distributed, train_single
+from launch import COMMON, NOISE_ONLY, assert_matches, torchrun, train_distributed, train_single, weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -86,11 +88,21 @@ def test_pipeline_parallel_shares_tied_embeddings_between_the_first_and_last_sta
     """Gemma ties its token embeddings to its LM head: stage 0 looks tokens up in the weight, the last stage
     projects with it; their gradients are summed (and counted once in the norm), so both copies stay the one
     process's weight, and the checkpoint names it once."""
-    reference = train_single(singles.root / "single_gemma_accum2", *_llm(singles.root, "gemma"), "--train.grad_accum=2")
+    reference = train_single(tmp_path / "single", *_llm(singles.root, "gemma"), "--train.grad_accum=2")
     done = torchrun("train", str(TINY_RECIPE), *COMMON, *_llm(singles.root, "gemma"), "--parallel.pp=2",
-                    "--parallel.dp_shard=1", "--train.grad_accum=2", f"--train.output_dir={tmp_path}")
+                    "--parallel.dp_shard=1", "--train.grad_accum=2", f"--train.output_dir={tmp_path / 'pp'}")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert_matches(tmp_path, reference, rel_norm=1e-4)
+    assert_matches(tmp_path / "pp", reference, rel_norm=1e-4)
+    # the pipelined checkpoint (the weight under one name, its optimizer state under both) resumes in one process
+    more = [a for a in COMMON if not a.startswith("--train.steps")] + ["--train.steps=4", "--train.grad_accum=2",
+                                                                       "--train.resume=latest"]
+    for run in (tmp_path / "pp", reference):
+        resumed = run_cli("train", str(TINY_RECIPE), *more, *_llm(singles.root, "gemma"), f"--train.output_dir={run}")
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+    step4 = weights(tmp_path / "pp", 4), weights(reference, 4)
+    for k in step4[1]:
+        torch.testing.assert_close(step4[0][k], step4[1][k], rtol=0, atol=2e-3 if k.endswith(NOISE_ONLY) else 1e-5,
+                                   msg=k)
 
 
 @pytest.mark.parametrize("name", ["dinov2_with_registers", "siglip2"])
