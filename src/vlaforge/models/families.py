@@ -141,13 +141,18 @@ LLAMA_BLOCK = {"": {"self_attn", "mlp", "input_layernorm", "post_attention_layer
                "mlp": {"gate_proj", "up_proj", "down_proj", "act_fn"}}
 
 
+# what the planner also counts: per-head q/k RMSNorms (Qwen3's)
+LLAMA_OPTIONAL = {"self_attn": {"q_norm", "k_norm"}}
+
+
 def unlike_llama(block: nn.Module) -> str | None:
-    """What in `block` differs from a Llama block ('self_attn: +k_norm, +q_norm'), or None when nothing does."""
+    """What in `block` differs from a Llama block (with or without Qwen3's per-head q/k norms), as
+    'block: +post_feedforward_layernorm, -input_layernorm', or None when nothing does."""
     for path, want in LLAMA_BLOCK.items():
         sub = block.get_submodule(path) if path and hasattr(block, path) else (block if not path else None)
         if sub is None:
             return f"no {path}"
-        have = {name for name, _ in sub.named_children()}
+        have = {name for name, _ in sub.named_children()} - LLAMA_OPTIONAL.get(path, set())
         if have != want:
             diff = [f"+{n}" for n in sorted(have - want)] + [f"-{n}" for n in sorted(want - have)]
             return f"{path or 'block'}: {', '.join(diff)}"

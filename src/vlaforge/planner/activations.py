@@ -38,13 +38,16 @@ class BlockShape:
     heads: int
     kv_heads: int
     head_dim: int
+    qk_norm: bool = False  # per-head RMSNorms on q and k before the rotary step (Qwen3)
 
 
-def llm_shape(config) -> BlockShape:
+def llm_shape(config, block=None) -> BlockShape:
+    """The LLM block's shape; `block` (a built one) says whether it norms q and k per head."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    qk_norm = block is not None and hasattr(getattr(block, "self_attn", None), "q_norm")
     return BlockShape("llama", config.hidden_size, config.intermediate_size, heads,
-                      config.num_key_value_heads or heads, head_dim)
+                      config.num_key_value_heads or heads, head_dim, qk_norm)
 
 
 def vision_shape(config) -> BlockShape:
@@ -81,6 +84,8 @@ def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strateg
         kv_saved = Hk if kv_seq == 0 else H
         attn = (proj_in + 2 * c * (H + kv_saved) * d * t + 4 * H * t + mask
                 + 2 * c * Hk * d * batch * gathered_kv)
+        if shape.qk_norm:  # each head's RMSNorm keeps its fp32 input, its rsqrt and its normed output (c bytes)
+            attn += (4 + c) * (H + Hk) * d * t + 4 * (H + Hk) * t
         ffn = (4 * D if c == 4 else 2 * c * D) * t + 4 * c * F * t
         kept_input = 4 * D * t // sp  # a checkpointed sub-layer's fp32 input
         if strategy == "selective":
@@ -171,9 +176,11 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     hp = model.projector.mlp[0].out_features
     out["projector"] = (4 * vshape.hidden * tv if strat["projector"] == "full"
                         else c["projector"] * tv * (vshape.hidden + 2 * hp))
-    full = llm_shape(llm)
+    from vlaforge.models.llm import llm_blocks
+
+    full = llm_shape(llm, llm_blocks(model.llm)[0])
     lshape = BlockShape(full.kind, full.hidden, full.ffn // tp, full.heads // tp, max(1, full.kv_heads // tp),
-                        full.head_dim)
+                        full.head_dim, full.qk_norm)
     D = lshape.hidden
     no_mask = 0 if cp > 1 else None  # context parallel compacts the layout instead of masking padding
     out["llm_block"] = block_bytes(lshape, b, s_rank, policies["llm"].precision, strat["llm"], kv_seq=no_mask,
