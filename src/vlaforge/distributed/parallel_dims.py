@@ -30,7 +30,6 @@ class ModelFacts:
     llm_kv_heads: int
     llm_blocks: int
     vision_heads: int
-    tied_embeddings: bool = False
 
 
 def model_facts(model_cfg) -> ModelFacts:
@@ -53,8 +52,7 @@ def model_facts(model_cfg) -> ModelFacts:
                             "save_pretrained")
     heads = llm["num_attention_heads"]
     return ModelFacts(llm_heads=heads, llm_kv_heads=llm.get("num_key_value_heads") or heads,
-                      llm_blocks=llm["num_hidden_layers"], vision_heads=vision["num_attention_heads"],
-                      tied_embeddings=bool(llm.get("tie_word_embeddings", False)))
+                      llm_blocks=llm["num_hidden_layers"], vision_heads=vision["num_attention_heads"])
 
 
 @dataclass(frozen=True)

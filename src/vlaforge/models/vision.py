@@ -92,7 +92,6 @@ VISION_FAMILIES = (
                  "Dinov2WithRegistersModel", lambda config: 1 + config.num_register_tokens, resize_arg=False,
                  pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",)),
 )
-SIGLIP = VISION_FAMILIES[0].folder_types  # the family vlaforge's own flavors build
 # (mean, std) per channel of pixels in [0, 1], as the families' image processors normalize them (transformers'
 # constants): SigLIP's 0.5 / 0.5 is vlaforge's own [-1, 1] input (data/transforms.py:to_model_images)
 PIXEL_STATS = {"half": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
@@ -163,8 +162,9 @@ def set_pixel_stats(vision: nn.Module, fam: VisionFamily, folder: str | None) ->
 
 def prune_tower(vision: nn.Module, fam: VisionFamily) -> None:
     """Drop what the patch-token rule never uses, so no parameter goes without a gradient (DDP) or memory: SigLIP's
-    pooling head, the final norm of CLIP's pooled CLS token (`unused`; DINOv2's mask token becomes a buffer), and the final norm of a tower a VLM reads
-    before its last blocks (its config's `vlaforge_final_norm = False`: LLaVA's `vision_feature_layer = -2`)."""
+    pooling head, the final norm of CLIP's pooled CLS token (`unused`; DINOv2's mask token becomes a buffer), and
+    the final norm of a tower a VLM reads before its last blocks (its config's `vlaforge_final_norm = False`:
+    LLaVA's `vision_feature_layer = -2`)."""
     if getattr(vision, "use_head", False):
         del vision.head
         vision.use_head = False

@@ -68,9 +68,9 @@ class VLMFamily:
 # (prefix in the folder, component, prefix in the component) of LLaVA and PaliGemma: transformers 5's names, then the
 # older ones (which `save_pretrained` still writes for some families)
 TOWER_CONNECTOR_LM = (("model.vision_tower.", "vision", ""), ("vision_tower.", "vision", ""),
-            ("model.multi_modal_projector.", "projector", ""), ("multi_modal_projector.", "projector", ""),
-            ("model.language_model.", "llm", "model."), ("language_model.model.", "llm", "model."),
-            ("language_model.lm_head.", "llm", "lm_head."), ("lm_head.", "llm", "lm_head."))
+                      ("model.multi_modal_projector.", "projector", ""), ("multi_modal_projector.", "projector", ""),
+                      ("model.language_model.", "llm", "model."), ("language_model.model.", "llm", "model."),
+                      ("language_model.lm_head.", "llm", "lm_head."), ("lm_head.", "llm", "lm_head."))
 
 
 def _tower_layers(vision: dict, layer: Any) -> dict:
@@ -88,10 +88,21 @@ def _tower_layers(vision: dict, layer: Any) -> dict:
     return out
 
 
-def _llava_configs(config: dict) -> dict:
+def _sub_configs(config: dict) -> tuple[dict, dict]:
+    """The folder config's (vision_config, text_config), copied.
+
+    Raises:
+        VlaforgeError: either is missing.
+    """
     vision, text = config.get("vision_config"), config.get("text_config")
     if not isinstance(vision, dict) or not isinstance(text, dict):
-        raise VlaforgeError(f"{FIELD}: the LLaVA config has no vision_config / text_config; {HINT}")
+        raise VlaforgeError(f"{FIELD}: the {config.get('model_type')} config has no vision_config / text_config; "
+                            f"{HINT}")
+    return dict(vision), dict(text)
+
+
+def _llava_configs(config: dict) -> dict:
+    vision, text = _sub_configs(config)
     strategy = config.get("vision_feature_select_strategy", "default")
     if strategy != "default":
         raise VlaforgeError(f"{FIELD}: vision_feature_select_strategy = {strategy!r} keeps the CLS token, which "
@@ -100,31 +111,26 @@ def _llava_configs(config: dict) -> dict:
     if act != "gelu" or not bias:
         raise VlaforgeError(f"{FIELD}: the LLaVA connector uses {act} (bias {bias}); vlaforge's projector is "
                             "linear + GELU + linear with biases")
-    return {"vision": _tower_layers(vision, config.get("vision_feature_layer", -2)), "llm": dict(text),
+    return {"vision": _tower_layers(vision, config.get("vision_feature_layer", -2)), "llm": text,
             "projector": {"hidden": text["hidden_size"], "layers": 2}}
 
 
 def _paligemma_configs(config: dict) -> dict:
-    vision, text = config.get("vision_config"), config.get("text_config")
-    if not isinstance(vision, dict) or not isinstance(text, dict):
-        raise VlaforgeError(f"{FIELD}: the PaliGemma config has no vision_config / text_config; {HINT}")
+    vision, text = _sub_configs(config)
     width = vision.get("projection_dim", text.get("hidden_size"))
     if width != text["hidden_size"]:
         raise VlaforgeError(f"{FIELD}: the PaliGemma connector projects to {width}, the language model is "
                             f"{text['hidden_size']} wide; give a folder save_pretrained wrote")
-    return {"vision": dict(vision), "llm": dict(text), "projector": {"layers": 1}}
+    return {"vision": vision, "llm": text, "projector": {"layers": 1}}
 
 
 def _idefics3_configs(config: dict) -> dict:
-    vision, text = config.get("vision_config"), config.get("text_config")
-    if not isinstance(vision, dict) or not isinstance(text, dict):
-        raise VlaforgeError(f"{FIELD}: the {config.get('model_type')} config has no vision_config / text_config; "
-                            f"{HINT}")
+    vision, text = _sub_configs(config)
     scale = config.get("scale_factor", 2)
     grid = vision["image_size"] // vision["patch_size"]
     if not isinstance(scale, int) or scale < 1 or grid % scale:
         raise VlaforgeError(f"{FIELD}: scale_factor = {scale} does not divide the tower's {grid} x {grid} patch grid")
-    return {"vision": dict(vision), "llm": dict(text), "projector": {"layers": 1, "merge": scale, "bias": False}}
+    return {"vision": vision, "llm": text, "projector": {"layers": 1, "merge": scale, "bias": False}}
 
 
 # Idefics3 and SmolVLM: vision_model, connector.modality_projection.proj (after the pixel shuffle), text_model
