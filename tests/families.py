@@ -114,7 +114,8 @@ VLM_STATS = ([0.45, 0.42, 0.4], [0.27, 0.26, 0.28])  # the tiny VLMs' processor 
 def build_vlm(name: str, out: Path) -> Path:
     """A tiny random-init whole VLM of family `name` (LLaVA: a 3-block CLIP tower read at layer -2, a 2-layer GELU
     connector, a Llama LM; PaliGemma: a SigLIP tower, a one-linear connector, a tied-embedding Gemma; Idefics3 and
-    SmolVLM: their SigLIP-shaped tower, a 2 x 2 pixel shuffle and a bias-free linear, a Llama LM) saved with its
+    SmolVLM: their SigLIP-shaped tower, a 2 x 2 pixel shuffle and a bias-free linear, a Llama LM; Qwen2-VL and
+    Qwen2.5-VL: their 3-D-patch towers (2.5: windowed blocks), a 2 x 2 patch merger, an M-RoPE text model) saved with its
     tokenizer and a processor file of its own mean / std into `out`."""
     import json
 
@@ -135,6 +136,22 @@ def build_vlm(name: str, out: Path) -> Path:
                                                           text_config=LlamaConfig(**COMMON).to_dict(), scale_factor=2,
                                                           image_token_id=COMMON["vocab_size"] - 1)
         model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
+    elif name in ("qwen2_vl", "qwen2_5_vl"):
+        import transformers
+
+        # M-RoPE over head_dim 16: (temporal, height, width) = 2 + 3 + 3 frequency pairs
+        text = dict(COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "mrope_section": [2, 3, 3]})
+        tokens = dict(image_token_id=319, video_token_id=318, vision_start_token_id=317)
+        if name == "qwen2_vl":  # embed_dim is the tower's width, hidden_size the merger's output
+            vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=8, mlp_ratio=2)
+            model = transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(
+                vision_config=vision, text_config=text, **tokens))
+        else:  # patch 4: 32 px is 4 x 4 merge units, 16-px windows are 2 x 2 of them (4 windows: a real permutation)
+            vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2,
+                          patch_size=4, window_size=16, fullatt_block_indexes=[1])
+            model = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+                vision_config=vision, text_config=text, **tokens))
     else:
         from transformers import GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration, SiglipVisionConfig
 
@@ -146,7 +163,7 @@ def build_vlm(name: str, out: Path) -> Path:
             hidden_size=COMMON["hidden_size"], image_token_index=COMMON["vocab_size"] - 1))
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if "norm" in n:
+            if "norm" in n or "ln_q" in n:  # Qwen-VL merger's norm too
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(out)
     _tokenizer().save_pretrained(out)

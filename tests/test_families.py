@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import TINY_RECIPE, run_cli
-from families import family_folder, tower_folder
+from families import family_folder, tower_folder, vlm_folder
 from launch import COMMON, NOISE_ONLY, assert_matches, torchrun, train_distributed, train_single, weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -114,3 +114,27 @@ def test_fsdp_on_a_vision_family_matches_one_process(tmp_path, singles, name):
     reference = train_single(singles.root / f"single_vision_{name}", *tower, "--train.grad_accum=2")
     train_distributed(tmp_path, *tower)
     assert_matches(tmp_path, reference, rel_norm=1e-4)
+
+
+def _vlm(root, name):
+    return (f"--model.vlm.pretrained={vlm_folder(name, root / 'folders')}", "--model.image_size=32")
+
+
+# a whole Qwen2.5-VL folder (windowed tower blocks, the merger as the projector, an M-RoPE text model): context
+# parallel shards the (3, B, N) positions with the sequence; tensor + sequence parallel runs its text config's plan;
+# the pipeline's stages give M-RoPE positions too; FSDP2 wraps the tower's `blocks`
+VLM_CELLS = {"cp_ring": (["--parallel.cp=2", "--parallel.cp_method=ring"], []),
+             "tp_sp": (["--parallel.tp=2", "--parallel.sequence_parallel=true"], []),
+             "pp": (["--parallel.pp=2", "--parallel.dp_shard=1", "--train.grad_accum=2"], ["--train.grad_accum=2"]),
+             "fsdp": ([], ["--train.grad_accum=2"])}
+
+
+@pytest.mark.parametrize("cell", list(VLM_CELLS))
+def test_a_qwen_vl_folder_under_each_parallelism_matches_one_process(tmp_path, singles, cell):
+    args, single = VLM_CELLS[cell]
+    vlm = _vlm(singles.root, "qwen2_5_vl")
+    key = f"single_qwen2_5_vl{'_accum2' if single else ''}"
+    if key not in singles:
+        singles[key] = train_single(singles.root / key, *vlm, *single)
+    train_distributed(tmp_path, *vlm, *args)
+    assert_matches(tmp_path, singles[key], rel_norm=1e-4)

@@ -15,6 +15,7 @@ from conftest import TINY_RECIPE, fit, make_batch, run_cli, tiny_config
 from families import VLM_STATS, vlm_folder
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla
+from vlaforge.models.vision import vision_blocks
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +37,26 @@ def _reference(name, folder):
     import transformers
 
     cls = {"llava": "LlavaForConditionalGeneration", "paligemma": "PaliGemmaForConditionalGeneration",
-           "idefics3": "Idefics3ForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration"}[name]
+           "idefics3": "Idefics3ForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration",
+           "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[name]
     return getattr(transformers, cls).from_pretrained(folder).eval()
 
 
-def _image_features(name, ref, pixels):
-    """transformers' projected image features, as the VLM's own forward computes them."""
+def _image_features(name, ref, images):
+    """transformers' projected image features of (B, 3, H, W) images in [0, 255], as the VLM's own image processor
+    and forward compute them."""
+    if name in ("qwen2_vl", "qwen2_5_vl"):  # its processor's flattened 3-D patches and grid
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        vision = ref.config.vision_config
+        proc = Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                                        temporal_patch_size=vision.temporal_patch_size, do_resize=False,
+                                        image_mean=VLM_STATS[0], image_std=VLM_STATS[1])
+        given = proc(images=[im.permute(1, 2, 0).numpy().astype(np.uint8) for im in images], return_tensors="pt")
+        out = ref.model.get_image_features(pixel_values=given["pixel_values"], image_grid_thw=given["image_grid_thw"])
+        return torch.stack(list(out.pooler_output))
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in VLM_STATS)
+    pixels = (images / 255 - mean) / std
     if name == "llava":
         out = ref.model.get_image_features(pixel_values=pixels, vision_feature_layer=-2,
                                            vision_feature_select_strategy="default", output_hidden_states=True)
@@ -52,16 +67,23 @@ def _image_features(name, ref, pixels):
 
 
 CONNECTORS = {"llava": {"linear_1": "mlp.0", "linear_2": "mlp.2"}, "paligemma": {"linear": "mlp.0"},
-              "idefics3": {"modality_projection.proj": "mlp.0"}, "smolvlm": {"modality_projection.proj": "mlp.0"}}
-TOWER = {"idefics3": "vision_model", "smolvlm": "vision_model"}  # the others' `vision_tower`
+              "idefics3": {"modality_projection.proj": "mlp.0"}, "smolvlm": {"modality_projection.proj": "mlp.0"},
+              "qwen2_vl": {"ln_q": "norm"}, "qwen2_5_vl": {"ln_q": "norm"}}
+TOWER = {"idefics3": "vision_model", "smolvlm": "vision_model", "qwen2_vl": "visual",
+         "qwen2_5_vl": "visual"}  # the others' `vision_tower`
 LANGUAGE = {"idefics3": "text_model", "smolvlm": "text_model"}  # the others' `language_model`
-CONNECTOR = {"idefics3": "connector", "smolvlm": "connector"}  # the others' `multi_modal_projector`
+CONNECTOR = {"idefics3": "connector", "smolvlm": "connector", "qwen2_vl": "visual.merger",
+             "qwen2_5_vl": "visual.merger"}  # the others' `multi_modal_projector`
+# LLM tokens per 32-px frame: 4 x 4 patches (LLaVA, PaliGemma), merged 2 x 2 (Idefics3, SmolVLM, Qwen2-VL); Qwen2.5-VL
+# has 4-px patches (8 x 8, merged to 16)
+TOKENS = {"llava": 16, "paligemma": 16, "idefics3": 4, "smolvlm": 4, "qwen2_vl": 4, "qwen2_5_vl": 16}
+VLMS = list(TOKENS)
 
 
-@pytest.mark.parametrize("name", ["llava", "paligemma", "idefics3", "smolvlm"])
+@pytest.mark.parametrize("name", VLMS)
 def test_a_vlm_folder_becomes_the_components_with_its_own_weights(vlms, name):
     folder = vlms(name)
-    cfg = _cfg(folder)
+    cfg = _cfg(folder, image_size=32)  # Qwen-VL towers have no native size
     model = build_vla(cfg.model, cfg.loss).eval()
     ref = _reference(name, folder)
 
@@ -70,7 +92,7 @@ def test_a_vlm_folder_becomes_the_components_with_its_own_weights(vlms, name):
             key = key.replace(f"{theirs}.", f"{ours}.")
         return key
 
-    parts = {c: getattr(ref.model, table.get(name, default)) for c, table, default in
+    parts = {c: ref.model.get_submodule(table.get(name, default)) for c, table, default in
              (("vision", TOWER, "vision_tower"), ("llm", LANGUAGE, "language_model"),
               ("projector", CONNECTOR, "multi_modal_projector"))}
     language = {f"model.{k}": v for k, v in parts["llm"].state_dict().items()}
@@ -81,31 +103,35 @@ def test_a_vlm_folder_becomes_the_components_with_its_own_weights(vlms, name):
         for k in (k for k in got if k != "logit_scale"):  # the contrastive temperature is vlaforge's
             assert torch.equal(got[k], want[k]), (comp, k)
     # LLaVA reads its 3-block tower at layer -2: the last block is not built
-    assert len(model.vision.encoder.layers) == 2
-    # Idefics3 / SmolVLM merge 2 x 2 patches of the 4 x 4 grid per token
-    assert model.layout.patches_per_frame == (4 if name in ("idefics3", "smolvlm") else 16)
-    assert len(model.projector.mlp) == (3 if name == "llava" else 1)
+    assert len(vision_blocks(model.vision)) == 2
+    assert model.layout.patches_per_frame == TOKENS[name]
+    assert len(model.projector.mlp) == (3 if name in ("llava", "qwen2_vl", "qwen2_5_vl") else 1)
 
     images = torch.randint(0, 256, (2, 3, 32, 32)).float()
-    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in VLM_STATS)
     ids = torch.randint(3, 300, (2, 9))
     with torch.no_grad():
         ours = model.encode_frames(images / 127.5 - 1)  # vlaforge's [-1, 1] input
-        torch.testing.assert_close(ours, _image_features(name, ref, (images / 255 - mean) / std), rtol=1e-5,
-                                   atol=1e-5)
+        torch.testing.assert_close(ours, _image_features(name, ref, images), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model.llm(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     model.train()
     losses = fit(model, make_batch(cfg, model, size=2), steps=3)
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
-def test_a_run_on_a_vlm_carries_its_tokenizer_and_configs_and_predicts_without_the_folder(llava, tmp_path):
+# what a checkpoint's backbones.json holds: the tower's blocks, the connector's shape, the language model's type
+SAVED = {"llava": (2, {"hidden": 64, "layers": 2, "merge": 1, "bias": True, "norm": None, "order": "shuffle"}, "llama"),
+         "qwen2_5_vl": (2, {"hidden": 128, "layers": 2, "merge": 2, "bias": True, "norm": "rms", "order": "units"},
+                        "qwen2_5_vl_text")}
+
+
+@pytest.mark.parametrize("name", list(SAVED))
+def test_a_run_on_a_vlm_carries_its_tokenizer_and_configs_and_predicts_without_the_folder(vlms, name, tmp_path):
     from fake_lerobot import write_dataset
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from vlaforge.inference.runtime import Observation, PolicyRuntime
 
-    folder = shutil.copytree(llava, tmp_path / "llava")
+    folder = shutil.copytree(vlms(name), tmp_path / name)
     write_dataset(tmp_path / "ds")
     run = tmp_path / "run"
     done = run_cli("train", str(TINY_RECIPE), "--data.source=lerobot", f"--data.path={tmp_path / 'ds'}",
@@ -115,8 +141,10 @@ def test_a_run_on_a_vlm_carries_its_tokenizer_and_configs_and_predicts_without_t
     assert done.returncode == 0, done.stderr[-2000:]
     ckpt = run / "checkpoints" / "step_00000002"
     saved = json.loads((ckpt / "backbones.json").read_text())
-    assert saved["vision"]["num_hidden_layers"] == 2 and saved["vision"]["image_mean"] == VLM_STATS[0]
-    assert saved["projector"] == {"hidden": 64, "layers": 2} and saved["llm"]["model_type"] == "llama"
+    blocks, projector, lm = SAVED[name]
+    tower = AutoConfig.for_model(**saved["vision"])
+    assert tower.num_hidden_layers == blocks and saved["vision"]["image_mean"] == VLM_STATS[0]
+    assert saved["projector"] == projector and saved["llm"]["model_type"] == lm
     assert AutoTokenizer.from_pretrained(ckpt / "tokenizer").get_vocab() == \
         AutoTokenizer.from_pretrained(folder).get_vocab()
     rt = PolicyRuntime.load(run, device="cpu")
@@ -129,7 +157,41 @@ def test_a_run_on_a_vlm_carries_its_tokenizer_and_configs_and_predicts_without_t
     np.testing.assert_array_equal(PolicyRuntime.load(run, device="cpu").predict(obs, "s").actions, before)
 
 
-def test_what_a_vlm_folder_cannot_give_is_refused_in_one_line(llava, tmp_path):
+def test_qwen_vl_frames_get_the_multimodal_rope_positions_transformers_gives_consecutive_images(vlms):
+    """Two frames of 2 x 2 merged tokens, an instruction padded in one row, three action queries: at every real
+    token, the VLA's (temporal, height, width) positions equal Qwen2-VL's `get_rope_index` for the same sequence of
+    two images and text; and the LLM's hidden states at the layout equal the VLM's language model given them."""
+    import dataclasses
+
+    folder = vlms("qwen2_vl")
+    model = build_vla(_cfg(folder, image_size=32).model).eval()
+    model.layout = dataclasses.replace(model.layout, frames=2)
+    ref = _reference("qwen2_vl", folder)
+    vision, text = 2 * 4, 5 + 3
+    mask = torch.ones(2, vision + text, dtype=torch.bool)
+    mask[1, vision + 3:vision + 5] = False  # the second row's instruction is 3 tokens
+    ours = model.llm_positions(mask)
+    ids = torch.randint(3, 300, mask.shape)
+    ids[:, :vision] = ref.config.image_token_id
+    # NOTE: get_rope_index reads a run of same-type tokens as one image; the second frame is typed a one-step
+    # video, whose positions Qwen2-VL computes by the same rule (get_vision_position_ids), so the runs stay apart
+    kinds = torch.zeros_like(ids)
+    kinds[:, :4], kinds[:, 4:vision] = 1, 2
+    grid = torch.tensor([[1, 4, 4]] * 2)  # a 4 x 4 patch grid per frame (2 x 2 tokens after the merger)
+    theirs, _ = ref.model.get_rope_index(ids, kinds, image_grid_thw=grid, video_grid_thw=grid,
+                                         attention_mask=mask.long())
+    assert ours.shape == (3, 2, vision + text)
+    assert torch.equal(ours[:, mask], theirs[:, mask])
+    assert ours[:, 0, vision:].tolist() == [list(range(4, 12))] * 3  # frames' sides: 2 + 2, then 1-D text
+    embeds = torch.randn(2, vision + text, 64)
+    with torch.no_grad():
+        got = model.llm.model(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=ours).last_hidden_state
+        want = ref.model.language_model(inputs_embeds=embeds, attention_mask=mask.long(),
+                                        position_ids=theirs).last_hidden_state
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_what_a_vlm_folder_cannot_give_is_refused_in_one_line(llava, vlms, tmp_path):
     from families import family_folder
 
     with pytest.raises(VlaforgeError, match="model.vlm.pretrained gives the vision tower and the LLM both"):
@@ -151,6 +213,13 @@ def test_what_a_vlm_folder_cannot_give_is_refused_in_one_line(llava, tmp_path):
     missing = r"2 weights of the projector component are not in .* files \(mlp.2.bias, mlp.2.weight\)"
     with pytest.raises(VlaforgeError, match=missing):
         build_vla(_cfg(partial).model)
+    qwen3 = shutil.copytree(vlms("qwen2_vl"), tmp_path / "qwen3")
+    config = json.loads((qwen3 / "config.json").read_text())
+    (qwen3 / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_vl"}))
+    with pytest.raises(VlaforgeError, match="'qwen3_vl' folder, which vlaforge does not map: its DeepStack"):
+        build_vla(_cfg(qwen3).model)
+    with pytest.raises(VlaforgeError, match="model.image_size = 40 is not a multiple of .* use a multiple of 16"):
+        build_vla(_cfg(vlms("qwen2_vl"), image_size=40).model)
 
 
 def test_model_summary_of_a_vlm_folder_counts_its_components_from_the_config(llava, monkeypatch):

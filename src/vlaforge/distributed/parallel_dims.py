@@ -52,7 +52,8 @@ def model_facts(model_cfg) -> ModelFacts:
                             "save_pretrained")
     heads = llm["num_attention_heads"]
     return ModelFacts(llm_heads=heads, llm_kv_heads=llm.get("num_key_value_heads") or heads,
-                      llm_blocks=llm["num_hidden_layers"], vision_heads=vision["num_attention_heads"])
+                      llm_blocks=llm["num_hidden_layers"],
+                      vision_heads=vision.get("num_attention_heads") or vision["num_heads"])  # Qwen-VL's: num_heads
 
 
 @dataclass(frozen=True)

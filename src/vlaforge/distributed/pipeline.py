@@ -26,7 +26,7 @@ from torch import nn
 from vlaforge.data.batch import Batch
 from vlaforge.models.build import tokens_per_sample
 from vlaforge.models.families import decoder_of, llm_parts
-from vlaforge.models.vla import VLA, position_ids
+from vlaforge.models.vla import VLA
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -180,7 +180,7 @@ class StageModule(nn.Module):
             hidden, *rest = inputs
             extras = tuple(e.view_as(e) for e in rest)  # passed on (a node, so gradients flow back through us)
         out = decoder_of(self.llm)(inputs_embeds=hidden, attention_mask=attention_mask.long(),
-                             position_ids=position_ids(attention_mask), use_cache=False)
+                             position_ids=self.vla.llm_positions(attention_mask), use_cache=False)
         return tuple(t.contiguous() for t in (out.last_hidden_state, *extras))  # gloo receives into dense buffers
 
 

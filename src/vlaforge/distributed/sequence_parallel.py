@@ -211,7 +211,8 @@ class SequenceParallel:
 
     def shard_layout(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's shard of the compacted layout: (inputs_embeds, position_ids)."""
+        """This rank's shard of the compacted layout: (inputs_embeds, position_ids); positions (B, N), or (3, B, N)
+        for Qwen-VL's M-RoPE (each of the three rows gathered alike)."""
         lay = compact_order(mask, 2 * self.size if self.zigzag else self.size)
         self.layout = lay
         extra = lay.padded - lay.length
@@ -222,7 +223,7 @@ class SequenceParallel:
         # saves its input) and the shard would be a view of them
         rows = self.shard(lay.order)  # (B, S / cp): this rank's places in the padded layout
         batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
-        return embeds[batch, rows], positions.gather(1, rows)
+        return embeds[batch, rows], positions.gather(-1, rows.expand(*positions.shape[:-2], *rows.shape))
 
     def gather(self, hidden: torch.Tensor) -> torch.Tensor:
         """The full sequence in the original layout from this rank's shard of final hidden states."""

@@ -15,7 +15,8 @@ from vlaforge.errors import VlaforgeError
 from vlaforge.models.action_heads import ACTION_HEADS
 from vlaforge.models.hf_loading import read_config
 from vlaforge.models.llm import build_llm
-from vlaforge.models.vision import build_vision, native_size
+from vlaforge.models.families import mrope_section
+from vlaforge.models.vision import build_vision, native_size, tower_width
 from vlaforge.models.vlm import component_configs, load_weights
 from vlaforge.models.vla import VLA, Layout, Projector
 from vlaforge.models.losses import Objective
@@ -26,6 +27,7 @@ def objective_from(loss: LossConfig) -> Objective:
                      smoothness=loss.smoothness)
 
 
+DEFAULT_IMAGE_SIZE = 224  # a tower that reads any size (Qwen-VL's) without model.image_size
 BACKBONES_FILE = "backbones.json"  # in a checkpoint: the pretrained components' configs (component -> config dict)
 
 
@@ -37,9 +39,7 @@ def backbone_configs(model: VLA, model_cfg: ModelConfig) -> dict[str, dict]:
             config = getattr(model, name).config.to_dict()
             out[name] = {k: v for k, v in config.items() if not k.startswith("_")}
     if model_cfg.vlm.pretrained:  # the VLM's connector shape, not the flavor's
-        proj = model.projector
-        out["projector"] = {"hidden": proj.mlp[0].out_features, "layers": 2} if len(proj.mlp) == 3 else \
-            {"layers": 1, "merge": proj.merge, "bias": proj.mlp[0].bias is not None}
+        out["projector"] = dict(model.projector.spec)
     return out
 
 
@@ -77,11 +77,10 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
                         attn=model_cfg.attn_implementation)
         if fake:
             llm.tie_weights()  # NOTE: no_init_weights also skips tying (e.g. small's tied embeddings)
-        v_dim, l_dim = vision.config.hidden_size, llm.config.hidden_size
-        shape = backbones.get("projector", {})  # a VLM's connector, or the flavor's
+        v_dim, l_dim = tower_width(vision), llm.config.hidden_size
+        shape = {"hidden": flavor.projector_hidden, **backbones.get("projector", {})}  # a VLM's connector, or none
         merge = shape.get("merge", 1)
-        projector = Projector(v_dim, l_dim, shape.get("hidden") or flavor.projector_hidden, shape.get("layers", 2),
-                              merge, shape.get("bias", True))
+        projector = Projector(v_dim, l_dim, **{**shape, "hidden": shape["hidden"] or flavor.projector_hidden})
         head_cfg = model_cfg.action_head
         action_head = ACTION_HEADS.get(head_cfg.kind)(
             llm_dim=l_dim, action_dim=model_cfg.action_dim, state_dim=model_cfg.state_dim,
@@ -92,11 +91,15 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
         load_weights(vlm_weights, {"vision": vision, "projector": projector, "llm": llm},
                      new={"projector": {"logit_scale"}})
     native = native_size(vision)
-    image_size = model_cfg.image_size or native
+    image_size = model_cfg.image_size or native or DEFAULT_IMAGE_SIZE
+    if merge > 1 and image_size % (vision.config.patch_size * merge):
+        raise VlaforgeError(f"model.image_size = {image_size} is not a multiple of the tower's {vision.config.patch_size}"
+                            f"-pixel patches x its connector's {merge} x {merge} merge; use a multiple of "
+                            f"{vision.config.patch_size * merge}")
     layout = Layout(frames=model_cfg.frames_per_sample, image_size=image_size,
-                    # CLS / registers dropped; a pixel-shuffle connector's merged tokens
+                    # CLS / registers dropped; a merging connector's merged tokens
                     patches_per_frame=(image_size // vision.config.patch_size // merge) ** 2,
-                    interpolate_pos=image_size != native)
+                    interpolate_pos=native is not None and image_size != native, mrope=mrope_section(llm.config) is not None)
     return VLA(vision, projector, llm, action_head, layout, objective_from(loss_cfg or LossConfig()))
 
 

@@ -11,6 +11,7 @@ instead of from Llama's attribute names: the one place that knows families diffe
   soft-cap, which context parallel's kernels do not implement.
 - `expert_modules`: the modules holding the 3-D stacked expert weights of MoE blocks, which `nn.Linear`-based converters (fp8,
   quantization) do not see.
+- `mrope_section`: whether the LLM takes Qwen-VL's 3-D multimodal RoPE positions (the VLA then gives them).
 - `block_norms`: a block's own norm layers (two in Llama, one in Phi, four in Gemma3), for sequence parallel.
 - `unlike_llama`: what in a block differs from Llama's (q/k norms, extra norms, fused projections, experts), for
   the planner, whose activation formula counts Llama's block term by term.
@@ -121,6 +122,13 @@ def attention_features(config) -> dict[str, float | None]:
     if getattr(config, "use_sliding_window", True) is False:
         window = None
     return {"sliding_window": window, "softcap": getattr(config, "attn_logit_softcapping", None)}
+
+
+def mrope_section(config) -> list[int] | None:
+    """The (temporal, height, width) split of the rotary frequencies of Qwen-VL's multimodal RoPE (None: 1-D
+    RoPE or none), from the config's rope parameters."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return rope.get("mrope_section") if isinstance(rope, dict) else None
 
 
 def expert_modules(module: nn.Module) -> list[str]:

@@ -1,5 +1,6 @@
 """The `llm` component: a `transformers` causal LM, from a flavor (Llama-shaped) or a pretrained folder of any
-decoder-only family `AutoModelForCausalLM` builds (models/families.py finds its parts)."""
+decoder-only family `AutoModelForCausalLM` builds (models/families.py finds its parts), or a VLM's text model that
+transformers ships with no causal-LM class (Qwen2-VL's, Qwen2.5-VL's: `TextLM` adds its LM head)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,60 @@ from vlaforge.models.families import decoder_of, llm_parts
 from vlaforge.models.hf_loading import from_config, load_pretrained
 
 
+# text-model config types transformers builds only inside their VLM (their decoder takes 3-D M-RoPE positions)
+TEXT_MODELS = ("qwen2_vl_text", "qwen2_5_vl_text")
+
+
+def _text_lm_class():
+    from transformers import AutoModel, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class TextLM(PreTrainedModel):
+        """A VLM's text model (`model`) and its LM head (`lm_head`, tied to the embeddings when the VLM ties them),
+        named as the VLM's checkpoint names them, with a causal LM's forward."""
+
+        base_model_prefix = "model"
+        _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+        _supports_sdpa = True
+        _supports_attention_backend = True
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = AutoModel.from_config(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def get_decoder(self):
+            return self.model
+
+        def get_input_embeddings(self):
+            return self.model.embed_tokens
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+        def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
+                    output_hidden_states=None, logits_to_keep: int = 0, use_cache=False, **kwargs):
+            out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                             position_ids=position_ids, output_hidden_states=output_hidden_states,
+                             use_cache=use_cache, **kwargs)
+            hidden = out.last_hidden_state
+            logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+            return CausalLMOutputWithPast(logits=logits, hidden_states=out.hidden_states)
+
+    return TextLM
+
+
+_TEXT_LM: list = []
+
+
+def text_lm_class():
+    """The `TextLM` class (built on first use: transformers is imported lazily)."""
+    if not _TEXT_LM:
+        _TEXT_LM.append(_text_lm_class())
+    return _TEXT_LM[0]
+
+
 def build_llm(flavor: Flavor, pretrained: str | None, config: dict | None = None, attn: str = "sdpa") -> nn.Module:
     """A causal LM (`LlamaForCausalLM` for built-in flavors; any decoder-only family when pretrained). `config`:
     the pretrained model's config alone (weights to come from a checkpoint, or none under fake tensors). `attn`:
@@ -19,8 +74,9 @@ def build_llm(flavor: Flavor, pretrained: str | None, config: dict | None = None
 
     if pretrained or config is not None:
         field = "model.llm.pretrained"
-        model = from_config(AutoModelForCausalLM, config, field, attn) if config is not None else \
-            load_pretrained(AutoModelForCausalLM, pretrained, field, attn=attn)
+        text_model = config is not None and config.get("model_type") in TEXT_MODELS
+        model = from_config(text_lm_class() if text_model else AutoModelForCausalLM, config, field, attn) \
+            if config is not None else load_pretrained(AutoModelForCausalLM, pretrained, field, attn=attn)
         try:
             llm_parts(model)
         except VlaforgeError as exc:

@@ -7,6 +7,13 @@ DINOv2's CLS token, DINOv2's registers) are dropped, and pooling heads (SigLIP's
 removed, so `patches_per_frame` is the same formula for every family and the planner counts what the model holds.
 What differs per family (the transformers class, leading tokens, how position embeddings meet another image size,
 SigLIP2's patch-sequence input, where the blocks are) is in its `VisionFamily` row, nowhere else.
+
+Qwen2-VL / Qwen2.5-VL towers (only as a whole VLM's, models/vlm.py) take the image as flattened 3-D patches (the
+frame repeated over the `temporal_patch_size` of their Conv3d patch embedding, as their image processor does for a
+still image) in merge-unit order: each `spatial_merge_size` x `spatial_merge_size` block of patches consecutive, the
+blocks row-major. Their tokens keep that order (the projector merges consecutive groups, the merged grid is
+row-major); their patch merger belongs to the projector, so the tower ends at its last block (Qwen2.5-VL's window
+attention permutation undone by the tower's own forward).
 """
 
 from __future__ import annotations
@@ -60,29 +67,41 @@ class VisionFamily:
     model_class: str  # the transformers class vlaforge builds
     leading_tokens: Any  # config -> tokens before the patch tokens in the output (CLS, registers), dropped
     resize_arg: bool = True  # forward takes interpolate_pos_encoding (DINOv2 interpolates always, SigLIP2 resizes)
-    patch_sequence: bool = False  # SigLIP2 (NaFlex): takes (N, patches, p*p*C) with their grid shape and a mask
-    native_size: Any = lambda config: config.image_size  # the image side its position embeddings were trained at
+    # the input: "pixels" (N, C, H, W); "naflex" (SigLIP2: (N, patches, p*p*C) with their grid shape and a mask);
+    # "qwen" (flattened 3-D patches in merge-unit order with each frame's (t, h, w) grid)
+    input: str = "pixels"
+    # the image side its position embeddings were trained at (None: positions are computed for any size)
+    native_size: Any = lambda config: config.image_size
     pixel_stats: str = "half"  # the per-channel mean / std its pretraining normalized pixels with (`PIXEL_STATS`)
     final_norm: str | None = "post_layernorm"  # the norm its last hidden states pass through (none: CLIP's)
     unused: tuple[str, ...] = ()  # modules the patch tokens never pass through (CLIP's pooled-token norm)
     frozen: tuple[str, ...] = ()  # parameters they never use: kept as buffers (same state-dict name), not trained
+    blocks: str = "encoder.layers"  # where its transformer blocks are
+    width: Any = lambda config: config.hidden_size  # the width of its tokens (Qwen2-VL's `embed_dim`)
 
     def cls(self):
+        import importlib
+
         import transformers
 
-        return getattr(transformers, self.model_class)
+        if hasattr(transformers, self.model_class):
+            return getattr(transformers, self.model_class)
+        # a tower transformers exports only from its VLM's modeling module (Qwen-VL's)
+        vlm = self.tower_type.removesuffix("_vision")
+        return getattr(importlib.import_module(f"transformers.models.{vlm}.modeling_{vlm}"), self.model_class)
 
 
 VISION_FAMILIES = (
     VisionFamily("siglip", ("siglip_vision_model", "siglip"), "siglip_vision_model", "SiglipVisionModel",
                  lambda config: 0),
     VisionFamily("siglip2", ("siglip2_vision_model", "siglip2"), "siglip2_vision_model", "Siglip2VisionModel",
-                 lambda config: 0, resize_arg=False, patch_sequence=True,
+                 lambda config: 0, resize_arg=False, input="naflex",
                  native_size=lambda config: math.isqrt(config.num_patches) * config.patch_size),
     VisionFamily("clip", ("clip_vision_model", "clip"), "clip_vision_model", "CLIPVisionModel", lambda config: 1,
                  pixel_stats="openai_clip", final_norm=None, unused=("post_layernorm",)),
     VisionFamily("dinov2", ("dinov2",), "dinov2", "Dinov2Model", lambda config: 1, resize_arg=False,
-                 pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",)),
+                 pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",),
+                 blocks="encoder.layer"),
     # the towers of Idefics3 and SmolVLM (SigLIP-shaped; positions bucketed onto their grid, so any size reads)
     VisionFamily("idefics3", ("idefics3_vision",), "idefics3_vision", "Idefics3VisionTransformer", lambda config: 0,
                  resize_arg=False),
@@ -90,7 +109,15 @@ VISION_FAMILIES = (
                  resize_arg=False),
     VisionFamily("dinov2_with_registers", ("dinov2_with_registers",), "dinov2_with_registers",
                  "Dinov2WithRegistersModel", lambda config: 1 + config.num_register_tokens, resize_arg=False,
-                 pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",)),
+                 pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",),
+                 blocks="encoder.layer"),
+    # Qwen-VL's towers (2-D rotary positions: any multiple of patch x merge reads, no native size)
+    VisionFamily("qwen2_vl", ("qwen2_vl_vision",), "qwen2_vl_vision", "Qwen2VisionTransformerPretrainedModel",
+                 lambda config: 0, resize_arg=False, input="qwen", native_size=lambda config: None,
+                 pixel_stats="openai_clip", final_norm=None, blocks="blocks", width=lambda config: config.embed_dim),
+    VisionFamily("qwen2_5_vl", ("qwen2_5_vl_vision",), "qwen2_5_vl_vision", "Qwen2_5_VisionTransformerPretrainedModel",
+                 lambda config: 0, resize_arg=False, input="qwen", native_size=lambda config: None,
+                 pixel_stats="openai_clip", final_norm=None, blocks="blocks"),
 )
 # (mean, std) per channel of pixels in [0, 1], as the families' image processors normalize them (transformers'
 # constants): SigLIP's 0.5 / 0.5 is vlaforge's own [-1, 1] input (data/transforms.py:to_model_images)
@@ -122,8 +149,14 @@ def vision_family(vision: nn.Module) -> VisionFamily:
     raise VlaforgeError(f"the vision tower is a {type(vision).__name__}, which vlaforge does not read")
 
 
-def native_size(vision: nn.Module) -> int:
-    """The image side the tower's position embeddings were trained at (SigLIP2: its position grid x patch)."""
+def tower_width(vision: nn.Module) -> int:
+    """The width of the tower's tokens (what the projector reads per patch)."""
+    return vision_family(vision).width(vision.config)
+
+
+def native_size(vision: nn.Module) -> int | None:
+    """The image side the tower's position embeddings were trained at (SigLIP2: its position grid x patch; None:
+    any size, Qwen-VL's rotary positions)."""
     return vision_family(vision).native_size(vision.config)
 
 
@@ -165,6 +198,8 @@ def prune_tower(vision: nn.Module, fam: VisionFamily) -> None:
     pooling head, the final norm of CLIP's pooled CLS token (`unused`; DINOv2's mask token becomes a buffer), and
     the final norm of a tower a VLM reads before its last blocks (its config's `vlaforge_final_norm = False`:
     LLaVA's `vision_feature_layer = -2`)."""
+    if fam.input == "qwen":  # its patch merger is the projector's (models/vlm.py)
+        vision.merger = MergeUnits(vision.config.spatial_merge_size ** 2)
     if getattr(vision, "use_head", False):
         del vision.head
         vision.use_head = False
@@ -192,6 +227,32 @@ def normalize_pixels(vision: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     return ((pixels + 1) * 0.5 - m) / s
 
 
+class MergeUnits(nn.Module):
+    """In a Qwen-VL tower, in place of its patch merger (which the projector holds): (S, D) tokens -> (S / unit,
+    unit * D), each merge unit's tokens side by side, so the tower's forward returns them in processor order
+    (Qwen2.5-VL un-permutes its windows on this output)."""
+
+    def __init__(self, unit: int):
+        super().__init__()
+        self.unit = unit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, self.unit * x.shape[-1])
+
+
+def qwen_patches(pixels: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, C, H, W) -> (flattened patches (N*h*w, C*T*p*p), grid (N, 3)): a Qwen-VL tower's input as its image
+    processor (`patchify`) lays a still image out - merge units consecutive, each patch's pixels (channel, time,
+    row, column), the frame repeated over the T = `temporal_patch_size` steps of the patch embedding."""
+    n, c, hgt, wid = pixels.shape
+    p, m, t = config.patch_size, config.spatial_merge_size, config.temporal_patch_size
+    h, w = hgt // p, wid // p
+    x = pixels.reshape(n, c, h // m, m, p, w // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
+    x = x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, t, -1, -1).reshape(n * h * w, c * t * p * p)
+    grid = torch.tensor([[1, h, w]], dtype=torch.long, device=pixels.device).expand(n, 3)
+    return x, grid
+
+
 def patch_sequence(pixels: torch.Tensor, patch: int) -> torch.Tensor:
     """(N, C, H, W) -> (N, h*w, p*p*C): SigLIP2's input, each patch's pixels in (row, column, channel) order, as its
     image processor (`convert_image_to_patches`) lays them out."""
@@ -207,7 +268,11 @@ def tower_features(vision: nn.Module, pixels: torch.Tensor, resize: bool) -> tor
     the size the tower's position embeddings were trained at."""
     fam = vision_family(vision)
     pixels = normalize_pixels(vision, pixels)
-    if fam.patch_sequence:
+    if fam.input == "qwen":
+        flat, grid = qwen_patches(pixels, vision.config)
+        units = vision(hidden_states=flat, grid_thw=grid).pooler_output  # (N*h*w / unit, unit * D): MergeUnits
+        return units.reshape(len(pixels), -1, fam.width(vision.config))
+    if fam.input == "naflex":
         patch = vision.config.patch_size
         grid = (pixels.shape[-2] // patch, pixels.shape[-1] // patch)
         seq = patch_sequence(pixels, patch)
@@ -257,6 +322,6 @@ def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
 
 
 def vision_blocks(vision: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of the vision tower, in order (`encoder.layers`; DINOv2's `encoder.layer`)."""
-    encoder = vision.encoder
-    return encoder.layers if hasattr(encoder, "layers") else encoder.layer
+    """The transformer blocks of the vision tower, in order (`encoder.layers`; DINOv2's `encoder.layer`, Qwen-VL's
+    `blocks`)."""
+    return vision.get_submodule(vision_family(vision).blocks)

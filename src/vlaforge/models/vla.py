@@ -29,15 +29,40 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-class Projector(nn.Module):
-    """MLP from vision width to LLM width; also holds the contrastive loss's learned temperature."""
+def mrope_positions(positions: torch.Tensor, frames: int, side: int) -> torch.Tensor:
+    """(B, N) layout positions (`position_ids`) -> (3, B, N) (temporal, height, width) positions of Qwen-VL's
+    multimodal RoPE, as its `get_rope_index` gives a sequence of `frames` images of `side` x `side` merged tokens
+    followed by text: frame k's token (i, j) at (s_k, s_k + i, s_k + j) with s_k = k * side (each frame one still
+    image, advancing the position by its grid's side), every later token at s_F + n, n counting real tokens only."""
+    per = side * side
+    v = frames * per
+    b = positions.shape[0]
+    ar = torch.arange(side, device=positions.device)
+    start = torch.arange(frames, device=positions.device).repeat_interleave(per) * side
+    rows, cols = ar.repeat_interleave(side).repeat(frames), ar.repeat(side * frames)
+    vision = torch.stack([start, start + rows, start + cols])[:, None].expand(3, b, v)
+    text = (positions[:, v:] - v + frames * side)[None].expand(3, b, -1)
+    return torch.cat([vision, text], dim=2)
 
-    def __init__(self, vision_dim: int, llm_dim: int, hidden: int, layers: int = 2, merge: int = 1,
-                 bias: bool = True):
+
+PROJECTOR_NORMS = {"layer": lambda d: nn.LayerNorm(d, eps=1e-6), "rms": lambda d: nn.RMSNorm(d, eps=1e-6)}
+
+
+class Projector(nn.Module):
+    """MLP from vision width to LLM width; also holds the contrastive loss's learned temperature.
+
+    Two layers (linear, GELU, linear: vlaforge's, LLaVA's) or one linear (PaliGemma's connector). `merge` > 1 joins
+    `merge` x `merge` patches into one token first: Idefics3's / SmolVLM's pixel shuffle (`order` 'shuffle', over
+    a row-major grid), or Qwen-VL's patch merger ('units': the tower already put each block's patches side by
+    side), after a per-patch `norm` ('layer', 'rms': the merger's `ln_q`). `spec`: these arguments, which rebuild
+    it (a checkpoint's backbones.json)."""
+
+    def __init__(self, vision_dim: int, llm_dim: int, hidden: int | None, layers: int = 2, merge: int = 1,
+                 bias: bool = True, norm: str | None = None, order: str = "shuffle"):
         super().__init__()
-        # two layers (linear, GELU, linear: vlaforge's, LLaVA's), or one linear (PaliGemma's connector; Idefics3's
-        # and SmolVLM's after their pixel shuffle, which merges `merge` x `merge` patches into one token)
-        self.merge = merge
+        self.spec = {"hidden": hidden, "layers": layers, "merge": merge, "bias": bias, "norm": norm, "order": order}
+        self.merge, self.order = merge, order
+        self.norm = PROJECTOR_NORMS[norm](vision_dim) if norm else None
         width = vision_dim * merge * merge
         self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, llm_dim)) if layers == 2 \
             else nn.Sequential(nn.Linear(width, llm_dim, bias=bias))
@@ -45,7 +70,14 @@ class Projector(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor([math.log(1 / 0.07)]))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.mlp(pixel_shuffle(features, self.merge) if self.merge > 1 else features)
+        if self.norm is not None:
+            features = self.norm(features)
+        if self.merge > 1:
+            b, n, d = features.shape
+            s = self.merge
+            features = features.reshape(b, n // (s * s), d * s * s) if self.order == "units" else \
+                pixel_shuffle(features, s)
+        return self.mlp(features)
 
 
 def pixel_shuffle(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -66,6 +98,7 @@ class Layout:
     image_size: int
     patches_per_frame: int
     interpolate_pos: bool  # a pretrained tower used at another resolution
+    mrope: bool = False  # the LLM takes Qwen-VL's 3-D multimodal RoPE positions (`mrope_positions`)
 
 
 class VLA(nn.Module):
@@ -117,6 +150,13 @@ class VLA(nn.Module):
             masks.append(batch.text_mask.bool())
         return torch.cat(masks, dim=1)
 
+    def llm_positions(self, mask: torch.Tensor) -> torch.Tensor:
+        """The LLM's position ids for a layout's (B, N) token mask: (B, N), or (3, B, N) for Qwen-VL's M-RoPE."""
+        pos = position_ids(mask)
+        if not self.layout.mrope:
+            return pos
+        return mrope_positions(pos, self.layout.frames, math.isqrt(self.layout.patches_per_frame))
+
     def run_llm(self, batch: Batch, with_text: bool, keep_hidden: bool = False) -> dict[str, torch.Tensor]:
         """One LLM pass over the full layout; returns the pieces the losses and the action head need (and, with
         `keep_hidden`, every block's output hidden states as 'hidden_states': the embeddings, blocks 1..L-1, the
@@ -125,7 +165,7 @@ class VLA(nn.Module):
                                                                    batch.text_ids if with_text else None)
         mask = self.token_mask(batch, with_text)
         n_text = batch.text_ids.shape[1] if with_text else 0
-        out = self.llm(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids(mask),
+        out = self.llm(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=self.llm_positions(mask),
                        output_hidden_states=True, logits_to_keep=n_text + 1, use_cache=False)
         h = self.split_outputs(out.hidden_states[-1], out.logits, n_text)
         if keep_hidden:
@@ -240,13 +280,12 @@ class VLA(nn.Module):
         embeds = torch.cat([vision_tokens.to(instruction.dtype), instruction, queries], dim=1)
         ones = lambda n: torch.ones(b, n, dtype=torch.bool, device=embeds.device)  # noqa: E731
         if instruction_mask is None:  # no padding: causal attention without a mask
-            n = embeds.shape[1]
-            out = decoder_of(self.llm)(inputs_embeds=embeds, position_ids=torch.arange(n, device=embeds.device)[None],
-                                 use_cache=False)
+            positions = self.llm_positions(ones(embeds.shape[1]))
+            out = decoder_of(self.llm)(inputs_embeds=embeds, position_ids=positions, use_cache=False)
         else:
             mask = torch.cat([ones(vision_tokens.shape[1]), instruction_mask.bool(), ones(t)], dim=1)
-            out = decoder_of(self.llm)(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids(mask),
-                                 use_cache=False)
+            out = decoder_of(self.llm)(inputs_embeds=embeds, attention_mask=mask.long(),
+                                       position_ids=self.llm_positions(mask), use_cache=False)
         return out.last_hidden_state[:, -t:]
 
     def reset(self) -> None:

@@ -20,6 +20,14 @@ shuffle (`scale_factor` x `scale_factor` patches per token) and bias-free linear
 the Llama-shaped text model. One image per frame at the tower's size: the image processor's tiling into sub-images
 is not done.
 
+Qwen2-VL / Qwen2.5-VL (`qwen2_vl`, `qwen2_5_vl`; StarVLA's, Qwen-VLA's backbones): the tower to its last block (its
+3-D patch embedding fed the frame as a still image), the patch merger (`ln_q` + linear, GELU, linear over each
+`spatial_merge_size`^2 block of patches) as a merging two-layer `Projector` with its per-patch norm, the text model
+with its LM head (`models/llm.py:TextLM`). Frames' tokens get multimodal-RoPE positions as transformers'
+`get_rope_index` gives consecutive images (`models/vla.py:mrope_positions`); no vision-start / -end tokens are added.
+Qwen3-VL is refused: its DeepStack feeds tower features into the language model's first blocks, which an
+embeddings-in layout does not carry.
+
 PaliGemma (`paligemma`, pi0's backbone): the whole SigLIP tower (its last hidden states, post-norm included), the
 one-linear connector (a one-layer `Projector`), Gemma with its tied embeddings. Its 1-based positions are not
 copied: rotary attention depends on position differences only. Its prefix-bidirectional mask is not either:
@@ -133,6 +141,34 @@ def _idefics3_configs(config: dict) -> dict:
     return {"vision": vision, "llm": text, "projector": {"layers": 1, "merge": scale, "bias": False}}
 
 
+def _qwen_vl_configs(config: dict) -> dict:
+    """Through transformers' config class, which also reads the pre-v5 layout (text keys at the top level)."""
+    from transformers import AutoConfig
+
+    kind = config.get("model_type")
+    try:
+        built = AutoConfig.for_model(**config)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise VlaforgeError(f"{FIELD}: the {kind} config does not build ({exc}); {HINT}") from None
+    vision, text = built.vision_config.to_dict(), built.text_config.to_dict()
+    text["tie_word_embeddings"] = bool(built.tie_word_embeddings)
+    width = vision["embed_dim"] if kind == "qwen2_vl" else vision["hidden_size"]
+    out = vision["hidden_size"] if kind == "qwen2_vl" else vision["out_hidden_size"]
+    if out != text["hidden_size"]:
+        raise VlaforgeError(f"{FIELD}: the {kind} patch merger projects to {out}, the language model is "
+                            f"{text['hidden_size']} wide; give a folder save_pretrained wrote")
+    merge = vision["spatial_merge_size"]
+    return {"vision": vision, "llm": text,
+            "projector": {"hidden": width * merge * merge, "layers": 2, "merge": merge,
+                          "norm": "layer" if kind == "qwen2_vl" else "rms", "order": "units"}}
+
+
+# Qwen-VL: the checkpoints' names (visual, model, lm_head), then transformers 5's module names
+VISUAL_MERGER_MODEL = (("model.visual.merger.", "projector", ""), ("visual.merger.", "projector", ""),
+                       ("model.visual.", "vision", ""), ("visual.", "vision", ""),
+                       ("model.language_model.", "llm", "model."), ("model.", "llm", "model."),
+                       ("lm_head.", "llm", "lm_head."))
+
 # Idefics3 and SmolVLM: vision_model, connector.modality_projection.proj (after the pixel shuffle), text_model
 VISION_CONNECTOR_TEXT = (("model.vision_model.", "vision", ""),
                          ("model.connector.modality_projection.", "projector", ""),
@@ -143,7 +179,12 @@ VLM_FAMILIES = (
     VLMFamily("paligemma", ("paligemma",), _paligemma_configs, {"linear.": "mlp.0."}, TOWER_CONNECTOR_LM),
     VLMFamily("idefics3", ("idefics3",), _idefics3_configs, {"proj.": "mlp.0."}, VISION_CONNECTOR_TEXT),
     VLMFamily("smolvlm", ("smolvlm",), _idefics3_configs, {"proj.": "mlp.0."}, VISION_CONNECTOR_TEXT),
+    VLMFamily("qwen2_vl", ("qwen2_vl", "qwen2_5_vl"), _qwen_vl_configs, {"ln_q.": "norm."}, VISUAL_MERGER_MODEL),
 )
+# VLM families transformers has that no adapter maps, and why
+REFUSED = {kind: "its DeepStack adds tower features from intermediate blocks to the language model's first blocks, "
+                 "which vlaforge's embeddings-in token layout does not carry; Qwen2-VL and Qwen2.5-VL folders are mapped"
+           for kind in ("qwen3_vl", "qwen3_vl_moe")}
 
 
 def vlm_family(folder: str | Path) -> tuple[VLMFamily, dict]:
@@ -157,6 +198,8 @@ def vlm_family(folder: str | Path) -> tuple[VLMFamily, dict]:
     for fam in VLM_FAMILIES:
         if kind in fam.model_types:
             return fam, config
+    if kind in REFUSED:
+        raise VlaforgeError(f"{FIELD}: {folder} is a '{kind}' folder, which vlaforge does not map: {REFUSED[kind]}")
     known = ", ".join(t for fam in VLM_FAMILIES for t in fam.model_types)
     raise VlaforgeError(f"{FIELD}: {folder} is a '{kind}' folder; vlaforge maps these VLM families: {known} "
                         "(a vision tower or an LLM alone goes in model.vision / model.llm .pretrained)")

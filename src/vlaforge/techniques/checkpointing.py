@@ -34,8 +34,8 @@ ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default,
              aten._scaled_dot_product_efficient_attention.default,
              aten._scaled_dot_product_cudnn_attention.default}
 # Sub-layer names inside a block: transformers' Llama, SigLIP and CLIP (self_attn, mlp); DINOv2 and GPT-NeoX
-# (attention, mlp).
-SUBLAYERS = {"attn": ("self_attn", "attention"), "ffn": ("mlp",)}
+# (attention, mlp); Qwen-VL's tower (attn, mlp).
+SUBLAYERS = {"attn": ("self_attn", "attention", "attn"), "ffn": ("mlp",)}
 _region: list[str] = []  # "attn" / "ffn" while that sub-layer's forward runs
 
 

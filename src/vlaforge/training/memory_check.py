@@ -11,6 +11,7 @@ from torch import nn
 
 from vlaforge.config.schema import VLAConfig
 from vlaforge.errors import VlaforgeError, first_line
+from vlaforge.models.vision import tower_width, vision_blocks
 
 
 def check_memory(cfg: VLAConfig, model: nn.Module, device: torch.device, tps: int) -> None:
@@ -23,8 +24,7 @@ def check_memory(cfg: VLAConfig, model: nn.Module, device: torch.device, tps: in
     """
     lay, b = model.layout, cfg.train.batch_size
     images = 2 * lay.frames * 3 * lay.image_size ** 2 * 4  # float32, per sample and again in the collated batch
-    vision = lay.frames * lay.patches_per_frame * model.vision.config.hidden_size * \
-        model.vision.config.num_hidden_layers * 2
+    vision = lay.frames * lay.patches_per_frame * tower_width(model.vision) * len(vision_blocks(model.vision)) * 2
     llm = tps * model.llm.config.hidden_size * model.llm.config.num_hidden_layers * 2
     need = b * (images + vision + llm)
     have = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
