@@ -55,6 +55,18 @@ def make_batch(cfg, model, size: int = 4, start: int = 0):
     return Batch.collate([ds[i] for i in range(start, start + size)])
 
 
+def policy_grads(cfg) -> dict:
+    """Parameter name -> gradient of one loss on a 2-sample batch of the model `cfg` describes, its components'
+    policies applied (checkpointing, precision): what a policy must leave unchanged."""
+    from vlaforge.training.trainer import build_model
+
+    torch.manual_seed(0)
+    model, _ = build_model(cfg, torch.device("cpu"))
+    loss, _ = model.compute_loss(make_batch(cfg, model, size=2))
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
 def fit(model, batch, steps: int, lr: float = 1e-3) -> list[float]:
     """`steps` AdamW steps of `model` on one batch; the losses before each step."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)

@@ -105,11 +105,14 @@ def test_pipeline_parallel_shares_tied_embeddings_between_the_first_and_last_sta
                                    msg=k)
 
 
-@pytest.mark.parametrize("name", ["dinov2_with_registers", "siglip2"])
+@pytest.mark.parametrize("name", ["dinov2_with_registers", "siglip2", "fused"])
 def test_fsdp_on_a_vision_family_matches_one_process(tmp_path, singles, name):
-    """Every block of the tower is its own FSDP2 unit (DINOv2's `encoder.layer`, SigLIP2's patch-sequence input);
-    the sharded run's losses and weights are the one process's."""
-    tower = (f"--model.vision.pretrained={tower_folder(name, singles.root / 'folders')}",)
+    """Every block of the tower is its own FSDP2 unit (DINOv2's `encoder.layer`, SigLIP2's patch-sequence input, a
+    fused DINOv2 + SigLIP tower's blocks of both); the sharded run's losses and weights are the one process's."""
+    folders = singles.root / "folders"
+    tower = (f"--model.vision.pretrained={tower_folder(name, folders)}",) if name != "fused" else \
+        (f"--model.vision.pretrained={tower_folder('dinov2_with_registers', folders)}",
+         f"--model.vision.fused={tower_folder('siglip', folders)}")
     # one process takes the two ranks' global batch as two accumulated micro-batches (tests/test_data_parallel.py)
     reference = train_single(singles.root / f"single_vision_{name}", *tower, "--train.grad_accum=2")
     train_distributed(tmp_path, *tower)

@@ -7,7 +7,7 @@ read SigLIP's internals refuse the others in one line."""
 import pytest
 import torch
 
-from conftest import fit, make_batch, tiny_config
+from conftest import fit, make_batch, policy_grads, tiny_config
 from families import VISION_FAMILIES, tower_folder
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla
@@ -111,24 +111,14 @@ def test_a_folders_image_processor_sets_the_normalization_and_the_checkpoint_kee
         build_vla(cfg.model, cfg.loss)
 
 
-def _grads(cfg):
-    from vlaforge.training.trainer import build_model
-
-    torch.manual_seed(0)
-    model, _ = build_model(cfg, torch.device("cpu"))  # the components' policies applied, checkpointing with them
-    loss, _ = model.compute_loss(make_batch(cfg, model, size=2))
-    loss.backward()
-    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("name", ["siglip2", "clip", "dinov2_with_registers"])
 def test_checkpointing_each_tower_gives_the_plain_gradients(root, name):
     """Full and selective checkpointing find each family's blocks (DINOv2's `encoder.layer`) and attention
     sub-layer (DINOv2's `attention`)."""
-    ref = _grads(_cfg(root, name))
+    ref = policy_grads(_cfg(root, name))
     assert any(n.startswith("vision.") for n in ref)
     for strategy in ("full", "selective"):
-        got = _grads(tiny_config(model=_cfg(root, name).model.model_dump(),
+        got = policy_grads(tiny_config(model=_cfg(root, name).model.model_dump(),
                                  components={"vision": {"checkpointing": strategy}}))
         assert got.keys() == ref.keys()
         for n in ref:
@@ -146,3 +136,38 @@ def test_what_reads_siglip_internals_refuses_the_other_towers(root):
         PlanModel(_cfg(root, "dinov2"))
     whole_llm = tiny_config(model={"vision": {"pretrained": str(tower_folder("siglip", root))}})
     assert PlanModel(whole_llm).seq.patches == 16  # a SigLIP folder plans, from its config alone
+
+
+def test_a_fused_tower_concatenates_each_towers_penultimate_patch_tokens(root):
+    """OpenVLA's Prismatic: DINOv2 (with registers) + SigLIP on the same frames, each read at the output of its
+    penultimate block before its final norm (transformers' `hidden_states[-2]`), its own leading tokens dropped and
+    its own pixel normalization; [DINOv2, SigLIP] per patch. It trains, and rebuilds from its saved config."""
+    import transformers
+
+    from vlaforge.models.build import backbone_configs
+    from vlaforge.models.vision import tower_features, vision_blocks
+
+    dino, siglip = tower_folder("dinov2_with_registers", root), tower_folder("siglip", root)
+    cfg = tiny_config(model={"vision": {"pretrained": str(dino), "fused": str(siglip)}})
+    model = build_vla(cfg.model, cfg.loss).eval()
+    assert len(vision_blocks(model.vision)) == 2  # each 2-block tower read at its first block's output
+    assert model.layout.patches_per_frame == 16 and model.projector.mlp[0].in_features == 64
+    images = torch.randint(0, 256, (2, 3, 32, 32)).float()
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in _stats("dinov2"))
+    with torch.no_grad():
+        ref_dino = transformers.Dinov2WithRegistersModel.from_pretrained(dino).eval()
+        ref_siglip = transformers.SiglipVisionModel.from_pretrained(siglip).eval()
+        want = torch.cat([
+            ref_dino(pixel_values=(images / 255 - mean) / std, output_hidden_states=True).hidden_states[-2][:, 3:],
+            ref_siglip(pixel_values=images / 127.5 - 1, output_hidden_states=True).hidden_states[-2]], -1)
+        torch.testing.assert_close(tower_features(model.vision, images / 127.5 - 1, False), want, rtol=1e-5,
+                                   atol=1e-5)
+        rebuilt = build_vla(cfg.model, cfg.loss, backbones=backbone_configs(model, cfg.model)).eval()
+        rebuilt.load_state_dict(model.state_dict())
+        torch.testing.assert_close(tower_features(rebuilt.vision, images / 127.5 - 1, False), want, rtol=1e-5,
+                                   atol=1e-5)
+    model.train()
+    losses = fit(model, make_batch(cfg, model, size=2), steps=3)
+    assert losses[-1] < losses[0], losses
+    with pytest.raises(VlaforgeError, match="model.vision.fused is the second tower of a fused pair"):
+        tiny_config(model={"vision": {"fused": str(siglip)}})

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_RECIPE, fit, make_batch, run_cli, tiny_config
+from conftest import TINY_RECIPE, fit, make_batch, policy_grads, run_cli, tiny_config
 from families import VLM_STATS, vlm_folder
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla
@@ -155,6 +155,28 @@ def test_a_run_on_a_vlm_carries_its_tokenizer_and_configs_and_predicts_without_t
     before = rt.predict(obs, "s").actions
     shutil.rmtree(folder)
     np.testing.assert_array_equal(PolicyRuntime.load(run, device="cpu").predict(obs, "s").actions, before)
+    if name == "llava":  # a quantized copy carries the backbones' configs too (it loads without the folder)
+        done = run_cli("quantize", str(run), "--out", str(tmp_path / "q"), "--frames", "8")
+        assert done.returncode == 0, done.stderr[-2000:]
+    if name == "qwen2_5_vl":  # its tower's windows follow its grid's values: no graph export, one line, exit 2
+        done = run_cli("export", str(run), "--format", "onnx", "--out", str(tmp_path / "pkg"))
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert "qwen2_5_vl vision tower sizes its attention windows" in done.stderr
+        assert not (tmp_path / "pkg").exists()
+
+
+def test_checkpointing_a_qwen_vl_tower_and_text_model_gives_the_plain_gradients(vlms):
+    """Full and selective checkpointing find the tower's `blocks` and their `attn` sub-layer (Qwen2.5-VL's windowed
+    and full-attention blocks take sequence bounds as arguments) and the M-RoPE text model's blocks."""
+    model = _cfg(vlms("qwen2_5_vl"), image_size=32).model.model_dump()
+    ref = policy_grads(tiny_config(model=model))
+    assert any(n.startswith("vision.blocks.") for n in ref) and any(n.startswith("projector.norm") for n in ref)
+    for strategy in ("full", "selective"):
+        policies = {c: {"checkpointing": strategy} for c in ("vision", "llm")}
+        got = policy_grads(tiny_config(model=model, components=policies))
+        assert got.keys() == ref.keys()
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], rtol=0, atol=1e-6, msg=f"{strategy}: {n}")
 
 
 def test_qwen_vl_frames_get_the_multimodal_rope_positions_transformers_gives_consecutive_images(vlms):

@@ -47,6 +47,12 @@ class PretrainedSource(Section):
     pretrained: str | None = Field(None, description="local save_pretrained folder; None builds from the flavor")
 
 
+class VisionSource(PretrainedSource):
+    fused: str | None = Field(None, description="a second tower's save_pretrained folder whose patch tokens are "
+                              "concatenated per patch to model.vision.pretrained's (OpenVLA's Prismatic: DINOv2 + "
+                              "SigLIP; each read at its penultimate block, before its final norm); same patch size")
+
+
 class ActionHeadConfig(Section):
     kind: str = Field("regression", description="action head from the registry: regression | flow_matching")
     hidden: int | None = Field(None, ge=8, description="head width; None takes the flavor's")
@@ -95,7 +101,7 @@ class ModelConfig(Section):
                             "attention), or eager (transformers' matmul-softmax path, for debugging or a family "
                             "that needs it); a family transformers runs only eagerly (Gemma2) gets eager with a "
                             "notice either way; context parallel replaces the LLM's with its own kernels")
-    vision: PretrainedSource = Field(default_factory=PretrainedSource)
+    vision: VisionSource = Field(default_factory=VisionSource)
     llm: PretrainedSource = Field(default_factory=PretrainedSource)
     vlm: PretrainedSource = Field(
         default_factory=PretrainedSource,
@@ -128,6 +134,9 @@ class ModelConfig(Section):
         if self.vlm.pretrained and (self.vision.pretrained or self.llm.pretrained):
             raise ValueError("model.vlm.pretrained gives the vision tower and the LLM both; drop "
                              "model.vision.pretrained / model.llm.pretrained, or model.vlm.pretrained")
+        if self.vision.fused and not self.vision.pretrained:
+            raise ValueError("model.vision.fused is the second tower of a fused pair; give the first as "
+                             "model.vision.pretrained (Prismatic: DINOv2 there, SigLIP here)")
         if self.patch_size is not None and self.pretrained_tower:
             raise ValueError("model.patch_size cannot change a pretrained vision tower; drop it or "
                              "model.vision.pretrained")

@@ -29,7 +29,6 @@ class ModelFacts:
     llm_heads: int
     llm_kv_heads: int
     llm_blocks: int
-    vision_heads: int
 
 
 def model_facts(model_cfg) -> ModelFacts:
@@ -37,23 +36,18 @@ def model_facts(model_cfg) -> ModelFacts:
     from vlaforge.models.hf_loading import read_config
 
     flavor = FLAVORS.get(model_cfg.flavor)
-    llm, vision = dict(flavor.llm), dict(flavor.vision)
+    llm = dict(flavor.llm)
     field = "model.vlm.pretrained" if model_cfg.vlm.pretrained else "model.llm.pretrained"
     if model_cfg.text_folder:
         llm = read_config(model_cfg.text_folder, field)
         llm = llm.get("text_config", llm)  # a whole-VLM folder keeps its language model's shape there
-    if model_cfg.pretrained_tower:
-        tower_field = field if model_cfg.vlm.pretrained else "model.vision.pretrained"
-        vision = read_config(model_cfg.pretrained_tower, tower_field)
-        vision = vision.get("vision_config", vision)
     if "num_attention_heads" not in llm or "num_hidden_layers" not in llm:
         raise VlaforgeError(f"{field}: {model_cfg.text_folder}/config.json names no "
                             "num_attention_heads / num_hidden_layers; give a causal-LM folder written by "
                             "save_pretrained")
     heads = llm["num_attention_heads"]
     return ModelFacts(llm_heads=heads, llm_kv_heads=llm.get("num_key_value_heads") or heads,
-                      llm_blocks=llm["num_hidden_layers"],
-                      vision_heads=vision.get("num_attention_heads") or vision["num_heads"])  # Qwen-VL's: num_heads
+                      llm_blocks=llm["num_hidden_layers"])
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ from vlaforge.techniques.quantized_format import resident_bytes, save_quantized,
 
 REPORT = "quantize.json"
 OWNER = "vlaforge quantize"  # the command named in the folder's ownership stamp (vlaforge/outputs.py)
-COPIED = ("config.toml", "policy.json")  # with the tokenizer files, which depend on the LLM
+# with the tokenizer files, which depend on the LLM; backbones.json rebuilds pretrained components without folders
+COPIED = ("config.toml", "policy.json", "backbones.json")
 
 
 @dataclass

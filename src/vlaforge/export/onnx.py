@@ -239,8 +239,14 @@ def _write_package(ckpt: Path, tmp: Path, source, format: str, dtype: str, int8:
     from vlaforge.training.checkpoint import CONFIG_FILE
 
     from vlaforge.export import executorch
+    from vlaforge.models.vision import vision_family
 
     model, spec = source.model, source.spec
+    tower = vision_family(model.vision)
+    if not tower.static_shapes:
+        raise VlaforgeError(f"vlaforge export: the {tower.name} vision tower sizes its attention windows and sequences "
+                            "from the values of its patch grid, which a graph export cannot trace; serve this "
+                            "checkpoint with vlaforge serve (PyTorch) instead")
     kind = "flow_matching" if getattr(model.action_head, "supports_prefix", False) else "regression"
     t0 = time.perf_counter()
     traced = copy.deepcopy(model).to(DTYPES[dtype]).eval()

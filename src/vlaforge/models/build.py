@@ -16,7 +16,7 @@ from vlaforge.models.action_heads import ACTION_HEADS
 from vlaforge.models.hf_loading import read_config
 from vlaforge.models.llm import build_llm
 from vlaforge.models.families import mrope_section
-from vlaforge.models.vision import build_vision, native_size, tower_width
+from vlaforge.models.vision import FUSED, build_vision, native_size, tower_width
 from vlaforge.models.vlm import component_configs, load_weights
 from vlaforge.models.vla import VLA, Layout, Projector
 from vlaforge.models.losses import Objective
@@ -62,17 +62,21 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
     if model_cfg.vlm.pretrained and not {"vision", "llm", "projector"} <= backbones.keys():
         derived = component_configs(model_cfg.vlm.pretrained)
         backbones.update(vision=derived["vision"], llm=derived["llm"], projector=derived["projector"])
-        vlm_weights = None if fake else model_cfg.vlm.pretrained
+        # (a caller's own fake-tensor mode - `profile --fake` - has no storage to read the files into)
+        vlm_weights = None if fake or _fake_mode_active() else model_cfg.vlm.pretrained
     if fake:
         for name in ("vision", "llm"):
             folder = getattr(model_cfg, name).pretrained
             if folder and name not in backbones:
                 backbones[name] = read_config(folder, f"model.{name}.pretrained")
+        if model_cfg.vision.fused and backbones["vision"].get("model_type") != FUSED:
+            backbones["vision"] = {"model_type": FUSED, "towers": [
+                backbones["vision"], read_config(model_cfg.vision.fused, "model.vision.fused")]}
     ctx = fake_build() if fake else contextlib.nullcontext()
     with ctx:
         vision = build_vision(flavor, model_cfg.image_size, model_cfg.vision.pretrained, model_cfg.patch_size,
                               model_cfg.vision_stem, config=backbones.get("vision"),
-                              attn=model_cfg.attn_implementation)
+                              attn=model_cfg.attn_implementation, fused=model_cfg.vision.fused)
         llm = build_llm(flavor, model_cfg.llm.pretrained, config=backbones.get("llm"),
                         attn=model_cfg.attn_implementation)
         if fake:
@@ -101,6 +105,12 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
                     patches_per_frame=(image_size // vision.config.patch_size // merge) ** 2,
                     interpolate_pos=native is not None and image_size != native, mrope=mrope_section(llm.config) is not None)
     return VLA(vision, projector, llm, action_head, layout, objective_from(loss_cfg or LossConfig()))
+
+
+def _fake_mode_active() -> bool:
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode() is not None
 
 
 @contextlib.contextmanager

@@ -8,6 +8,10 @@ removed, so `patches_per_frame` is the same formula for every family and the pla
 What differs per family (the transformers class, leading tokens, how position embeddings meet another image size,
 SigLIP2's patch-sequence input, where the blocks are) is in its `VisionFamily` row, nowhere else.
 
+A fused tower (`model.vision.fused`, OpenVLA's Prismatic: DINOv2 + SigLIP) runs two towers on the same frames and
+concatenates their patch tokens per patch ([first, second]), each read as Prismatic's featurizer reads it: the output
+of its penultimate block, before any final norm, its own leading tokens dropped and its own pixel normalization.
+
 Qwen2-VL / Qwen2.5-VL towers (only as a whole VLM's, models/vlm.py) take the image as flattened 3-D patches (the
 frame repeated over the `temporal_patch_size` of their Conv3d patch embedding, as their image processor does for a
 still image) in merge-unit order: each `spatial_merge_size` x `spatial_merge_size` block of patches consecutive, the
@@ -77,6 +81,9 @@ class VisionFamily:
     unused: tuple[str, ...] = ()  # modules the patch tokens never pass through (CLIP's pooled-token norm)
     frozen: tuple[str, ...] = ()  # parameters they never use: kept as buffers (same state-dict name), not trained
     blocks: str = "encoder.layers"  # where its transformer blocks are
+    # its forward's shapes follow from the input's shape alone: fake tensors (planning) and graph export run it
+    # (Qwen-VL's read their patch grid's values for windows and sequence bounds)
+    static_shapes: bool = True
     width: Any = lambda config: config.hidden_size  # the width of its tokens (Qwen2-VL's `embed_dim`)
 
     def cls(self):
@@ -91,6 +98,7 @@ class VisionFamily:
         return getattr(importlib.import_module(f"transformers.models.{vlm}.modeling_{vlm}"), self.model_class)
 
 
+FUSED = "vlaforge_fused"  # the model_type of a fused tower's saved config
 VISION_FAMILIES = (
     VisionFamily("siglip", ("siglip_vision_model", "siglip"), "siglip_vision_model", "SiglipVisionModel",
                  lambda config: 0),
@@ -111,12 +119,16 @@ VISION_FAMILIES = (
                  "Dinov2WithRegistersModel", lambda config: 1 + config.num_register_tokens, resize_arg=False,
                  pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",),
                  blocks="encoder.layer"),
+    # a fused tower: its towers' own rows do the work (`tower_features`); its default size, the smaller native one
+    VisionFamily("fused", (), FUSED, "FusedTower", lambda config: 0, resize_arg=False, input="fused",
+                 native_size=lambda config: min(family_for_folder(c.model_type).native_size(c) for c in config.towers),
+                 final_norm=None, blocks="blocks"),
     # Qwen-VL's towers (2-D rotary positions: any multiple of patch x merge reads, no native size)
     VisionFamily("qwen2_vl", ("qwen2_vl_vision",), "qwen2_vl_vision", "Qwen2VisionTransformerPretrainedModel",
-                 lambda config: 0, resize_arg=False, input="qwen", native_size=lambda config: None,
+                 lambda config: 0, resize_arg=False, input="qwen", native_size=lambda config: None, static_shapes=False,
                  pixel_stats="openai_clip", final_norm=None, blocks="blocks", width=lambda config: config.embed_dim),
     VisionFamily("qwen2_5_vl", ("qwen2_5_vl_vision",), "qwen2_5_vl_vision", "Qwen2_5_VisionTransformerPretrainedModel",
-                 lambda config: 0, resize_arg=False, input="qwen", native_size=lambda config: None,
+                 lambda config: 0, resize_arg=False, input="qwen", native_size=lambda config: None, static_shapes=False,
                  pixel_stats="openai_clip", final_norm=None, blocks="blocks"),
 )
 # (mean, std) per channel of pixels in [0, 1], as the families' image processors normalize them (transformers'
@@ -124,6 +136,77 @@ VISION_FAMILIES = (
 PIXEL_STATS = {"half": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
                "openai_clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
                "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
+
+
+class FusedConfig:
+    """A fused tower's config: its towers' configs (a checkpoint's backbones.json rebuilds it from `to_dict`)."""
+
+    model_type = FUSED
+
+    def __init__(self, towers: list):
+        self.towers = towers
+
+    @property
+    def patch_size(self) -> int:
+        return self.towers[0].patch_size
+
+    @property
+    def hidden_size(self) -> int:  # the width of the concatenated tokens
+        return sum(family_for_folder(c.model_type).width(c) for c in self.towers)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return sum(c.num_hidden_layers for c in self.towers)
+
+    def to_dict(self) -> dict:
+        # (DINOv2's backbone stages name the uncut tower's blocks; transformers derives them again)
+        drop = ("out_features", "out_indices", "stage_names")
+        return {"model_type": FUSED, "towers": [{k: v for k, v in c.to_dict().items()
+                                                 if not k.startswith("_") and k not in drop} for c in self.towers]}
+
+
+class FusedTower(nn.Module):
+    """Two towers on the same frames, their patch tokens concatenated per patch (`tower_features`); `blocks` are
+    both towers' blocks in order (FSDP2 units, checkpointing, freezing)."""
+
+    def __init__(self, towers: list[nn.Module]):
+        super().__init__()
+        self.towers = nn.ModuleList(towers)
+        self.config = FusedConfig([t.config for t in towers])
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return nn.ModuleList([b for t in self.towers for b in vision_blocks(t)])
+
+
+def read_penultimate(tower: nn.Module) -> None:
+    """Cut `tower` to read as Prismatic's featurizer reads it: the output of its penultimate block, no final norm
+    (its last block removed, the config saying so, so a rebuild from the config is the same cut tower)."""
+    fam = vision_family(tower)
+    blocks = vision_blocks(tower)
+    del blocks[len(blocks) - 1]
+    tower.config.num_hidden_layers = len(blocks)
+    tower.config.vlaforge_final_norm = False
+    if fam.final_norm:
+        setattr(tower, fam.final_norm, nn.Identity())
+
+
+def fuse_towers(towers: list[nn.Module], cut: bool) -> FusedTower:
+    """The fused tower of `towers` (`cut`: read each at its penultimate block first, `read_penultimate`).
+
+    Raises:
+        VlaforgeError: a tower whose patch grid is not computed from pixels like the others' (different patch
+            sizes, a Qwen-VL or fused tower).
+    """
+    names = [vision_family(t).name for t in towers]
+    patches = [t.config.patch_size for t in towers]
+    if any(vision_family(t).input not in ("pixels", "naflex") for t in towers) or len(set(patches)) != 1:
+        raise VlaforgeError(f"model.vision.fused: the towers ({' + '.join(names)}, patches {patches} px) do not "
+                            "give one patch grid; fuse two towers of the same patch size (DINOv2 + SigLIP at 14 px)")
+    if cut:
+        for t in towers:
+            read_penultimate(t)
+    return FusedTower(towers)
 
 
 def family_for_folder(kind: str | None, folder: str = "the folder") -> VisionFamily:
@@ -267,7 +350,16 @@ def tower_features(vision: nn.Module, pixels: torch.Tensor, resize: bool) -> tor
     rule, the pixels first normalized as the tower was pretrained (`normalize_pixels`). `resize`: the frames are not
     the size the tower's position embeddings were trained at."""
     fam = vision_family(vision)
+    if fam.input == "fused":  # each tower at its own normalization and position resizing
+        return torch.cat([tower_features(t, pixels, pixels.shape[-1] != native_size(t)) for t in vision.towers], -1)
     pixels = normalize_pixels(vision, pixels)
+    if not fam.static_shapes:
+        from torch._guards import detect_fake_mode
+
+        if detect_fake_mode() is not None:
+            raise VlaforgeError(f"the {fam.name} vision tower computes its attention windows and sequence bounds from "
+                                "the values of its patch grid, which fake tensors do not hold: profile it without "
+                                "--fake (the planner does not model it yet)")
     if fam.input == "qwen":
         flat, grid = qwen_patches(pixels, vision.config)
         units = vision(hidden_states=flat, grid_thw=grid).pooler_output  # (N*h*w / unit, unit * D): MergeUnits
@@ -289,13 +381,19 @@ def tower_features(vision: nn.Module, pixels: torch.Tensor, resize: bool) -> tor
 
 def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
                  patch_size: int | None = None, stem: str = "patch", config: dict | None = None,
-                 attn: str = "sdpa") -> nn.Module:
+                 attn: str = "sdpa", fused: str | None = None) -> nn.Module:
     """The vision tower without its pooling head (the VLA uses every patch token): a flavor's SigLIP, or the tower
     of the `pretrained` folder's family (`VISION_FAMILIES`); `stem` 'conv' swaps its patch embedding for a
     `ConvStem` (towers built from scratch only). `config`: a pretrained tower's config alone (weights to come from
-    a checkpoint, or none under fake tensors). `attn`: `model.attn_implementation`."""
+    a checkpoint, or none under fake tensors). `attn`: `model.attn_implementation`. `fused`: a second tower's
+    folder, fused with `pretrained`'s (`FusedTower`)."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
+    if fused or (config is not None and config.get("model_type") == FUSED):
+        if config is not None:  # a saved fused config (its towers cut already), or the two folders' configs
+            towers = [build_vision(flavor, None, None, config=c, attn=attn) for c in config["towers"]]
+            return fuse_towers(towers, cut=any(c.get("vlaforge_final_norm", True) for c in config["towers"]))
+        return fuse_towers([build_vision(flavor, None, f, attn=attn) for f in (pretrained, fused)], cut=True)
     if pretrained or config is not None:
         if config is not None:
             fam = family_for_folder(config.get("model_type"))

@@ -88,9 +88,11 @@ class PlanModel:
             raise VlaforgeError(f"the planner counts Llama-shaped LLM blocks; this {family(self.model.llm.config)} "
                                 f"block differs ({block}), which it does not count yet: plan with a Llama-shaped "
                                 "LLM of the same width and depth (--model.flavor)")
-        if len(self.model.projector.mlp) != 3:  # NOTE: activations.py counts linear + GELU + linear
-            raise VlaforgeError("the planner counts vlaforge's two-layer projector; this VLM's connector is one "
-                                "linear (model.vlm.pretrained), which it does not count yet")
+        proj = self.model.projector
+        if len(proj.mlp) != 3 or proj.merge > 1:  # NOTE: activations.py counts linear + GELU + linear
+            what = "merges patches" if proj.merge > 1 else "is one linear"
+            raise VlaforgeError(f"the planner counts vlaforge's two-layer projector; this VLM's connector {what} "
+                                "(model.vlm.pretrained), which it does not count yet")
         tower = vision_family(self.model.vision).name
         if tower != "siglip":  # NOTE: activations.py / throughput.py count SigLIP's block, embeddings and norms
             raise VlaforgeError(f"the planner models SigLIP vision towers; this one is {tower} "
