@@ -257,3 +257,24 @@ def test_model_summary_of_a_vlm_folder_counts_its_components_from_the_config(lla
     monkeypatch.setattr(build, "load_weights", lambda *a, **k: pytest.fail("weights read in a fake build"))
     fake = build_vla(cfg.model, cfg.loss, fake=True)
     assert parameter_counts(fake) == want
+
+
+@pytest.mark.parametrize("strategy", ["none", "full", "selective"])
+def test_the_planner_counts_a_smolvlm_tower_and_pixel_shuffle_connector_exactly(vlms, strategy):
+    """The planner's SigLIP formula on SmolVLM's tower (its patches, not the merged tokens; position ids per image)
+    and the one linear after the pixel shuffle equal what a real step keeps for backward (real tensors: under fake
+    ones Idefics3's tower builds an all-true patch mask that a real run skips)."""
+    from vlaforge.planner.activations import model_activation_bytes, sequence_of
+    from vlaforge.techniques import accounting as memory
+    from vlaforge.training.trainer import build_model
+
+    comps = {c: {"checkpointing": strategy} for c in ("vision", "llm")}
+    cfg = tiny_config(model={"vlm": {"pretrained": str(vlms("smolvlm"))}, "image_size": 64}, components=comps)
+    model, _ = build_model(cfg, torch.device("cpu"))
+    batch = make_batch(cfg, model, size=2)
+    with memory.count_saved(model) as acc:
+        model.compute_loss(batch)
+    want = model_activation_bytes(model, sequence_of(model, batch), dict(cfg.components.items()))
+    got = acc.per_component(memory.DEVICE)
+    assert sequence_of(model, batch).tower_patches == 64 and model.layout.patches_per_frame == 16
+    assert (want["vision"], want["projector"]) == (got["vision"], got["projector"])

@@ -21,6 +21,8 @@ class Flavor:
         projector_hidden: width of the projector MLP's hidden layer.
         action_hidden: width of the action head's MLP / flow network.
         nominal_params: the published size of each pretrained component this flavor mirrors.
+        projector: the connector's shape when it is not vlaforge's two-layer MLP (`models.vla.Projector`'s
+            arguments: SmolVLM's pixel shuffle + one bias-free linear is {"layers": 1, "merge": 4, "bias": False}).
     """
 
     description: str
@@ -29,6 +31,11 @@ class Flavor:
     projector_hidden: int
     action_hidden: int
     nominal_params: dict[str, float] = field(default_factory=dict)
+    projector: dict[str, Any] = field(default_factory=dict)
+
+    def tokens_per_frame(self, image_size: int, patch_size: int) -> int:
+        """LLM tokens of one image: its patch grid, merged by the connector."""
+        return (image_size // patch_size // self.projector.get("merge", 1)) ** 2
 
 
 FLAVORS: Registry[Flavor] = Registry("model flavor")
@@ -105,8 +112,24 @@ FLAVORS.add("vla-70b", Flavor(
 ))
 
 # Real VLAs' shapes for planning (`vlaforge plan`, docs/whitepaper.md), each as the SigLIP tower + Llama-shaped LLM
-# the planner counts. Not mirrored yet: connectors that merge patches before the LLM (SmolVLM's 4x4 pixel shuffle,
-# Qwen-VL's 2x2 merger), so SmolVLA and Qwen2.5-VL / Qwen3-VL have no flavor (docs/families.md).
+# (+ connector) the planner counts. Not mirrored yet: Qwen-VL's towers and normalizing 2x2 merger, so Qwen2.5-VL /
+# Qwen3-VL have no flavor (docs/families.md).
+
+# SmolVLA: SmolVLM2-500M (SigLIP-B/16 at 512 px, whose Idefics3-shaped tower is SigLIP's; a 4 x 4 pixel shuffle into
+# one bias-free linear: 64 tokens per image) with the first 16 of SmolLM2-360M's 32 layers, as SmolVLA keeps them.
+# Not mirrored: SmolVLA's ~100M action expert; the action head is vlaforge's. No nominal sizes: SmolVLA publishes
+# its total (~450M), not the truncated components'.
+FLAVORS.add("smolvla", Flavor(
+    description="SmolVLA's VLM shapes: SmolVLM2-500M's SigLIP-B/16 + pixel shuffle, SmolLM2-360M's first 16 layers",
+    vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                image_size=512, patch_size=16),
+    llm=dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=16, num_attention_heads=15,
+             num_key_value_heads=5, vocab_size=49280, tie_word_embeddings=True, rope_theta=100000.0,
+             max_position_embeddings=8192),
+    projector_hidden=960,
+    action_hidden=720,
+    projector={"layers": 1, "merge": 4, "bias": False},
+))
 
 # pi0: PaliGemma-3B (SigLIP-so400m/14 at 224 px + Gemma-2B: MQA 8/1, head dim 256, tied embeddings, 257k
 # vocabulary). Not mirrored: pi0's ~300M action expert (an 18-layer Gemma of width 1024 beside the VLM); the action

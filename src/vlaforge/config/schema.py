@@ -501,7 +501,7 @@ class VLAConfig(Section):
             return
         flavor = FLAVORS.get(m.flavor)
         size = m.image_size or flavor.vision["image_size"]
-        patches = (size // (m.patch_size or flavor.vision["patch_size"])) ** 2
+        patches = flavor.tokens_per_frame(size, m.patch_size or flavor.vision["patch_size"])
         tokens = m.frames_per_sample * patches + d.max_instruction_tokens + m.action_chunk + d.max_text_tokens
         limit = flavor.llm["max_position_embeddings"]
         if tokens > limit:

@@ -82,7 +82,8 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
         if fake:
             llm.tie_weights()  # NOTE: no_init_weights also skips tying (e.g. small's tied embeddings)
         v_dim, l_dim = tower_width(vision), llm.config.hidden_size
-        shape = {"hidden": flavor.projector_hidden, **backbones.get("projector", {})}  # a VLM's connector, or none
+        # a VLM's connector, or the flavor's
+        shape = {"hidden": flavor.projector_hidden, **flavor.projector, **backbones.get("projector", {})}
         merge = shape.get("merge", 1)
         projector = Projector(v_dim, l_dim, **{**shape, "hidden": shape["hidden"] or flavor.projector_hidden})
         head_cfg = model_cfg.action_head
@@ -144,7 +145,7 @@ def with_seq_len(cfg: VLAConfig, seq_len: int | None) -> VLAConfig:
     flavor = FLAVORS.get(m.flavor)
     image = m.image_size or flavor.vision["image_size"]
     patch = m.patch_size or flavor.vision["patch_size"]
-    fixed = m.frames_per_sample * (image // patch) ** 2 + m.action_chunk + cfg.data.max_text_tokens
+    fixed = m.frames_per_sample * flavor.tokens_per_frame(image, patch) + m.action_chunk + cfg.data.max_text_tokens
     if seq_len <= fixed:
         raise VlaforgeError(f"--seq-len {seq_len} leaves no room for instruction tokens: images, action queries and "
                             f"text targets take {fixed} tokens; use a longer --seq-len")

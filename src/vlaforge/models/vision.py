@@ -84,6 +84,10 @@ class VisionFamily:
     # its forward's shapes follow from the input's shape alone: fake tensors (planning) and graph export run it
     # (Qwen-VL's read their patch grid's values for windows and sequence bounds)
     static_shapes: bool = True
+    # the planner's vision formula (SigLIP's block, embeddings and post-norm) counts this tower exactly; Idefics3's
+    # and SmolVLM's are SigLIP's, with position ids per image (bucketed onto each image's grid)
+    planned: bool = False
+    positions_per_image: bool = False
     width: Any = lambda config: config.hidden_size  # the width of its tokens (Qwen2-VL's `embed_dim`)
 
     def cls(self):
@@ -101,7 +105,7 @@ class VisionFamily:
 FUSED = "vlaforge_fused"  # the model_type of a fused tower's saved config
 VISION_FAMILIES = (
     VisionFamily("siglip", ("siglip_vision_model", "siglip"), "siglip_vision_model", "SiglipVisionModel",
-                 lambda config: 0),
+                 lambda config: 0, planned=True),
     VisionFamily("siglip2", ("siglip2_vision_model", "siglip2"), "siglip2_vision_model", "Siglip2VisionModel",
                  lambda config: 0, resize_arg=False, input="naflex",
                  native_size=lambda config: math.isqrt(config.num_patches) * config.patch_size),
@@ -112,9 +116,9 @@ VISION_FAMILIES = (
                  blocks="encoder.layer"),
     # the towers of Idefics3 and SmolVLM (SigLIP-shaped; positions bucketed onto their grid, so any size reads)
     VisionFamily("idefics3", ("idefics3_vision",), "idefics3_vision", "Idefics3VisionTransformer", lambda config: 0,
-                 resize_arg=False),
+                 resize_arg=False, planned=True, positions_per_image=True),
     VisionFamily("smolvlm", ("smolvlm_vision",), "smolvlm_vision", "SmolVLMVisionTransformer", lambda config: 0,
-                 resize_arg=False),
+                 resize_arg=False, planned=True, positions_per_image=True),
     VisionFamily("dinov2_with_registers", ("dinov2_with_registers",), "dinov2_with_registers",
                  "Dinov2WithRegistersModel", lambda config: 1 + config.num_register_tokens, resize_arg=False,
                  pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",),

@@ -126,7 +126,8 @@ def once_bytes(shape: BlockShape, batch: int, seq: int, strategy: str, kv_seq: i
 @dataclass(frozen=True)
 class Sequence:
     """What one micro-batch puts through the model: `batch` samples of `frames` images (time steps x cameras) of
-    `patches` patches each, `instruction` instruction tokens, `chunk` action queries and `text` text targets."""
+    `patches` LLM tokens each (the tower's patches, `merge` x `merge` of them per token with a merging connector),
+    `instruction` instruction tokens, `chunk` action queries and `text` text targets."""
 
     batch: int
     frames: int
@@ -137,6 +138,12 @@ class Sequence:
     text: int
     action_dim: int
     state_dim: int
+    merge: int = 1
+
+    @property
+    def tower_patches(self) -> int:
+        """The vision tower's tokens per image."""
+        return self.patches * self.merge * self.merge
 
     @property
     def llm_tokens(self) -> int:
@@ -155,27 +162,33 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     Megatron SP inside the tp group (`block_bytes`'s `sp`). `allgather`: the all-gather cp method, whose ranks keep
     the whole K/V of every block. `zigzag`: the ring's
     layout, padded to a multiple of 2 x cp tokens (the other methods pad to a multiple of cp)."""
+    from vlaforge.models.vision import vision_family
+
     vis, llm = model.vision.config, model.llm.config
     b, s = seq.batch, seq.llm_tokens
     multiple = 2 * cp if zigzag and cp > 1 else cp
     s_pad = -(-s // multiple) * multiple  # the padded layout the ranks split (distributed/sequence_parallel.py)
     s_rank = s_pad // cp
     images = b * seq.frames
-    tv = images * seq.patches  # vision tokens
+    tv = images * seq.patches  # vision tokens the LLM reads
+    tvt = images * seq.tower_patches  # the tower's tokens (as many with a connector that does not merge)
     c = {name: compute_bytes(policies[name].precision) for name in ("vision", "projector", "llm", "action_head")}
     strat = {name: policies[name].checkpointing for name in ("vision", "projector", "llm", "action_head")}
     out: dict[str, int] = {}
 
     vshape = vision_shape(vis)
-    out["vision"] = (vis.num_hidden_layers * block_bytes(vshape, images, seq.patches, policies["vision"].precision,
-                                                         strat["vision"])
+    out["vision"] = (vis.num_hidden_layers * block_bytes(vshape, images, seq.tower_patches,
+                                                         policies["vision"].precision, strat["vision"])
                      + c["vision"] * images * 3 * seq.image_size ** 2  # pixels, cast for the patch conv
                      + conv_stem_bytes(model.vision, images, seq.image_size, c["vision"])
-                     + 8 * seq.patches  # position ids
-                     + (4 * vshape.hidden + 8) * tv)  # post-LayerNorm
-    hp = model.projector.mlp[0].out_features
-    out["projector"] = (4 * vshape.hidden * tv if strat["projector"] == "full"
-                        else c["projector"] * tv * (vshape.hidden + 2 * hp))
+                     + 8 * seq.tower_patches * (images if vision_family(model.vision).positions_per_image else 1)
+                     + (4 * vshape.hidden + 8) * tvt)  # post-LayerNorm
+    # linear + GELU + linear: the first's input, the GELU's input and output; one linear: its input. A merging
+    # connector's linear reads merge^2 patches side by side (its input: the shuffled copy)
+    width = vshape.hidden * seq.merge * seq.merge
+    proj = model.projector
+    kept = width + 2 * proj.mlp[0].out_features if len(proj.mlp) == 3 else width
+    out["projector"] = 4 * vshape.hidden * tvt if strat["projector"] == "full" else c["projector"] * tv * kept
     from vlaforge.models.llm import llm_blocks
 
     full = llm_shape(llm, llm_blocks(model.llm)[0])
@@ -244,4 +257,4 @@ def sequence_of(model, batch) -> Sequence:
     return Sequence(batch=batch.size, frames=lay.frames, patches=lay.patches_per_frame, image_size=lay.image_size,
                     instruction=batch.instruction_ids.shape[1], chunk=model.action_head.chunk,
                     text=0 if batch.text_ids is None else batch.text_ids.shape[1],
-                    action_dim=batch.actions.shape[-1], state_dim=batch.state.shape[-1])
+                    action_dim=batch.actions.shape[-1], state_dim=batch.state.shape[-1], merge=model.projector.merge)

@@ -82,7 +82,8 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     """FLOPs of one micro-batch's forward and backward (times `grad_accum` for a step)."""
     vis, llm = model.vision.config, model.llm.config
     b, s = seq.batch, seq.llm_tokens
-    images, tv, t = b * seq.frames, b * seq.frames * seq.patches, b * s
+    images, t = b * seq.frames, b * s
+    tv, tp = images * seq.tower_patches, images * seq.patches  # the tower's tokens, the projected ones
     trains = {c: ever_trains(policies[c]) for c in ("vision", "projector", "llm", "action_head")}
     out = StepFlops()
 
@@ -95,7 +96,7 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     v_fc2 = 2.0 * tv * vs.ffn * vs.hidden
     v_ffn_mm = 2 * v_fc2
     v_blocks = vis.num_hidden_layers * (v_attn_mm + v_ffn_mm)
-    v_core = vis.num_hidden_layers * 4.0 * images * seq.patches ** 2 * vs.hidden
+    v_core = vis.num_hidden_layers * 4.0 * images * seq.tower_patches ** 2 * vs.hidden
     out.forward["vision"] = conv + v_blocks
     out.backward["vision"] = (conv + 2 * v_blocks) if trains["vision"] else 0.0
     rec, core_again = _recomputed(policies["vision"].checkpointing, v_attn_mm, v_ffn_mm, v_out, v_fc2)
@@ -103,15 +104,22 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     out.recompute_attention["vision"] = v_core if core_again and trains["vision"] else 0.0
     out.attention["vision"] = v_core + (2 * v_core if trains["vision"] else 0.0) + out.recompute_attention["vision"]
 
-    # projector: two linears over the vision tokens
-    hp = model.projector.mlp[0].out_features
-    fc1, fc2 = 2.0 * tv * vs.hidden * hp, 2.0 * tv * hp * llm.hidden_size
+    # projector: two linears over the vision tokens, or one (after a pixel shuffle: merge^2 patches per token)
+    width = vs.hidden * seq.merge * seq.merge
+    if len(model.projector.mlp) == 3:
+        hp = model.projector.mlp[0].out_features
+        fc1, fc2 = 2.0 * tp * width * hp, 2.0 * tp * hp * llm.hidden_size
+    else:  # its one linear's input gradient reaches the vision tower, its weight gradient the projector
+        fc1, fc2 = 0.0, 2.0 * tp * width * llm.hidden_size
     proj = fc1 + fc2
     out.forward["projector"] = proj
     # weight gradients when it trains; fc2's input gradient to reach fc1's weights or the vision tower, fc1's only
     # for the vision tower
-    out.backward["projector"] = (proj * trains["projector"] + fc2 * (trains["projector"] or trains["vision"])
-                                 + fc1 * trains["vision"])
+    if fc1:
+        out.backward["projector"] = (proj * trains["projector"] + fc2 * (trains["projector"] or trains["vision"])
+                                     + fc1 * trains["vision"])
+    else:  # one linear: its weight gradient when it trains, its input gradient for the vision tower
+        out.backward["projector"] = proj * trains["projector"] + proj * trains["vision"]
     out.recompute["projector"] = proj if policies["projector"].checkpointing == "full" and (
         trains["projector"] or trains["vision"]) else 0.0
 

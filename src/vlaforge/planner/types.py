@@ -89,15 +89,16 @@ class PlanModel:
                                 f"block differs ({block}), which it does not count yet: plan with a Llama-shaped "
                                 "LLM of the same width and depth (--model.flavor)")
         proj = self.model.projector
-        if len(proj.mlp) != 3 or proj.merge > 1:  # NOTE: activations.py counts linear + GELU + linear
-            what = "merges patches" if proj.merge > 1 else "is one linear"
-            raise VlaforgeError(f"the planner counts vlaforge's two-layer projector; this VLM's connector {what} "
-                                "(model.vlm.pretrained), which it does not count yet")
-        tower = vision_family(self.model.vision).name
-        if tower != "siglip":  # NOTE: activations.py / throughput.py count SigLIP's block, embeddings and norms
-            raise VlaforgeError(f"the planner models SigLIP vision towers; this one is {tower} "
-                                "(model.vision.pretrained), which it does not count yet: plan with a SigLIP tower of "
-                                "the same width and depth")
+        if proj.norm is not None or (proj.merge > 1 and proj.order != "shuffle"):
+            # NOTE: activations.py counts linear + GELU + linear or one linear, after a pixel shuffle or none
+            raise VlaforgeError("the planner counts two-layer and one-linear connectors, after a pixel shuffle or "
+                                "none; this VLM's patch merger normalizes and merges (model.vlm.pretrained), which "
+                                "it does not count yet")
+        tower = vision_family(self.model.vision)
+        if not tower.planned:  # NOTE: activations.py / throughput.py count SigLIP's block, embeddings and norms
+            raise VlaforgeError(f"the planner models SigLIP-shaped vision towers (SigLIP, Idefics3's, SmolVLM's); "
+                                f"this one is {tower.name} (model.vision.pretrained), which it does not count yet: "
+                                "plan with a SigLIP tower of the same width and depth")
         self.facts = model_facts(cfg.model)
         self.contrastive = self.model.objective.active("contrastive")
         self._states: dict = {}
