@@ -111,33 +111,6 @@ def test_planning_builds_never_read_a_folders_weights(root, monkeypatch):
     assert PlanModel(cfg).model.llm.config.model_type == "mistral"  # `vlaforge plan`'s build
 
 
-def test_the_ring_refuses_windows_and_soft_caps_in_one_line_and_ulysses_takes_them(root):
-    from transformers import AutoConfig
-
-    from vlaforge.distributed.sequence_parallel import check_attention
-
-    mistral = AutoConfig.from_pretrained(family_folder("mistral", root))
-    gemma2 = AutoConfig.from_pretrained(family_folder("gemma2", root))
-    check_attention(mistral, tokens=8)  # the window does not bind: every query sees its whole prefix
-    with pytest.raises(VlaforgeError, match="8-token sliding window, shorter than the 40-token sequence, which the "
-                                            "ring kernel does not implement; use cp_method = 'ulysses'"):
-        check_attention(mistral, tokens=40)
-    with pytest.raises(VlaforgeError, match="soft-caps its attention logits"):
-        check_attention(gemma2, tokens=4, method="allgather")
-    for config in (mistral, gemma2):  # its ranks hold whole sequences (tests/test_families.py: exact)
-        check_attention(config, tokens=40, method="ulysses")
-    check_attention(AutoConfig.from_pretrained(family_folder("qwen2", root)), tokens=4096)  # full attention
-
-
-def test_the_attention_kernel_stops_on_a_window_it_would_ignore():
-    from vlaforge.distributed.sequence_parallel import attention_function
-
-    attend = attention_function("allgather", None)
-    q = k = v = torch.randn(1, 2, 12, 8)
-    with pytest.raises(VlaforgeError, match="does not implement sliding-window attention"):
-        attend(torch.nn.Module(), q, k, v, None, sliding_window=8)
-
-
 def test_converters_name_the_mixture_of_experts_weights_they_skip(root):
     from vlaforge.techniques.fp8 import convert_fp8
     from vlaforge.techniques.quantize import QuantPolicy, layer_plan
@@ -163,10 +136,10 @@ def test_a_layout_the_family_cannot_run_is_refused_before_any_process_group(root
         else:
             with pytest.raises(VlaforgeError, match=message):
                 check_layout(cfg, World(0, 0, 2))
-    gemma2 = family_folder("gemma2", root)
-    with pytest.raises(VlaforgeError, match="soft-caps its attention logits"):
-        check_layout(load_config(TINY_RECIPE, [f"--model.llm.pretrained={gemma2}", "--parallel.cp=2"]),
-                     World(0, 0, 2))
+    gemma2 = family_folder("gemma2", root)  # soft-cap and window: every cp kernel computes them (test_families.py)
+    for method in ("ring", "allgather", "ulysses"):
+        check_layout(load_config(TINY_RECIPE, [f"--model.llm.pretrained={gemma2}", "--parallel.cp=2",
+                                               f"--parallel.cp_method={method}"]), World(0, 0, 2))
 
 
 def test_tensor_parallel_plans_come_from_the_family(root):

@@ -58,8 +58,11 @@ def test_tensor_parallel_on_each_family_matches_one_process(tmp_path, singles, n
 # (Gemma); ring and Ulysses both run (the ring refuses windows and soft-caps: test_backbones.py)
 CP_CELLS = [("qwen3", "ring"), ("olmo2", "ulysses"), ("phi", "ring"), ("gpt_neox", "ulysses"), ("gemma", "ring"),
             # an 8-token sliding window on a longer sequence (Mistral; Gemma3 on every other layer), Gemma2's
-            # soft-capped logits with its window: Ulysses, whose ranks hold whole sequences, computes both
-            ("mistral", "ulysses"), ("gemma3_text", "ulysses"), ("gemma2", "ulysses")]
+            # soft-capped logits with its window: Ulysses (whose ranks hold whole sequences), the ring and the
+            # all-gather kernels (per-block window masks counted in the uncompacted layout, tanh's backward) compute
+            # both
+            ("mistral", "ulysses"), ("gemma3_text", "ulysses"), ("gemma2", "ulysses"),
+            ("mistral", "ring"), ("gemma3_text", "ring"), ("gemma2", "allgather")]
 
 
 @pytest.mark.parametrize("name,method", CP_CELLS, ids=[f"{n}-{m}" for n, m in CP_CELLS])

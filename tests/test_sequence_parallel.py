@@ -33,21 +33,39 @@ def _gather(x, world):
     return pieces
 
 
-def _case(rank, world, method, causal, heads, kv_heads, dtype, seq):
+def _eager(q, k, v, causal, window, softcap):
+    """One process's attention with a sliding window (query i sees keys i - window < j <= i) and soft-capped logits,
+    as transformers' eager path computes them."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    i, j = torch.arange(q.shape[2])[:, None], torch.arange(q.shape[2])[None]
+    allowed = (j <= i) if causal else torch.ones(q.shape[2], q.shape[2], dtype=torch.bool)
+    if window is not None:
+        allowed = allowed & (i - j < window)
+    return torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+def _case(rank, world, method, causal, heads, kv_heads, dtype, seq, window=None, softcap=None):
     g = torch.Generator().manual_seed(1234)
     q = torch.randn(2, heads, seq, 16, generator=g).to(dtype)
     k = torch.randn(2, kv_heads, seq, 16, generator=g).to(dtype)
     v = torch.randn(2, kv_heads, seq, 16, generator=g).to(dtype)
     dout = torch.randn(2, heads, seq, 16, generator=g).to(dtype)
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*ref_in, is_causal=causal, enable_gqa=heads != kv_heads)
+    if window is None and softcap is None:
+        ref = F.scaled_dot_product_attention(*ref_in, is_causal=causal, enable_gqa=heads != kv_heads)
+    else:
+        ref = _eager(*ref_in, causal, window, softcap)
     ref.backward(dout)
     zz = method == "ring_zigzag"
     local = [_shard(t, rank, world, zz).clone().requires_grad_() for t in (q, k, v)]
-    fn = {"ring": lambda *a: ring_attention(*a, causal=causal, zigzag=False),
-          "ring_zigzag": lambda *a: ring_attention(*a, causal=causal, zigzag=True),
-          "ulysses": lambda *a: ulysses_attention(*a, causal=causal),
-          "allgather": lambda *a: allgather_attention(*a, causal=causal)}[method]
+    extra = dict(window=window, softcap=softcap)
+    fn = {"ring": lambda *a: ring_attention(*a, causal=causal, zigzag=False, **extra),
+          "ring_zigzag": lambda *a: ring_attention(*a, causal=causal, zigzag=True, **extra),
+          "ulysses": lambda *a: ulysses_attention(*a, causal=causal, **extra),
+          "allgather": lambda *a: allgather_attention(*a, causal=causal, **extra)}[method]
     out = fn(*local)
     out.backward(_shard(dout, rank, world, zz))
     got = [out] + [t.grad for t in local]
@@ -68,6 +86,13 @@ def _worker(rank, world, port, out):
                                                         seq=8 * world)
     for method in ("ring", "ulysses", "allgather"):  # odd local lengths (3 tokens per rank); zigzag needs even
         errors[(method, True, 4, 2, "odd")] = _case(rank, world, method, True, 4, 2, torch.float32, seq=3 * world)
+    # a 5-token sliding window (shorter than every rank pair's reach), Gemma2-style soft-capped logits, both; one
+    # kv-head (pi0's / Gemma3-1B's MQA, which Ulysses cannot split over the ranks)
+    for method in ("ring", "ring_zigzag", "allgather", "ulysses"):
+        for window, softcap in ((5, None), (None, 2.0), (5, 2.0)):
+            kv = 1 if method != "ulysses" else 4
+            errors[(method, True, 4, kv, f"w{window}-c{softcap}")] = _case(
+                rank, world, method, True, 4, kv, torch.float32, seq=8 * world, window=window, softcap=softcap)
     try:
         ulysses_attention(*(torch.randn(1, 3, 2, 4) for _ in range(3)))
     except ValueError as exc:

@@ -16,6 +16,7 @@ from typing import Optional
 import typer
 
 from vlaforge import cli_deploy
+from vlaforge.config.flavors import FLAVORS
 from vlaforge.config.schema import MAX_ENV_SEED
 from vlaforge.errors import VlaforgeError
 
@@ -159,7 +160,7 @@ def diagnose(run: Path = typer.Argument(..., help="a run folder (its metrics.jso
 
 
 @app.command()
-def plan(model: str = typer.Option("vla-7b", help="a flavor (tiny | small | vla-7b | vla-30b | vla-70b) or a TOML "
+def plan(model: str = typer.Option("vla-7b", help=f"a flavor ({' | '.join(FLAVORS.names())}) or a TOML "
                                                    "recipe whose model, data and components sections are the base"),
          gpu: str = typer.Option("h100-80", help="catalog GPU: a100-40 | a100-80 | h100-80 | h100-pcie | h200-141 | "
                                                  "b200 | l40s | rtx-4090 | cpu (or one from --catalog)"),
@@ -195,8 +196,8 @@ def plan(model: str = typer.Option("vla-7b", help="a flavor (tiny | small | vla-
                                                   "tensors and print analytic vs measured activation bytes"),
          write_config: Optional[Path] = typer.Option(None, help="write the best candidate as a vlaforge train recipe"),
          plot: Optional[Path] = typer.Option(None, help="save the best candidate's per-GPU memory chart (PNG)"),
-         whitepaper: Optional[Path] = typer.Option(None, help="generate the configuration white paper (pi0, "
-                                                              "OpenVLA-7B, 7B/30B/70B x 1/8 frames x 8xA100-80, "
+         whitepaper: Optional[Path] = typer.Option(None, help="generate the configuration white paper (SmolVLA, "
+                                                              "pi0, OpenVLA-7B, 7B/30B/70B x 1/8 frames x 8xA100-80, "
                                                               "8xH100, 4x8xH100) to this Markdown file and exit")):
     """Plan memory and throughput per GPU for a VLA on a cluster, and recommend the fastest configuration that fits:
     layout (FSDP2 / HSDP / DDP, tp, pp, cp), precision, checkpointing, offload, micro-batch and accumulation."""
@@ -238,7 +239,7 @@ def config_show(ctx: typer.Context, config: Optional[Path] = typer.Argument(None
 
 
 @model_app.command("summary")
-def model_summary(flavor: str = typer.Argument("tiny", help="tiny | small | vla-7b | vla-30b | vla-70b (with --vlm: "
+def model_summary(flavor: str = typer.Argument("tiny", help=f"{' | '.join(FLAVORS.names())} (with --vlm: "
                                                                "the flavor of the action head's width)"),
                   vision_stem: str = typer.Option("patch", help="model.vision_stem: patch or conv"),
                   vlm: str = typer.Option(None, "--vlm", help="a whole VLM's save_pretrained folder "

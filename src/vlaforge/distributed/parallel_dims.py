@@ -168,8 +168,8 @@ def check_layout(cfg, world: World) -> ParallelDims:
         if dims.sequence_parallel:
             raise VlaforgeError("parallel.sequence_parallel with pp > 1 is not supported (stages exchange whole "
                                 "sequences); set sequence_parallel = false or pp = 1")
-    if (dims.tp > 1 or dims.cp > 1) and cfg.model.text_folder:
-        check_family(cfg.model.text_folder, dims, cfg.parallel.cp_method)
+    if dims.tp > 1 and cfg.model.text_folder:
+        check_family(cfg.model.text_folder, dims)
     if dims.cp > 1:
         if dims.pp > 1 or dims.backend != "fsdp2":
             raise VlaforgeError(f"parallel.cp = {dims.cp} runs with backend = 'fsdp2' and pp = 1 (the gathered "
@@ -185,14 +185,12 @@ def check_layout(cfg, world: World) -> ParallelDims:
     return dims
 
 
-def check_family(folder: str, dims: ParallelDims, method: str = "ring") -> None:
+def check_family(folder: str, dims: ParallelDims) -> None:
     """What the family of a pretrained LLM allows, from its config alone (before any process group): its tensor-
-    parallel plan (`families.tp_plan` refuses MoE experts) and, under context parallel's ring / all-gather `method`,
-    soft-capped attention logits (a sliding window is checked once the sequence length is known,
-    `sequence_parallel.check_attention`)."""
+    parallel plan (`families.tp_plan` refuses MoE experts). (Every context-parallel kernel computes sliding windows
+    and soft-capped logits.)"""
     from transformers import AutoConfig
 
-    from vlaforge.distributed.sequence_parallel import check_attention
     from vlaforge.models.families import tp_plan
 
     try:
@@ -203,8 +201,6 @@ def check_family(folder: str, dims: ParallelDims, method: str = "ring") -> None:
     config = getattr(config, "text_config", None) or config
     if dims.tp > 1:
         tp_plan(config)
-    if dims.cp > 1:
-        check_attention(config, tokens=0, method=method)
 
 
 def check_deepspeed(cfg, dims: ParallelDims) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from vlaforge.distributed.attention_blocks import (block_backward, block_forward, check_equal_shards, expand_kv,
-                                                   fold_kv_grad)
+                                                   fold_kv_grad, merge, window_mask)
 
 # Test hook: called with ("send", step) when a transfer is issued and ("compute", step) before a block's math.
 trace: Callable[[str, int], None] | None = None
@@ -102,9 +102,14 @@ class _Ring:
             req.wait()
 
 
+def _block_mask(places, window, rank: int, src: int, qs: slice, ks: slice):
+    """The sliding-window mask of rank `rank`'s queries `qs` against rank `src`'s keys `ks` (None: no window)."""
+    return None if window is None else window_mask(places[rank][:, qs], places[src][:, ks], window)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, zigzag, scale):
+    def forward(ctx, q, k, v, group, causal, zigzag, scale, window, softcap, places):
         ring = _Ring(group)
         heads, n = q.shape[1], q.shape[2]
         qf = q.float()
@@ -120,17 +125,16 @@ class _RingAttention(torch.autograd.Function):
             _note("compute", step)
             kb, vb = expand_kv(kv[0], heads).float(), expand_kv(kv[1], heads).float()
             for qs, ks, diag in _plan(ring.rank, src, causal, zigzag, n):
-                o_b, lse_b = block_forward(qf[:, :, qs], kb[:, :, ks], vb[:, :, ks], scale, diag)
-                new = torch.logaddexp(lse[:, :, qs], lse_b)
-                out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - new)[..., None]
-                                 + o_b * torch.exp(lse_b - new)[..., None])
-                lse[:, :, qs] = new
+                mask = _block_mask(places, window, ring.rank, src, qs, ks)
+                o_b, lse_b = block_forward(qf[:, :, qs], kb[:, :, ks], vb[:, :, ks], scale, diag, mask, softcap)
+                out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o_b, lse_b)
             if pending is not None:
                 ring.wait(pending[0])
                 kv = pending[1]
         out = out.to(q.dtype)  # NOTE: saved in the input dtype, as SDPA saves its output (fp32 inputs: no copy)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.zigzag, ctx.scale = group, causal, zigzag, scale
+        ctx.window, ctx.softcap, ctx.places = window, softcap, places
         return out
 
     @staticmethod
@@ -151,8 +155,9 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = expand_kv(kv[0], heads).float(), expand_kv(kv[1], heads).float()
             dk_b, dv_b = torch.zeros_like(kb), torch.zeros_like(vb)
             for qs, ks, diag in _plan(ring.rank, src, ctx.causal, ctx.zigzag, n):
+                mask = _block_mask(ctx.places, ctx.window, ring.rank, src, qs, ks)
                 g = block_backward(qf[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs], lse[:, :, qs],
-                                    doutf[:, :, qs], delta[:, :, qs], ctx.scale, diag)
+                                   doutf[:, :, qs], delta[:, :, qs], ctx.scale, diag, mask, ctx.softcap)
                 dq[:, :, qs] += g[0]
                 dk_b[:, :, ks] += g[1]
                 dv_b[:, :, ks] += g[2]
@@ -165,15 +170,26 @@ class _RingAttention(torch.autograd.Function):
                 kv = pending[1]
             ring.wait(grads[0])
             dkv = grads[1]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+
+
+def shard_places(places: torch.Tensor | None, n: int, world: int, zigzag: bool, device) -> list[torch.Tensor]:
+    """Every rank's shard of `places` (B, S): each position's index in the layout a sliding window counts in
+    (default: the positions themselves), cut as the sequence is (zigzag or contiguous)."""
+    full = places if places is not None else torch.arange(n * world, device=device)[None]
+    full = full.to(device)
+    return [zigzag_shard(full, r, world, dim=1) if zigzag else full.chunk(world, 1)[r] for r in range(world)]
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = False,
-                   zigzag: bool = True, scale: float | None = None) -> torch.Tensor:
+                   zigzag: bool = True, scale: float | None = None, window: int | None = None,
+                   softcap: float | None = None, places: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over the sequence split across `group` (default: the world).
 
     With `causal` and `zigzag`, the shards must come from `zigzag_shard`; otherwise rank r holds the r-th
-    contiguous chunk. Each shard's length must be even under zigzag.
+    contiguous chunk. Each shard's length must be even under zigzag. `window`: a query sees the keys whose place is
+    less than `window` behind its own (transformers' sliding window), `places` (B, S) the whole sequence's places
+    (default: positions); `softcap`: logits -> softcap * tanh(logits / softcap) (Gemma2's).
     """
     group = group or dist.group.WORLD
     if q.shape[1] % k.shape[1]:
@@ -182,4 +198,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         raise ValueError(f"zigzag sharding needs an even local sequence length, got {q.shape[2]}")
     check_equal_shards(q.shape[2], group)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, group, causal, zigzag and causal, scale)
+    zigzag = zigzag and causal
+    shards = None if window is None else shard_places(places, q.shape[2], dist.get_world_size(group), zigzag,
+                                                      q.device)
+    return _RingAttention.apply(q, k, v, group, causal, zigzag, scale, window, softcap, shards)

@@ -79,23 +79,19 @@ def attention_function(method: str, group=None, places=None):
     from vlaforge.distributed.ring import ring_attention
     from vlaforge.distributed.ulysses import allgather_attention, ulysses_attention
 
-    kernels = {"ring": lambda q, k, v, c, s: ring_attention(q, k, v, group, causal=c, zigzag=True, scale=s),
-               "ring_contiguous": lambda q, k, v, c, s: ring_attention(q, k, v, group, causal=c, zigzag=False,
-                                                                       scale=s),
-               "allgather": lambda q, k, v, c, s: allgather_attention(q, k, v, group, causal=c, scale=s)}
+    kernels = {"ring": lambda q, k, v, c, s, **w: ring_attention(q, k, v, group, causal=c, zigzag=True, scale=s,
+                                                                 **w),
+               "ring_contiguous": lambda q, k, v, c, s, **w: ring_attention(q, k, v, group, causal=c, zigzag=False,
+                                                                            scale=s, **w),
+               "allgather": lambda q, k, v, c, s, **w: allgather_attention(q, k, v, group, causal=c, scale=s, **w)}
     shards = dist.get_world_size(group) if dist.is_initialized() else 1
 
     def attend(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                is_causal: bool | None = None, **kwargs):
-        # NOTE: the kernels attend to the whole causal prefix without a cap on the logits: a windowed or soft-capped
-        # layer would be computed wrong, so it stops (`check_attention` refuses such models before they get here)
+        # every kernel computes the layer's sliding window (counted in `places`) and soft-capped logits
         window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
         if window is not None and window >= query.shape[2] * shards:
             window = None  # every query sees its whole prefix
-        if method != "ulysses" and (softcap is not None or window is not None):
-            raise VlaforgeError(f"context parallel ({method}) does not implement sliding-window attention or "
-                                "soft-capped logits, which this model's attention asks for; use cp_method = "
-                                "'ulysses' (or cp = 1)")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         device = query.device.type
         if torch.is_autocast_enabled(device):  # NOTE: as autocast casts SDPA's inputs (Llama's rotary step returns
@@ -105,8 +101,9 @@ def attention_function(method: str, group=None, places=None):
         if method == "ulysses":  # whole sequences per head group: windows and soft-caps as one process
             out = ulysses_attention(query, key, value, group, causal=bool(causal), scale=scaling, window=window,
                                     softcap=softcap, places=places() if places is not None and window else None)
-        else:
-            out = kernels[method](query, key, value, bool(causal), scaling)  # (B, H, S_local, D)
+        else:  # (B, H, S_local, D)
+            out = kernels[method](query, key, value, bool(causal), scaling, window=window, softcap=softcap,
+                                  places=places() if places is not None and window else None)
         return out.transpose(1, 2).contiguous(), None  # (B, S_local, H, D), as transformers expects
 
     return attend
@@ -233,37 +230,12 @@ class SequenceParallel:
         return torch.zeros_like(full).scatter(1, index, full)[:, :lay.length]
 
 
-def check_attention(config, tokens: int, method: str = "ring") -> None:
-    """The ring and all-gather kernels attend to the whole causal prefix, uncapped; Ulysses, whose ranks hold whole
-    sequences, computes windows and soft-caps (`ulysses_attention`). `method`: the cp method ('auto' not resolved
-    yet: checked again once it is).
-
-    Raises:
-        VlaforgeError: under ring / all-gather, the LLM has layers with a sliding window shorter than the sequence
-            (Mistral, Gemma2/3), or soft-capped attention logits (Gemma2).
-    """
-    from vlaforge.models.families import attention_features, family
-
-    if method in ("ulysses", "auto"):
-        return
-    found = attention_features(config)
-    if found["softcap"] is not None:
-        raise VlaforgeError(f"parallel.cp > 1: {family(config)} soft-caps its attention logits "
-                            f"({found['softcap']:g}), which the {method} kernel does not; use cp_method = 'ulysses' "
-                            "(or cp = 1)")
-    if found["sliding_window"] is not None and found["sliding_window"] < tokens:
-        raise VlaforgeError(f"parallel.cp > 1: {family(config)} has layers with a {found['sliding_window']}-token "
-                            f"sliding window, shorter than the {tokens}-token sequence, which the {method} kernel "
-                            "does not implement; use cp_method = 'ulysses' (or cp = 1)")
-
-
 def apply_sequence_parallel(model, dims, mesh, cfg, tokens: int) -> SequenceParallel:
     """Shard the LLM's sequence over `mesh["cp"]`: register the method's attention, set it on the LLM, and gather
     the final hidden states (see the module docstring). `tokens`: the LLM sequence of one sample, for `auto`."""
     from vlaforge.models.families import llm_parts
 
     method, why = cp_method_for(cfg.parallel, tokens, model.llm.config.num_attention_heads)
-    check_attention(model.llm.config, tokens, method)
     group = mesh.get_group("cp")
     sp = SequenceParallel(group, dist.get_rank(group), dims.cp, method, why)
     model.llm.set_attn_implementation(register_attention(method, group, places=lambda: sp.layout.order))

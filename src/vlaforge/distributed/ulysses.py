@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from vlaforge.distributed.attention_blocks import (block_backward, block_forward, check_equal_shards, expand_kv,
-                                                   fold_kv_grad)
+                                                   fold_kv_grad, merge, window_mask)
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -124,7 +124,7 @@ def _allowed(n: int, causal: bool, window: int | None, places: torch.Tensor | No
     allowed = ((j <= i) if causal else torch.ones(n, n, dtype=torch.bool, device=device))[None, None]
     if window is not None:
         at = (places if places is not None else torch.arange(n, device=device)[None]).to(device)
-        allowed = allowed & ((at[:, :, None] - at[:, None, :]) < window)[:, None]
+        allowed = allowed & window_mask(at, at, window)
     return allowed
 
 
@@ -134,25 +134,25 @@ class _GatheredAttention(torch.autograd.Function):
     ring's block math); no S_local x S mask is built or saved."""
 
     @staticmethod
-    def forward(ctx, q, kf, vf, rank, causal, scale):
+    def forward(ctx, q, kf, vf, rank, causal, scale, window, softcap, places):
         heads, n = q.shape[1], q.shape[2]
         blocks = _gathered_blocks(rank, n, kf.shape[2], causal)
         qf, kb, vb = q.float(), expand_kv(kf, heads).float(), expand_kv(vf, heads).float()
+        masks = [None if window is None else window_mask(places[:, rank * n:(rank + 1) * n], places[:, ks], window)
+                 for ks, _ in blocks]
         out = lse = None
-        for ks, diag in blocks:
-            o_b, l_b = block_forward(qf, kb[:, :, ks], vb[:, :, ks], scale, diag)
+        for (ks, diag), mask in zip(blocks, masks):
+            o_b, l_b = block_forward(qf, kb[:, :, ks], vb[:, :, ks], scale, diag, mask, softcap)
             if out is None:
                 out, lse = o_b, l_b
                 continue
-            new = torch.logaddexp(lse, l_b)
-            out = out * torch.exp(lse - new)[..., None] + o_b * torch.exp(l_b - new)[..., None]
-            lse = new
+            out, lse = merge(out, lse, o_b, l_b)
         # NOTE: saved in the input dtype, as SDPA saves its output, and laid out (B, S, H, D) behind the (B, H, S, D)
         # view: the caller's transpose to transformers' layout is then a view, so the output projection's saved
         # input shares this storage instead of keeping a second copy (as the ring's output does)
         out = out.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format).transpose(1, 2)
         ctx.save_for_backward(q, kf, vf, out, lse)
-        ctx.blocks, ctx.scale = blocks, scale
+        ctx.blocks, ctx.scale, ctx.masks, ctx.softcap = blocks, scale, masks, softcap
         return out
 
     @staticmethod
@@ -164,13 +164,14 @@ class _GatheredAttention(torch.autograd.Function):
         kb, vb = expand_kv(kf, heads).float(), expand_kv(vf, heads).float()
         delta = (doutf * out).sum(-1)
         dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kb), torch.zeros_like(vb)
-        for ks, diag in ctx.blocks:
-            g = block_backward(qf, kb[:, :, ks], vb[:, :, ks], out, lse, doutf, delta, ctx.scale, diag)
+        for (ks, diag), mask in zip(ctx.blocks, ctx.masks):
+            g = block_backward(qf, kb[:, :, ks], vb[:, :, ks], out, lse, doutf, delta, ctx.scale, diag, mask,
+                               ctx.softcap)
             dq += g[0]
             dk[:, :, ks] += g[1]
             dv[:, :, ks] += g[2]
         return (dq.to(q.dtype), fold_kv_grad(dk, kv_heads).to(kf.dtype), fold_kv_grad(dv, kv_heads).to(vf.dtype),
-                None, None, None)
+                None, None, None, None, None, None)
 
 
 def _gathered_blocks(rank: int, n: int, total: int, causal: bool) -> list[tuple[slice, bool]]:
@@ -182,8 +183,10 @@ def _gathered_blocks(rank: int, n: int, total: int, causal: bool) -> list[tuple[
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = False,
-                        scale: float | None = None) -> torch.Tensor:
-    """Exact attention of local queries against the gathered K/V (gradients reduce-scatter back)."""
+                        scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                        places: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact attention of local queries against the gathered K/V (gradients reduce-scatter back). `window`,
+    `softcap`, `places` (B, S: the whole sequence's): as `ring.ring_attention`'s."""
     import math
 
     group = group or dist.group.WORLD
@@ -192,4 +195,6 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     kf = _AllGatherSeq.apply(k, group)  # (B, Hkv, S, D)
     vf = _AllGatherSeq.apply(v, group)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _GatheredAttention.apply(q, kf, vf, rank, causal, scale)
+    if window is not None:
+        places = (places if places is not None else torch.arange(kf.shape[2])[None]).to(q.device)
+    return _GatheredAttention.apply(q, kf, vf, rank, causal, scale, window, softcap, places)

@@ -7,8 +7,6 @@ instead of from Llama's attribute names: the one place that knows families diffe
 - `tp_plan`: each block's tensor-parallel plan from the config's own `base_model_tp_plan` (transformers ships one
   per family: fused projections gathered, q/k norms `replicated_with_grad_allreduce`, MoE experts), with the
   styles vlaforge runs and a one-line refusal for the others.
-- `attention_features`: the sliding window (the smallest over the layers that use one) and the attention-logit
-  soft-cap, which context parallel's kernels do not implement.
 - `expert_modules`: the modules holding the 3-D stacked expert weights of MoE blocks, which `nn.Linear`-based converters (fp8,
   quantization) do not see.
 - `mrope_section`: whether the LLM takes Qwen-VL's 3-D multimodal RoPE positions (the VLA then gives them).
@@ -110,18 +108,6 @@ def tp_plan(config) -> dict[str, str]:
                                 "parallel does not run; use tp = 1 with dp_shard (FSDP2)")
         out[pattern.removeprefix("layers.*.")] = style
     return out
-
-
-def attention_features(config) -> dict[str, float | None]:
-    """{'sliding_window': the smallest window any layer uses (None: every layer attends to the whole prefix),
-    'softcap': the attention-logit soft-cap (None: none)}."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is not None and "sliding_attention" not in types:
-        window = None
-    if getattr(config, "use_sliding_window", True) is False:
-        window = None
-    return {"sliding_window": window, "softcap": getattr(config, "attn_logit_softcapping", None)}
 
 
 def mrope_section(config) -> list[int] | None:
