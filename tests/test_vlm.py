@@ -259,22 +259,62 @@ def test_model_summary_of_a_vlm_folder_counts_its_components_from_the_config(lla
     assert parameter_counts(fake) == want
 
 
+# (family, image side, tower patches, LLM tokens per frame): SmolVLM's 8-px patches merged 2 x 2; Qwen2.5-VL's 4-px
+# patches at 40 px, 5 x 5 merge units in 2 x 2-unit windows (the far ones smaller)
+PLANNED = [("smolvlm", 64, 64, 16), ("qwen2_5_vl", 40, 100, 25)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("strategy", ["none", "full", "selective"])
-def test_the_planner_counts_a_smolvlm_tower_and_pixel_shuffle_connector_exactly(vlms, strategy):
-    """The planner's SigLIP formula on SmolVLM's tower (its patches, not the merged tokens; position ids per image)
-    and the one linear after the pixel shuffle equal what a real step keeps for backward (real tensors: under fake
-    ones Idefics3's tower builds an all-true patch mask that a real run skips)."""
+@pytest.mark.parametrize("name, side, patches, tokens", PLANNED, ids=[p[0] for p in PLANNED])
+def test_the_planner_counts_a_vlms_tower_and_merging_connector_exactly(vlms, name, side, patches, tokens, strategy,
+                                                                       precision):
+    """The planner's tower formulas (SigLIP's on SmolVLM's tower, over its patches with position ids per image;
+    Qwen2.5-VL's windowed blocks with their RMSNorms, fused qkv, rotary and sequence bounds) and the connectors (one
+    linear after the pixel shuffle; the RMSNorm + MLP merger) equal what a real step keeps for backward (real
+    tensors: under fake ones Idefics3's tower builds an all-true patch mask a real run skips, and Qwen's tower reads
+    its grid's values)."""
     from vlaforge.planner.activations import model_activation_bytes, sequence_of
     from vlaforge.techniques import accounting as memory
     from vlaforge.training.trainer import build_model
 
-    comps = {c: {"checkpointing": strategy} for c in ("vision", "llm")}
-    cfg = tiny_config(model={"vlm": {"pretrained": str(vlms("smolvlm"))}, "image_size": 64}, components=comps)
+    comps = {c: {"checkpointing": strategy if c in ("vision", "llm") else "none", "precision": precision}
+             for c in ("vision", "projector", "llm", "action_head")}
+    cfg = tiny_config(model={"vlm": {"pretrained": str(vlms(name))}, "image_size": side}, components=comps)
     model, _ = build_model(cfg, torch.device("cpu"))
     batch = make_batch(cfg, model, size=2)
     with memory.count_saved(model) as acc:
         model.compute_loss(batch)
     want = model_activation_bytes(model, sequence_of(model, batch), dict(cfg.components.items()))
     got = acc.per_component(memory.DEVICE)
-    assert sequence_of(model, batch).tower_patches == 64 and model.layout.patches_per_frame == 16
+    assert sequence_of(model, batch).tower_patches == patches and model.layout.patches_per_frame == tokens
     assert (want["vision"], want["projector"]) == (got["vision"], got["projector"])
+
+
+@pytest.mark.parametrize("policy", [{"checkpointing": "none"}, {"checkpointing": "full"},
+                                    {"checkpointing": "selective"}, {"trainable": False}],
+                         ids=["none", "full", "selective", "frozen"])
+def test_the_planners_flops_of_a_qwen_vl_step_equal_the_flop_counter(vlms, policy):
+    """Qwen2.5-VL's tower (a Conv3d over the repeated frame, SwiGLU, attention within windows - edge windows
+    smaller - and full attention in `fullatt_block_indexes`) and its merger: forward and backward (recomputation
+    included) matmul FLOPs equal torch's FlopCounterMode on the real modules."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vlaforge.planner.activations import sequence_of
+    from vlaforge.planner.throughput import step_flops
+    from vlaforge.techniques.freezing import apply_freezing
+    from vlaforge.training.trainer import build_model
+
+    cfg = tiny_config(model={"vlm": {"pretrained": str(vlms("qwen2_5_vl"))}, "image_size": 40},
+                      components={"vision": policy})
+    model, _ = build_model(cfg, torch.device("cpu"))
+    apply_freezing(model, dict(cfg.components.items()), 0)
+    batch = make_batch(cfg, model, size=2)
+    with FlopCounterMode(display=False) as forward:
+        loss, _ = model.compute_loss(batch)
+    with FlopCounterMode(display=False) as backward:
+        loss.backward()
+    flops = step_flops(model, sequence_of(model, batch), dict(cfg.components.items()),
+                       model.objective.active("contrastive"))
+    assert sum(flops.forward.values()) == forward.get_total_flops()
+    assert sum(flops.backward.values()) + sum(flops.recompute.values()) == backward.get_total_flops()

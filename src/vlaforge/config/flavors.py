@@ -23,6 +23,8 @@ class Flavor:
         nominal_params: the published size of each pretrained component this flavor mirrors.
         projector: the connector's shape when it is not vlaforge's two-layer MLP (`models.vla.Projector`'s
             arguments: SmolVLM's pixel shuffle + one bias-free linear is {"layers": 1, "merge": 4, "bias": False}).
+        vision_type, llm_type: the transformers `model_type`s the towers are built as when not SigLIP + Llama
+            (Qwen2.5-VL's tower and M-RoPE text model); `vision["image_size"]` is then the frames' side only.
     """
 
     description: str
@@ -32,6 +34,8 @@ class Flavor:
     action_hidden: int
     nominal_params: dict[str, float] = field(default_factory=dict)
     projector: dict[str, Any] = field(default_factory=dict)
+    vision_type: str = "siglip_vision_model"
+    llm_type: str = "llama"
 
     def tokens_per_frame(self, image_size: int, patch_size: int) -> int:
         """LLM tokens of one image: its patch grid, merged by the connector."""
@@ -111,9 +115,29 @@ FLAVORS.add("vla-70b", Flavor(
     nominal_params={"vision": 3e9, "llm": 69e9},
 ))
 
-# Real VLAs' shapes for planning (`vlaforge plan`, docs/whitepaper.md), each as the SigLIP tower + Llama-shaped LLM
-# (+ connector) the planner counts. Not mirrored yet: Qwen-VL's towers and normalizing 2x2 merger, so Qwen2.5-VL /
-# Qwen3-VL have no flavor (docs/families.md).
+# Real VLAs' shapes for planning (`vlaforge plan`, docs/whitepaper.md), each as the towers the planner counts:
+# SigLIP + a Llama-shaped LLM (+ connector), or Qwen2.5-VL's own. Qwen3-VL has no flavor (its DeepStack is not
+# mapped, docs/families.md).
+
+# Qwen2.5-VL-3B (StarVLA's and Qwen-VLA's backbone family): its windowed 32-block ViT (1280 wide, 14-px patches at
+# 224 px: 256 patches, 64 tokens after the 2 x 2 merger; full attention in blocks 7, 15, 23, 31), the RMSNorm + MLP
+# patch merger, Qwen2.5-3B's text model with M-RoPE and tied embeddings.
+FLAVORS.add("qwen2.5-vl-3b", Flavor(
+    description="Qwen2.5-VL-3B's shapes: its windowed ViT + patch merger, Qwen2.5-3B with multimodal RoPE",
+    vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
+                temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], out_hidden_size=2048,
+                image_size=224),
+    llm=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+             num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
+             max_position_embeddings=128000,
+             rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+    projector_hidden=5120,
+    action_hidden=1024,
+    projector={"hidden": 5120, "layers": 2, "merge": 2, "norm": "rms", "order": "units"},
+    nominal_params={"llm": 3.09e9},  # Qwen2.5-3B's published size (its ViT + merger: 0.67B, measured 0.669B)
+    vision_type="qwen2_5_vl_vision",
+    llm_type="qwen2_5_vl_text",
+))
 
 # SmolVLA: SmolVLM2-500M (SigLIP-B/16 at 512 px, whose Idefics3-shaped tower is SigLIP's; a 4 x 4 pixel shuffle into
 # one bias-free linear: 64 tokens per image) with the first 16 of SmolLM2-360M's 32 layers, as SmolVLA keeps them.

@@ -64,6 +64,12 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
         backbones.update(vision=derived["vision"], llm=derived["llm"], projector=derived["projector"])
         # (a caller's own fake-tensor mode - `profile --fake` - has no storage to read the files into)
         vlm_weights = None if fake or _fake_mode_active() else model_cfg.vlm.pretrained
+    # a flavor of other towers than SigLIP + Llama (Qwen2.5-VL's): built from their configs
+    if flavor.vision_type != "siglip_vision_model" and not model_cfg.pretrained_tower:
+        backbones.setdefault("vision", {"model_type": flavor.vision_type,
+                                        **{k: v for k, v in flavor.vision.items() if k != "image_size"}})
+    if flavor.llm_type != "llama" and not model_cfg.text_folder:
+        backbones.setdefault("llm", {"model_type": flavor.llm_type, **flavor.llm})
     if fake:
         for name in ("vision", "llm"):
             folder = getattr(model_cfg, name).pretrained
@@ -96,7 +102,7 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
         load_weights(vlm_weights, {"vision": vision, "projector": projector, "llm": llm},
                      new={"projector": {"logit_scale"}})
     native = native_size(vision)
-    image_size = model_cfg.image_size or native or DEFAULT_IMAGE_SIZE
+    image_size = model_cfg.image_size or native or flavor.vision.get("image_size") or DEFAULT_IMAGE_SIZE
     if merge > 1 and image_size % (vision.config.patch_size * merge):
         raise VlaforgeError(f"model.image_size = {image_size} is not a multiple of the tower's {vision.config.patch_size}"
                             f"-pixel patches x its connector's {merge} x {merge} merge; use a multiple of "

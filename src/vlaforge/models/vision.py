@@ -86,7 +86,7 @@ class VisionFamily:
     static_shapes: bool = True
     # the planner's vision formula (SigLIP's block, embeddings and post-norm) counts this tower exactly; Idefics3's
     # and SmolVLM's are SigLIP's, with position ids per image (bucketed onto each image's grid)
-    planned: bool = False
+    planned: str | None = None  # the planner's block kind ("siglip", "qwen_vit"); None: not planned
     positions_per_image: bool = False
     width: Any = lambda config: config.hidden_size  # the width of its tokens (Qwen2-VL's `embed_dim`)
 
@@ -105,7 +105,7 @@ class VisionFamily:
 FUSED = "vlaforge_fused"  # the model_type of a fused tower's saved config
 VISION_FAMILIES = (
     VisionFamily("siglip", ("siglip_vision_model", "siglip"), "siglip_vision_model", "SiglipVisionModel",
-                 lambda config: 0, planned=True),
+                 lambda config: 0, planned="siglip"),
     VisionFamily("siglip2", ("siglip2_vision_model", "siglip2"), "siglip2_vision_model", "Siglip2VisionModel",
                  lambda config: 0, resize_arg=False, input="naflex",
                  native_size=lambda config: math.isqrt(config.num_patches) * config.patch_size),
@@ -116,9 +116,9 @@ VISION_FAMILIES = (
                  blocks="encoder.layer"),
     # the towers of Idefics3 and SmolVLM (SigLIP-shaped; positions bucketed onto their grid, so any size reads)
     VisionFamily("idefics3", ("idefics3_vision",), "idefics3_vision", "Idefics3VisionTransformer", lambda config: 0,
-                 resize_arg=False, planned=True, positions_per_image=True),
+                 resize_arg=False, planned="siglip", positions_per_image=True),
     VisionFamily("smolvlm", ("smolvlm_vision",), "smolvlm_vision", "SmolVLMVisionTransformer", lambda config: 0,
-                 resize_arg=False, planned=True, positions_per_image=True),
+                 resize_arg=False, planned="siglip", positions_per_image=True),
     VisionFamily("dinov2_with_registers", ("dinov2_with_registers",), "dinov2_with_registers",
                  "Dinov2WithRegistersModel", lambda config: 1 + config.num_register_tokens, resize_arg=False,
                  pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",),
@@ -133,7 +133,7 @@ VISION_FAMILIES = (
                  pixel_stats="openai_clip", final_norm=None, blocks="blocks", width=lambda config: config.embed_dim),
     VisionFamily("qwen2_5_vl", ("qwen2_5_vl_vision",), "qwen2_5_vl_vision", "Qwen2_5_VisionTransformerPretrainedModel",
                  lambda config: 0, resize_arg=False, input="qwen", native_size=lambda config: None, static_shapes=False,
-                 pixel_stats="openai_clip", final_norm=None, blocks="blocks"),
+                 pixel_stats="openai_clip", final_norm=None, blocks="blocks", planned="qwen_vit"),
 )
 # (mean, std) per channel of pixels in [0, 1], as the families' image processors normalize them (transformers'
 # constants): SigLIP's 0.5 / 0.5 is vlaforge's own [-1, 1] input (data/transforms.py:to_model_images)

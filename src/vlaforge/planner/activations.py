@@ -21,9 +21,18 @@ cos/sin: once per model).
 
 SigLIP block (`vision`): LayerNorm keeps its input 4D and mean and rstd 8; no mask, no rotary; the projections
 are biased; the MLP keeps fc1's input (4D shared, or cD cast), fc1's output and GELU's output (2cF).
+
+Qwen2.5-VL block (`qwen_vit`, the tower transformers runs window by window): RMSNorm (fp32 input 4D, rsqrt 4,
+normed output cD) twice; attention: the fused qkv projection's input (4D, or one cD cast), its output 3cD (its v slice is
+what SDPA keeps), q and k after the rotary step (as SDPA gets them: cD each), the windows' SDPA outputs cD and
+log-sum-exps 4H, the output projection's input (their concatenation) cD; the SwiGLU MLP as Llama's. Once per model:
+the rotary cos / sin (2 x 4d per token; not kept by checkpointed blocks under bf16 autocast, as measured), the window
+permutation's two indices (8 per merge unit each).
 """
 
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass
 
@@ -50,9 +59,14 @@ def llm_shape(config, block=None) -> BlockShape:
                       config.num_key_value_heads or heads, head_dim, qk_norm)
 
 
-def vision_shape(config) -> BlockShape:
+def vision_shape(vision) -> BlockShape:
+    """The shape of a built tower's blocks, of the kind its family's row names (`VisionFamily.planned`)."""
+    from vlaforge.models.vision import tower_width, vision_family
+
+    config, width = vision.config, tower_width(vision)
     heads = config.num_attention_heads
-    return BlockShape("siglip", config.hidden_size, config.intermediate_size, heads, heads, config.hidden_size // heads)
+    return BlockShape(vision_family(vision).planned or "siglip", width, config.intermediate_size, heads, heads,
+                      width // heads)
 
 
 def compute_bytes(precision: str) -> int:
@@ -95,6 +109,19 @@ def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strateg
         if strategy == "selective_ffn":
             return 2 * norm + attn + kept_input
         return 2 * norm + attn + ffn
+    if shape.kind == "qwen_vit":
+        norm = (4 * D + 4 + c * D) * t  # its fp32 input and rsqrt, the normed output in the compute dtype
+        proj_in = (4 * D if c == 4 else c * D) * t  # one fused qkv projection: one cast
+        attn = proj_in + 3 * c * D * t + 2 * c * D * t + c * D * t + 4 * H * t + c * D * t
+        ffn = (4 * D if c == 4 else 2 * c * D) * t + 4 * c * F * t
+        kept_input = 4 * D * t
+        if strategy == "selective":  # the block input, the qkv and output projections' and SDPA's outputs
+            return kept_input + 5 * c * D * t + 4 * H * t
+        if strategy == "selective_attn":
+            return 2 * norm + kept_input + ffn
+        if strategy == "selective_ffn":
+            return 2 * norm + attn + kept_input
+        return 2 * norm + attn + ffn
     # siglip
     norm = (4 * D + 8) * t
     proj_in = (4 * D if c == 4 else 3 * c * D) * t
@@ -110,14 +137,16 @@ def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strateg
     return 2 * norm + attn + ffn
 
 
-def once_bytes(shape: BlockShape, batch: int, seq: int, strategy: str, kv_seq: int | None = None) -> int:
-    """See `block_bytes` for `kv_seq`."""
+def once_bytes(shape: BlockShape, batch: int, seq: int, strategy: str, kv_seq: int | None = None,
+               block_positions: bool = True) -> int:
     """Tensors the LLM's blocks share, counted once per model: rotary cos/sin (kept by autograd under `none` /
-    `selective_ffn`, or by a checkpoint's keyword inputs), and a checkpoint's boolean mask and position ids."""
+    `selective_ffn`, or by a checkpoint's keyword inputs), and a checkpoint's boolean mask and position ids (which
+    M-RoPE text models do not hand their blocks: `block_positions` False). See `block_bytes` for `kv_seq`."""
     if shape.kind != "llama":
         return 0
     rope = 2 * 4 * shape.head_dim * batch * seq
-    kwargs = batch * seq * (seq if kv_seq is None else kv_seq) + 8 * batch * seq  # bool mask + int64 position ids
+    # bool mask + int64 position ids
+    kwargs = batch * seq * (seq if kv_seq is None else kv_seq) + (8 * batch * seq if block_positions else 0)
     if strategy in ("none", "selective_ffn"):
         return rope
     return rope + kwargs
@@ -176,19 +205,27 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     strat = {name: policies[name].checkpointing for name in ("vision", "projector", "llm", "action_head")}
     out: dict[str, int] = {}
 
-    vshape = vision_shape(vis)
-    out["vision"] = (vis.num_hidden_layers * block_bytes(vshape, images, seq.tower_patches,
-                                                         policies["vision"].precision, strat["vision"])
-                     + c["vision"] * images * 3 * seq.image_size ** 2  # pixels, cast for the patch conv
-                     + conv_stem_bytes(model.vision, images, seq.image_size, c["vision"])
-                     + 8 * seq.tower_patches * (images if vision_family(model.vision).positions_per_image else 1)
-                     + (4 * vshape.hidden + 8) * tvt)  # post-LayerNorm
+    vshape = vision_shape(model.vision)
+    blocks = vis.num_hidden_layers * block_bytes(vshape, images, seq.tower_patches, policies["vision"].precision,
+                                                 strat["vision"])
+    if vshape.kind == "qwen_vit":  # its flattened 3-D patches (cast for the Conv3d), rotary cos / sin, window indices
+        kept_args = strat["vision"] not in ("none", "selective_ffn")  # a checkpoint keeps its keyword tensors
+        rope = 2 * 4 * vshape.head_dim * tvt if not kept_args or c["vision"] == 4 else 0
+        out["vision"] = (blocks + c["vision"] * tvt * 3 * vis.temporal_patch_size * vis.patch_size ** 2 + rope
+                         + 2 * 8 * tvt // seq.merge ** 2 + (qwen_bounds(vis, images, seq) if kept_args else 0))
+    else:
+        out["vision"] = (blocks + c["vision"] * images * 3 * seq.image_size ** 2  # pixels, cast for the patch conv
+                         + conv_stem_bytes(model.vision, images, seq.image_size, c["vision"])
+                         + 8 * seq.tower_patches * (images if vision_family(model.vision).positions_per_image else 1)
+                         + (4 * vshape.hidden + 8) * tvt)  # post-LayerNorm
     # linear + GELU + linear: the first's input, the GELU's input and output; one linear: its input. A merging
-    # connector's linear reads merge^2 patches side by side (its input: the shuffled copy)
+    # connector's linear reads merge^2 patches side by side (its input: the shuffled copy), after Qwen-VL's RMSNorm
+    # (fp32: its input, rsqrt, normed output)
     width = vshape.hidden * seq.merge * seq.merge
     proj = model.projector
     kept = width + 2 * proj.mlp[0].out_features if len(proj.mlp) == 3 else width
-    out["projector"] = 4 * vshape.hidden * tvt if strat["projector"] == "full" else c["projector"] * tv * kept
+    norm = (8 * vshape.hidden + 4) * tvt if proj.norm is not None else 0
+    out["projector"] = 4 * vshape.hidden * tvt if strat["projector"] == "full" else norm + c["projector"] * tv * kept
     from vlaforge.models.llm import llm_blocks
 
     full = llm_shape(llm, llm_blocks(model.llm)[0])
@@ -198,7 +235,8 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     no_mask = 0 if cp > 1 else None  # context parallel compacts the layout instead of masking padding
     out["llm_block"] = block_bytes(lshape, b, s_rank, policies["llm"].precision, strat["llm"], kv_seq=no_mask,
                                    sp=tp if sequence_parallel else 1, gathered_kv=s_pad - s_rank if allgather else 0)
-    out["llm_once"] = once_bytes(lshape, b, s_rank, strat["llm"], kv_seq=no_mask)
+    out["llm_once"] = once_bytes(lshape, b, s_rank, strat["llm"], kv_seq=no_mask,
+                                 block_positions=not model.layout.mrope)
     out["llm_tail"] = ((4 * D + 4 + 4 * D) * b * s_rank  # final RMSNorm
                        + c["llm"] * b * (seq.text + 1) * D)  # LM head input: the text targets' positions (+1)
     if cp > 1:  # the layout's int64 indices: this rank's rows (and the batch index), the scatter back to the layout
@@ -236,6 +274,17 @@ def conv_stem_bytes(vision, images: int, image_size: int, cb: int) -> int:
         elif isinstance(m, nn.GroupNorm):
             total += 3 * channels * side * side * cb + 2 * m.num_groups * cb
     return images * total
+
+
+def qwen_bounds(vis, images: int, seq: Sequence) -> int:
+    """The int32 sequence bounds Qwen2.5-VL's checkpointed blocks keep as keyword inputs: the images' (full-attention
+    blocks) and the windows' (its window index pads each side with whole windows, one more when it divides)."""
+    units = math.isqrt(seq.tower_patches) // vis.spatial_merge_size
+    w = max(1, vis.window_size // vis.spatial_merge_size // vis.patch_size)
+    windows = (units // w + 1) ** 2
+    full = any(i in vis.fullatt_block_indexes for i in range(vis.num_hidden_layers))
+    windowed = any(i not in vis.fullatt_block_indexes for i in range(vis.num_hidden_layers))
+    return 4 * (images + 1) * full + 4 * (images * windows + 1) * windowed
 
 
 def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = True) -> dict[str, int]:

@@ -35,6 +35,8 @@ network's.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -78,6 +80,19 @@ def _recomputed(strategy: str, attn_mm: float, ffn_mm: float, attn_out: float, f
             "selective_attn": (attn_mm - attn_out, True), "selective_ffn": (ffn_mm - ffn_out, False)}[strategy]
 
 
+def _attention_pairs(vis, seq: Sequence, block: int, qwen: bool) -> int:
+    """(query, key) pairs a vision block attends per image: all of its patches', or, in Qwen2.5-VL's windowed
+    blocks (all but `fullatt_block_indexes`), each window's: `window_size` pixels square in whole merge units,
+    smaller at the grid's far edges (transformers' `get_vision_window_index`)."""
+    if not qwen or block in vis.fullatt_block_indexes:
+        return seq.tower_patches ** 2
+    m = vis.spatial_merge_size
+    units = math.isqrt(seq.tower_patches) // m  # merge units per side
+    w = max(1, vis.window_size // m // vis.patch_size)
+    sides = [w] * (units // w) + ([units % w] if units % w else [])
+    return sum((a * b * m * m) ** 2 for a in sides for b in sides)
+
+
 def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> StepFlops:
     """FLOPs of one micro-batch's forward and backward (times `grad_accum` for a step)."""
     vis, llm = model.vision.config, model.llm.config
@@ -88,15 +103,16 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     out = StepFlops()
 
     # vision: patch convolution, blocks (q, k, v, o; fc1, fc2), attention core over each image's patches
-    vs = vision_shape(vis)
+    vs = vision_shape(model.vision)
     patch = vis.patch_size
-    conv = 2.0 * tv * 3 * patch * patch * vs.hidden
+    qwen = vs.kind == "qwen_vit"  # a Conv3d over the repeated frame, a SwiGLU MLP, attention within windows
+    conv = 2.0 * tv * 3 * patch * patch * vs.hidden * (vis.temporal_patch_size if qwen else 1)
     v_out = 2.0 * tv * vs.hidden * vs.hidden  # out_proj
     v_attn_mm = 4 * v_out
     v_fc2 = 2.0 * tv * vs.ffn * vs.hidden
-    v_ffn_mm = 2 * v_fc2
+    v_ffn_mm = (3 if qwen else 2) * v_fc2
     v_blocks = vis.num_hidden_layers * (v_attn_mm + v_ffn_mm)
-    v_core = vis.num_hidden_layers * 4.0 * images * seq.tower_patches ** 2 * vs.hidden
+    v_core = 4.0 * images * vs.hidden * sum(_attention_pairs(vis, seq, i, qwen) for i in range(vis.num_hidden_layers))
     out.forward["vision"] = conv + v_blocks
     out.backward["vision"] = (conv + 2 * v_blocks) if trains["vision"] else 0.0
     rec, core_again = _recomputed(policies["vision"].checkpointing, v_attn_mm, v_ffn_mm, v_out, v_fc2)
@@ -115,11 +131,13 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     out.forward["projector"] = proj
     # weight gradients when it trains; fc2's input gradient to reach fc1's weights or the vision tower, fc1's only
     # for the vision tower
+    # the first linear's input gradient: for the vision tower, or for a norm before it (Qwen-VL's merger) that trains
+    below = trains["vision"] or (model.projector.norm is not None and trains["projector"])
     if fc1:
         out.backward["projector"] = (proj * trains["projector"] + fc2 * (trains["projector"] or trains["vision"])
-                                     + fc1 * trains["vision"])
-    else:  # one linear: its weight gradient when it trains, its input gradient for the vision tower
-        out.backward["projector"] = proj * trains["projector"] + proj * trains["vision"]
+                                     + fc1 * below)
+    else:  # one linear: its weight gradient when it trains, its input gradient for what is below it
+        out.backward["projector"] = proj * trains["projector"] + proj * below
     out.recompute["projector"] = proj if policies["projector"].checkpointing == "full" and (
         trains["projector"] or trains["vision"]) else 0.0
 

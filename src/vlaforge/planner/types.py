@@ -89,14 +89,15 @@ class PlanModel:
                                 f"block differs ({block}), which it does not count yet: plan with a Llama-shaped "
                                 "LLM of the same width and depth (--model.flavor)")
         proj = self.model.projector
-        if proj.norm is not None or (proj.merge > 1 and proj.order != "shuffle"):
-            # NOTE: activations.py counts linear + GELU + linear or one linear, after a pixel shuffle or none
+        if proj.spec["norm"] not in (None, "rms"):
+            # NOTE: activations.py counts linear + GELU + linear or one linear, after a merge and an RMSNorm or none
             raise VlaforgeError("the planner counts two-layer and one-linear connectors, after a pixel shuffle or "
-                                "none; this VLM's patch merger normalizes and merges (model.vlm.pretrained), which "
-                                "it does not count yet")
+                                "Qwen2.5-VL's RMSNorm-and-merge; this VLM's patch merger normalizes with a LayerNorm "
+                                "(model.vlm.pretrained), which it does not count yet")
         tower = vision_family(self.model.vision)
         if not tower.planned:  # NOTE: activations.py / throughput.py count SigLIP's block, embeddings and norms
-            raise VlaforgeError(f"the planner models SigLIP-shaped vision towers (SigLIP, Idefics3's, SmolVLM's); "
+            raise VlaforgeError(f"the planner models SigLIP-shaped vision towers (SigLIP, Idefics3's, SmolVLM's) "
+                                "and Qwen2.5-VL's; "
                                 f"this one is {tower.name} (model.vision.pretrained), which it does not count yet: "
                                 "plan with a SigLIP tower of the same width and depth")
         self.facts = model_facts(cfg.model)
