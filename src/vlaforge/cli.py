@@ -197,8 +197,9 @@ def plan(model: str = typer.Option("vla-7b", help=f"a flavor ({' | '.join(FLAVOR
          write_config: Optional[Path] = typer.Option(None, help="write the best candidate as a vlaforge train recipe"),
          plot: Optional[Path] = typer.Option(None, help="save the best candidate's per-GPU memory chart (PNG)"),
          whitepaper: Optional[Path] = typer.Option(None, help="generate the configuration white paper (SmolVLA, "
-                                                              "pi0, OpenVLA-7B, 7B/30B/70B x 1/8 frames x 8xA100-80, "
-                                                              "8xH100, 4x8xH100) to this Markdown file and exit")):
+                                                              "pi0, Qwen2.5-VL-3B, OpenVLA-7B, 7B/30B/70B x 1/8 "
+                                                              "frames x 8xA100-80, 8xH100, 4x8xH100) to this Markdown "
+                                                              "file and exit")):
     """Plan memory and throughput per GPU for a VLA on a cluster, and recommend the fastest configuration that fits:
     layout (FSDP2 / HSDP / DDP, tp, pp, cp), precision, checkpointing, offload, micro-batch and accumulation."""
     from vlaforge.planner import cli as planner_cli
