@@ -140,7 +140,7 @@ def test_block_activation_bytes_equal_the_fake_tensor_accounting(flavor, seq, pr
     model, acc, tokens = _measured_blocks(flavor, seq, precision, strategy)
     lay = model.layout
     for comp, shape, batch, length in (("llm", llm_shape(model.llm.config), 2, tokens),
-                                       ("vision", vision_shape(model.vision.config), 2 * lay.frames,
+                                       ("vision", vision_shape(model.vision), 2 * lay.frames,
                                         lay.patches_per_frame)):
         got = acc.per_block(comp)
         want = block_bytes(shape, batch, length, precision, strategy)
