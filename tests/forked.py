@@ -171,13 +171,20 @@ def run_ranks(args: tuple[str, ...], nproc: int, cwd: Path, env: dict[str, str],
             if rank not in codes:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-    texts = ["", ""]
+    texts, errs = ["", ""], []
     for out, err in files:
         for i, f in enumerate((out, err)):
             f.seek(0)
-            texts[i] += f.read().decode("utf-8", errors="replace")
+            text = f.read().decode("utf-8", errors="replace")
+            texts[i] += text
+            if i:
+                errs.append(text)
             f.close()
     failed = {r: c for r, c in codes.items() if c != 0}
     if failed:
-        texts[1] += f"\nforked ranks failed: {failed} (exit codes by rank)\n"
+        # the failed rank's own last lines at the end, where a test's `stderr[-2000:]` shows them (the others' last
+        # lines are only their reaction to its death: "Connection closed by peer")
+        first = next(iter(failed))
+        texts[1] += (f"\n--- rank {first} (exit {failed[first]}), its last stderr lines ---\n{errs[first][-1200:]}"
+                     f"\nforked ranks failed: {failed} (exit codes by rank)\n")
     return subprocess.CompletedProcess(["torchrun", *args], 1 if failed or len(codes) < nproc else 0, *texts)
