@@ -171,3 +171,13 @@ def test_a_fused_tower_concatenates_each_towers_penultimate_patch_tokens(root):
     assert losses[-1] < losses[0], losses
     with pytest.raises(VlaforgeError, match="model.vision.fused is the second tower of a fused pair"):
         tiny_config(model={"vision": {"fused": str(siglip)}})
+    from families import family_folder
+
+    fused = lambda folder: tiny_config(model={"vision": {"pretrained": str(dino), "fused": str(folder)}})  # noqa: E731
+    with pytest.raises(VlaforgeError, match="model.vision.fused: .* is a 'llama' folder, not a vision tower"):
+        build_vla(fused(family_folder("llama", root)).model)
+    small = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=4))
+    small.save_pretrained(root / "siglip_patch4")
+    with pytest.raises(VlaforgeError, match=r"patches \[8, 4\] px\) do not give one patch grid"):
+        build_vla(fused(root / "siglip_patch4").model)

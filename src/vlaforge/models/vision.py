@@ -213,7 +213,8 @@ def fuse_towers(towers: list[nn.Module], cut: bool) -> FusedTower:
     return FusedTower(towers)
 
 
-def family_for_folder(kind: str | None, folder: str = "the folder") -> VisionFamily:
+def family_for_folder(kind: str | None, folder: str = "the folder", field: str = "model.vision.pretrained"
+                      ) -> VisionFamily:
     """The family of a `folder` whose config.json says `model_type = kind`.
 
     Raises:
@@ -223,7 +224,7 @@ def family_for_folder(kind: str | None, folder: str = "the folder") -> VisionFam
         if kind in fam.folder_types or kind == fam.tower_type:
             return fam
     known = ", ".join(t for fam in VISION_FAMILIES for t in fam.folder_types)
-    raise VlaforgeError(f"model.vision.pretrained: {folder} is a '{kind}' folder, not a vision tower vlaforge "
+    raise VlaforgeError(f"{field}: {folder} is a '{kind}' folder, not a vision tower vlaforge "
                         f"builds ({known}); give a folder of one of those")
 
 
@@ -397,6 +398,8 @@ def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
         if config is not None:  # a saved fused config (its towers cut already), or the two folders' configs
             towers = [build_vision(flavor, None, None, config=c, attn=attn) for c in config["towers"]]
             return fuse_towers(towers, cut=any(c.get("vlaforge_final_norm", True) for c in config["towers"]))
+        check_pretrained_folder(fused, "model.vision.fused")  # (named as its own field in the error)
+        family_for_folder(read_config(fused, "model.vision.fused").get("model_type"), fused, "model.vision.fused")
         return fuse_towers([build_vision(flavor, None, f, attn=attn) for f in (pretrained, fused)], cut=True)
     if pretrained or config is not None:
         if config is not None:
