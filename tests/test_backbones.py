@@ -256,3 +256,19 @@ def test_model_attn_implementation_picks_the_kernel_of_both_towers(root):
                                    rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(tower_features(eager.vision, pixels, False),
                                    tower_features(sdpa.vision, pixels, False), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_fake_measurement_of_a_pretrained_folder_counts_what_the_planner_counts(root, monkeypatch, precision):
+    """`plan --measure` / `profile --fake` build under their own fake-tensor mode: a pretrained LLM is built from its
+    config (its files are not read: weights loaded into fake tensors were not the parameters the forward saw, and
+    fp32 runs counted every linear weight as an activation: 0.73 of the planner before), so the planner's LLM bytes
+    equal the fake-tensor count."""
+    import vlaforge.models.llm as llm_module
+    from vlaforge.planner.measure import side_by_side
+
+    monkeypatch.setattr(llm_module, "load_pretrained", lambda *a, **k: pytest.fail("weights read in a fake build"))
+    comps = {c: {"precision": precision} for c in ("vision", "projector", "llm", "action_head")}
+    cfg = tiny_config(model={"llm": {"pretrained": str(family_folder("llama", root))}}, components=comps)
+    rows = side_by_side(cfg, 2)["by_component"]
+    assert rows["llm"]["analytic"] == rows["llm"]["measured"]

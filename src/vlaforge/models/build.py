@@ -58,19 +58,23 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
     """
     flavor = FLAVORS.get(model_cfg.flavor)
     backbones = dict(backbones or {})
+    # under a caller's own fake-tensor mode (`profile --fake`, `plan --measure`) the build is a fake one too: the
+    # pretrained components come from their configs (weights read into fake tensors would not be the parameters the
+    # forward sees, and a VLM's files have no storage to go to)
+    outer = _fake_mode_active()
+    config_only = fake or outer
     vlm_weights = None  # a whole VLM's folder whose weights fill the components once built
     if model_cfg.vlm.pretrained and not {"vision", "llm", "projector"} <= backbones.keys():
         derived = component_configs(model_cfg.vlm.pretrained)
         backbones.update(vision=derived["vision"], llm=derived["llm"], projector=derived["projector"])
-        # (a caller's own fake-tensor mode - `profile --fake` - has no storage to read the files into)
-        vlm_weights = None if fake or _fake_mode_active() else model_cfg.vlm.pretrained
+        vlm_weights = None if config_only else model_cfg.vlm.pretrained
     # a flavor of other towers than SigLIP + Llama (Qwen2.5-VL's): built from their configs
     if flavor.vision_type != "siglip_vision_model" and not model_cfg.pretrained_tower:
         backbones.setdefault("vision", {"model_type": flavor.vision_type,
                                         **{k: v for k, v in flavor.vision.items() if k != "image_size"}})
     if flavor.llm_type != "llama" and not model_cfg.text_folder:
         backbones.setdefault("llm", {"model_type": flavor.llm_type, **flavor.llm})
-    if fake:
+    if config_only:
         for name in ("vision", "llm"):
             folder = getattr(model_cfg, name).pretrained
             if folder and name not in backbones:
@@ -78,14 +82,14 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
         if model_cfg.vision.fused and backbones["vision"].get("model_type") != FUSED:
             backbones["vision"] = {"model_type": FUSED, "towers": [
                 backbones["vision"], read_config(model_cfg.vision.fused, "model.vision.fused")]}
-    ctx = fake_build() if fake else contextlib.nullcontext()
+    ctx = fake_build() if fake and not outer else contextlib.nullcontext()
     with ctx:
         vision = build_vision(flavor, model_cfg.image_size, model_cfg.vision.pretrained, model_cfg.patch_size,
                               model_cfg.vision_stem, config=backbones.get("vision"),
                               attn=model_cfg.attn_implementation, fused=model_cfg.vision.fused)
         llm = build_llm(flavor, model_cfg.llm.pretrained, config=backbones.get("llm"),
                         attn=model_cfg.attn_implementation)
-        if fake:
+        if config_only:
             llm.tie_weights()  # NOTE: no_init_weights also skips tying (e.g. small's tied embeddings)
         v_dim, l_dim = tower_width(vision), llm.config.hidden_size
         # a VLM's connector, or the flavor's
