@@ -115,8 +115,8 @@ def build_vlm(name: str, out: Path) -> Path:
     """A tiny random-init whole VLM of family `name` (LLaVA: a 3-block CLIP tower read at layer -2, a 2-layer GELU
     connector, a Llama LM; PaliGemma: a SigLIP tower, a one-linear connector, a tied-embedding Gemma; Idefics3 and
     SmolVLM: their SigLIP-shaped tower, a 2 x 2 pixel shuffle and a bias-free linear, a Llama LM; Qwen2-VL and
-    Qwen2.5-VL: their 3-D-patch towers (2.5: windowed blocks), a 2 x 2 patch merger, an M-RoPE text model) saved with its
-    tokenizer and a processor file of its own mean / std into `out`."""
+    Qwen2.5-VL: their 3-D-patch towers (2.5: windowed blocks), a 2 x 2 patch merger, an M-RoPE text model) saved with
+    its tokenizer and a processor file of its own mean / std into `out`."""
     import json
 
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration

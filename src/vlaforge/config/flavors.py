@@ -133,7 +133,7 @@ FLAVORS.add("qwen2.5-vl-3b", Flavor(
              rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
     projector_hidden=5120,
     action_hidden=1024,
-    projector={"hidden": 5120, "layers": 2, "merge": 2, "norm": "rms", "order": "units"},
+    projector={"layers": 2, "merge": 2, "norm": "rms", "order": "units"},
     nominal_params={"llm": 3.09e9},  # Qwen2.5-3B's published size (its ViT + merger: 0.67B, measured 0.669B)
     vision_type="qwen2_5_vl_vision",
     llm_type="qwen2_5_vl_text",

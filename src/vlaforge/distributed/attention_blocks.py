@@ -41,6 +41,11 @@ def fold_kv_grad(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
+def places_or_positions(places: torch.Tensor | None, n: int, device) -> torch.Tensor:
+    """(B or 1, n) each position's index in the layout a sliding window counts in: `places`, else the positions."""
+    return (places if places is not None else torch.arange(n, device=device)[None]).to(device)
+
+
 def window_mask(q_places: torch.Tensor, k_places: torch.Tensor, window: int | None) -> torch.Tensor | None:
     """(B, 1, Sq, Sk) bool, key visible to query under a sliding window (transformers': places_q - places_k <
     window), from each position's index in the layout the window counts in; None without a window."""

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from vlaforge.distributed.attention_blocks import (block_backward, block_forward, check_equal_shards, expand_kv,
-                                                   fold_kv_grad, merge, window_mask)
+                                                   fold_kv_grad, merge, places_or_positions, window_mask)
 
 # Test hook: called with ("send", step) when a transfer is issued and ("compute", step) before a block's math.
 trace: Callable[[str, int], None] | None = None
@@ -176,8 +176,7 @@ class _RingAttention(torch.autograd.Function):
 def shard_places(places: torch.Tensor | None, n: int, world: int, zigzag: bool, device) -> list[torch.Tensor]:
     """Every rank's shard of `places` (B, S): each position's index in the layout a sliding window counts in
     (default: the positions themselves), cut as the sequence is (zigzag or contiguous)."""
-    full = places if places is not None else torch.arange(n * world, device=device)[None]
-    full = full.to(device)
+    full = places_or_positions(places, n * world, device)
     return [zigzag_shard(full, r, world, dim=1) if zigzag else full.chunk(world, 1)[r] for r in range(world)]
 
 

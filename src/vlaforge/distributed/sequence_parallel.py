@@ -98,12 +98,13 @@ def attention_function(method: str, group=None, places=None):
             # fp32 q/k under fp32 masters): the kernels then save, send and return the autocast dtype, as SDPA would
             dtype = torch.get_autocast_dtype(device)
             query, key, value = (t.to(dtype) for t in (query, key, value))
+        at = places() if places is not None and window else None
         if method == "ulysses":  # whole sequences per head group: windows and soft-caps as one process
             out = ulysses_attention(query, key, value, group, causal=bool(causal), scale=scaling, window=window,
-                                    softcap=softcap, places=places() if places is not None and window else None)
+                                    softcap=softcap, places=at)
         else:  # (B, H, S_local, D)
             out = kernels[method](query, key, value, bool(causal), scaling, window=window, softcap=softcap,
-                                  places=places() if places is not None and window else None)
+                                  places=at)
         return out.transpose(1, 2).contiguous(), None  # (B, S_local, H, D), as transformers expects
 
     return attend

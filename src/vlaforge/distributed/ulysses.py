@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from vlaforge.distributed.attention_blocks import (block_backward, block_forward, check_equal_shards, expand_kv,
-                                                   fold_kv_grad, merge, window_mask)
+                                                   fold_kv_grad, merge, places_or_positions, window_mask)
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -123,7 +123,7 @@ def _allowed(n: int, causal: bool, window: int | None, places: torch.Tensor | No
     j = torch.arange(n, device=device)[None, :]
     allowed = ((j <= i) if causal else torch.ones(n, n, dtype=torch.bool, device=device))[None, None]
     if window is not None:
-        at = (places if places is not None else torch.arange(n, device=device)[None]).to(device)
+        at = places_or_positions(places, n, device)
         allowed = allowed & window_mask(at, at, window)
     return allowed
 
@@ -196,5 +196,5 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     vf = _AllGatherSeq.apply(v, group)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if window is not None:
-        places = (places if places is not None else torch.arange(kf.shape[2])[None]).to(q.device)
+        places = places_or_positions(places, kf.shape[2], q.device)
     return _GatheredAttention.apply(q, kf, vf, rank, causal, scale, window, softcap, places)

@@ -61,7 +61,7 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
     # under a caller's own fake-tensor mode (`profile --fake`, `plan --measure`) the build is a fake one too: the
     # pretrained components come from their configs (weights read into fake tensors would not be the parameters the
     # forward sees, and a VLM's files have no storage to go to)
-    outer = _fake_mode_active()
+    outer = fake_mode_active()
     config_only = fake or outer
     vlm_weights = None  # a whole VLM's folder whose weights fill the components once built
     if model_cfg.vlm.pretrained and not {"vision", "llm", "projector"} <= backbones.keys():
@@ -92,10 +92,10 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
         if config_only:
             llm.tie_weights()  # NOTE: no_init_weights also skips tying (e.g. small's tied embeddings)
         v_dim, l_dim = tower_width(vision), llm.config.hidden_size
-        # a VLM's connector, or the flavor's
-        shape = {"hidden": flavor.projector_hidden, **flavor.projector, **backbones.get("projector", {})}
+        shape = {**flavor.projector, **backbones.get("projector", {})}  # a VLM's connector, or the flavor's
+        shape["hidden"] = shape.get("hidden") or flavor.projector_hidden  # (a one-linear connector saves None)
         merge = shape.get("merge", 1)
-        projector = Projector(v_dim, l_dim, **{**shape, "hidden": shape["hidden"] or flavor.projector_hidden})
+        projector = Projector(v_dim, l_dim, **shape)
         head_cfg = model_cfg.action_head
         action_head = ACTION_HEADS.get(head_cfg.kind)(
             llm_dim=l_dim, action_dim=model_cfg.action_dim, state_dim=model_cfg.state_dim,
@@ -107,18 +107,20 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
                      new={"projector": {"logit_scale"}})
     native = native_size(vision)
     image_size = model_cfg.image_size or native or flavor.vision.get("image_size") or DEFAULT_IMAGE_SIZE
-    if merge > 1 and image_size % (vision.config.patch_size * merge):
-        raise VlaforgeError(f"model.image_size = {image_size} is not a multiple of the tower's {vision.config.patch_size}"
-                            f"-pixel patches x its connector's {merge} x {merge} merge; use a multiple of "
-                            f"{vision.config.patch_size * merge}")
+    patch = vision.config.patch_size
+    if merge > 1 and image_size % (patch * merge):
+        raise VlaforgeError(f"model.image_size = {image_size} is not a multiple of the tower's {patch}-pixel patches x "
+                            f"its connector's {merge} x {merge} merge; use a multiple of {patch * merge}")
     layout = Layout(frames=model_cfg.frames_per_sample, image_size=image_size,
                     # CLS / registers dropped; a merging connector's merged tokens
-                    patches_per_frame=(image_size // vision.config.patch_size // merge) ** 2,
-                    interpolate_pos=native is not None and image_size != native, mrope=mrope_section(llm.config) is not None)
+                    patches_per_frame=(image_size // patch // merge) ** 2,
+                    interpolate_pos=native is not None and image_size != native,
+                    mrope=mrope_section(llm.config) is not None)
     return VLA(vision, projector, llm, action_head, layout, objective_from(loss_cfg or LossConfig()))
 
 
-def _fake_mode_active() -> bool:
+def fake_mode_active() -> bool:
+    """Whether a fake-tensor mode is active (a caller's `fake_build`, or torch's own)."""
     from torch._guards import detect_fake_mode
 
     return detect_fake_mode() is not None

@@ -7,8 +7,8 @@ instead of from Llama's attribute names: the one place that knows families diffe
 - `tp_plan`: each block's tensor-parallel plan from the config's own `base_model_tp_plan` (transformers ships one
   per family: fused projections gathered, q/k norms `replicated_with_grad_allreduce`, MoE experts), with the
   styles vlaforge runs and a one-line refusal for the others.
-- `expert_modules`: the modules holding the 3-D stacked expert weights of MoE blocks, which `nn.Linear`-based converters (fp8,
-  quantization) do not see.
+- `expert_modules`: the modules holding the 3-D stacked expert weights of MoE blocks, which `nn.Linear`-based
+  converters (fp8, quantization) do not see.
 - `mrope_section`: whether the LLM takes Qwen-VL's 3-D multimodal RoPE positions (the VLA then gives them).
 - `block_norms`: a block's own norm layers (two in Llama, one in Phi, four in Gemma3), for sequence parallel.
 - `unlike_llama`: what in a block differs from Llama's (q/k norms, extra norms, fused projections, experts), for

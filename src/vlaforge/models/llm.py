@@ -4,6 +4,8 @@ transformers ships with no causal-LM class (Qwen2-VL's, Qwen2.5-VL's: `TextLM` a
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from vlaforge.errors import VlaforgeError
@@ -56,14 +58,8 @@ def _text_lm_class():
     return TextLM
 
 
-_TEXT_LM: list = []
-
-
-def text_lm_class():
-    """The `TextLM` class (built on first use: transformers is imported lazily)."""
-    if not _TEXT_LM:
-        _TEXT_LM.append(_text_lm_class())
-    return _TEXT_LM[0]
+# the `TextLM` class, built on first use (transformers is imported lazily)
+text_lm_class = functools.cache(_text_lm_class)
 
 
 def build_llm(flavor: Flavor, pretrained: str | None, config: dict | None = None, attn: str = "sdpa") -> nn.Module:

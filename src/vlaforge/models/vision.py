@@ -84,10 +84,10 @@ class VisionFamily:
     # its forward's shapes follow from the input's shape alone: fake tensors (planning) and graph export run it
     # (Qwen-VL's read their patch grid's values for windows and sequence bounds)
     static_shapes: bool = True
-    # the planner's vision formula (SigLIP's block, embeddings and post-norm) counts this tower exactly; Idefics3's
-    # and SmolVLM's are SigLIP's, with position ids per image (bucketed onto each image's grid)
-    planned: str | None = None  # the planner's block kind ("siglip", "qwen_vit"); None: not planned
-    positions_per_image: bool = False
+    # the planner's block formula that counts this tower exactly ("siglip": SigLIP's block, embeddings and
+    # post-norm, also Idefics3's and SmolVLM's towers; "qwen_vit": Qwen2.5-VL's windowed block); None: not planned
+    planned: str | None = None
+    positions_per_image: bool = False  # position ids per image (Idefics3's, bucketed onto each image's grid)
     width: Any = lambda config: config.hidden_size  # the width of its tokens (Qwen2-VL's `embed_dim`)
 
     def cls(self):
@@ -359,12 +359,12 @@ def tower_features(vision: nn.Module, pixels: torch.Tensor, resize: bool) -> tor
         return torch.cat([tower_features(t, pixels, pixels.shape[-1] != native_size(t)) for t in vision.towers], -1)
     pixels = normalize_pixels(vision, pixels)
     if not fam.static_shapes:
-        from torch._guards import detect_fake_mode
+        from vlaforge.models.build import fake_mode_active
 
-        if detect_fake_mode() is not None:
+        if fake_mode_active():
             raise VlaforgeError(f"the {fam.name} vision tower computes its attention windows and sequence bounds from "
                                 "the values of its patch grid, which fake tensors do not hold: profile it without "
-                                "--fake (the planner does not model it yet)")
+                                "--fake (vlaforge plan counts Qwen2.5-VL's from its shapes)")
     if fam.input == "qwen":
         flat, grid = qwen_patches(pixels, vision.config)
         units = vision(hidden_states=flat, grid_thw=grid).pooler_output  # (N*h*w / unit, unit * D): MergeUnits
@@ -386,31 +386,29 @@ def tower_features(vision: nn.Module, pixels: torch.Tensor, resize: bool) -> tor
 
 def build_vision(flavor: Flavor, image_size: int | None, pretrained: str | None,
                  patch_size: int | None = None, stem: str = "patch", config: dict | None = None,
-                 attn: str = "sdpa", fused: str | None = None) -> nn.Module:
+                 attn: str = "sdpa", fused: str | None = None, field: str = "model.vision.pretrained") -> nn.Module:
     """The vision tower without its pooling head (the VLA uses every patch token): a flavor's SigLIP, or the tower
     of the `pretrained` folder's family (`VISION_FAMILIES`); `stem` 'conv' swaps its patch embedding for a
     `ConvStem` (towers built from scratch only). `config`: a pretrained tower's config alone (weights to come from
     a checkpoint, or none under fake tensors). `attn`: `model.attn_implementation`. `fused`: a second tower's
-    folder, fused with `pretrained`'s (`FusedTower`)."""
+    folder, fused with `pretrained`'s (`FusedTower`). `field`: the config field a folder's errors name."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     if fused or (config is not None and config.get("model_type") == FUSED):
         if config is not None:  # a saved fused config (its towers cut already), or the two folders' configs
             towers = [build_vision(flavor, None, None, config=c, attn=attn) for c in config["towers"]]
             return fuse_towers(towers, cut=any(c.get("vlaforge_final_norm", True) for c in config["towers"]))
-        check_pretrained_folder(fused, "model.vision.fused")  # (named as its own field in the error)
-        family_for_folder(read_config(fused, "model.vision.fused").get("model_type"), fused, "model.vision.fused")
-        return fuse_towers([build_vision(flavor, None, f, attn=attn) for f in (pretrained, fused)], cut=True)
+        return fuse_towers([build_vision(flavor, None, f, attn=attn, field=name) for f, name in
+                            ((pretrained, "model.vision.pretrained"), (fused, "model.vision.fused"))], cut=True)
     if pretrained or config is not None:
         if config is not None:
             fam = family_for_folder(config.get("model_type"))
             config = {**config.get("vision_config", config), "model_type": fam.tower_type}
             model = from_config(fam.cls(), config, "model.vision.pretrained", attn)
         else:  # a tower's folder, or a whole image + text model's (SigLIP, CLIP) whose vision tower is taken
-            folder = check_pretrained_folder(pretrained, "model.vision.pretrained")  # config and weights there
-            fam = family_for_folder(read_config(folder, "model.vision.pretrained").get("model_type"), pretrained)
-            model = load_pretrained(fam.cls(), pretrained, "model.vision.pretrained", families=fam.folder_types,
-                                    attn=attn)
+            folder = check_pretrained_folder(pretrained, field)  # config and weights there
+            fam = family_for_folder(read_config(folder, field).get("model_type"), pretrained, field)
+            model = load_pretrained(fam.cls(), pretrained, field, families=fam.folder_types, attn=attn)
         set_pixel_stats(model, fam, pretrained if config is None else None)
         prune_tower(model, fam)  # NOTE: unused parameters would never get gradients (breaks DDP, wastes memory)
         return model

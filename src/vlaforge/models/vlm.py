@@ -183,8 +183,8 @@ VLM_FAMILIES = (
 )
 # VLM families transformers has that no adapter maps, and why
 REFUSED = {kind: "its DeepStack adds tower features from intermediate blocks to the language model's first blocks, "
-                 "which vlaforge's embeddings-in token layout does not carry; Qwen2-VL and Qwen2.5-VL folders are mapped"
-           for kind in ("qwen3_vl", "qwen3_vl_moe")}
+                 "which vlaforge's embeddings-in token layout does not carry; Qwen2-VL and Qwen2.5-VL folders are "
+                 "mapped" for kind in ("qwen3_vl", "qwen3_vl_moe")}
 
 
 def vlm_family(folder: str | Path) -> tuple[VLMFamily, dict]:

@@ -23,8 +23,8 @@ SigLIP block (`vision`): LayerNorm keeps its input 4D and mean and rstd 8; no ma
 are biased; the MLP keeps fc1's input (4D shared, or cD cast), fc1's output and GELU's output (2cF).
 
 Qwen2.5-VL block (`qwen_vit`, the tower transformers runs window by window): RMSNorm (fp32 input 4D, rsqrt 4,
-normed output cD) twice; attention: the fused qkv projection's input (4D, or one cD cast), its output 3cD (its v slice is
-what SDPA keeps), q and k after the rotary step (as SDPA gets them: cD each), the windows' SDPA outputs cD and
+normed output cD) twice; attention: the fused qkv projection's input (4D, or one cD cast), its output 3cD (its v
+slice is what SDPA keeps), q and k after the rotary step (as SDPA gets them: cD each), the windows' SDPA outputs cD and
 log-sum-exps 4H, the output projection's input (their concatenation) cD; the SwiGLU MLP as Llama's. Once per model:
 the rotary cos / sin (2 x 4d per token; not kept by checkpointed blocks under bf16 autocast, as measured), the window
 permutation's two indices (8 per merge unit each).
@@ -276,11 +276,17 @@ def conv_stem_bytes(vision, images: int, image_size: int, cb: int) -> int:
     return images * total
 
 
+def qwen_window_grid(vis, seq: Sequence) -> tuple[int, int]:
+    """(merge units per image side, merge units per window side) of a Qwen2.5-VL tower: `window_size` pixels
+    square in whole merge units."""
+    units = math.isqrt(seq.tower_patches) // vis.spatial_merge_size
+    return units, max(1, vis.window_size // vis.spatial_merge_size // vis.patch_size)
+
+
 def qwen_bounds(vis, images: int, seq: Sequence) -> int:
     """The int32 sequence bounds Qwen2.5-VL's checkpointed blocks keep as keyword inputs: the images' (full-attention
     blocks) and the windows' (its window index pads each side with whole windows, one more when it divides)."""
-    units = math.isqrt(seq.tower_patches) // vis.spatial_merge_size
-    w = max(1, vis.window_size // vis.spatial_merge_size // vis.patch_size)
+    units, w = qwen_window_grid(vis, seq)
     windows = (units // w + 1) ** 2
     full = any(i in vis.fullatt_block_indexes for i in range(vis.num_hidden_layers))
     windowed = any(i not in vis.fullatt_block_indexes for i in range(vis.num_hidden_layers))

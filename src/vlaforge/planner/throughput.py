@@ -35,13 +35,12 @@ network's.
 
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vlaforge import COMPONENTS
-from vlaforge.planner.activations import Sequence, activation_parts, compute_bytes, llm_shape, vision_shape
+from vlaforge.planner.activations import (Sequence, activation_parts, compute_bytes, llm_shape, qwen_window_grid,
+                                          vision_shape)
 from vlaforge.planner.hardware import GB
 from vlaforge.techniques.freezing import ever_trains
 
@@ -82,13 +81,12 @@ def _recomputed(strategy: str, attn_mm: float, ffn_mm: float, attn_out: float, f
 
 def _attention_pairs(vis, seq: Sequence, block: int, qwen: bool) -> int:
     """(query, key) pairs a vision block attends per image: all of its patches', or, in Qwen2.5-VL's windowed
-    blocks (all but `fullatt_block_indexes`), each window's: `window_size` pixels square in whole merge units,
-    smaller at the grid's far edges (transformers' `get_vision_window_index`)."""
+    blocks (all but `fullatt_block_indexes`), each window's (`qwen_window_grid`), smaller at the grid's far edges
+    (transformers' `get_vision_window_index`)."""
     if not qwen or block in vis.fullatt_block_indexes:
         return seq.tower_patches ** 2
     m = vis.spatial_merge_size
-    units = math.isqrt(seq.tower_patches) // m  # merge units per side
-    w = max(1, vis.window_size // m // vis.patch_size)
+    units, w = qwen_window_grid(vis, seq)
     sides = [w] * (units // w) + ([units % w] if units % w else [])
     return sum((a * b * m * m) ** 2 for a in sides for b in sides)
 
@@ -129,9 +127,8 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
         fc1, fc2 = 0.0, 2.0 * tp * width * llm.hidden_size
     proj = fc1 + fc2
     out.forward["projector"] = proj
-    # weight gradients when it trains; fc2's input gradient to reach fc1's weights or the vision tower, fc1's only
-    # for the vision tower
-    # the first linear's input gradient: for the vision tower, or for a norm before it (Qwen-VL's merger) that trains
+    # weight gradients when it trains; fc2's input gradient to reach fc1's weights or the vision tower; the first
+    # linear's input gradient for what is below it: the vision tower, or a norm before it that trains (Qwen-VL's)
     below = trains["vision"] or (model.projector.norm is not None and trains["projector"])
     if fc1:
         out.backward["projector"] = (proj * trains["projector"] + fc2 * (trains["projector"] or trains["vision"])
