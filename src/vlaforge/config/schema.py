@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from vlaforge import COMPONENTS
 from vlaforge.config.base import Section
 from vlaforge.config.distill import DistillConfig
+from vlaforge.config.lora import LoraConfig
 from vlaforge.config.monitors import DiagnosticsConfig, LossScaleConfig, NumericsConfig
 from vlaforge.registry import did_you_mean
 
@@ -203,6 +204,8 @@ class ComponentConfig(Section):
     unfreeze_at_step: int | None = Field(None, ge=0, description="a frozen component starts training here")
     unfreeze_last_blocks: int | None = Field(None, ge=1, description="at unfreeze_at_step, train only the last K "
                                                                       "blocks (and what follows them)")
+    lora: LoraConfig | None = Field(None, description="low-rank adapters over the frozen base (techniques/lora.py): "
+                                                      "the adapters are the component's trainable parameters")
 
     @model_validator(mode="after")
     def _qat_fits(self) -> "ComponentConfig":
@@ -211,6 +214,16 @@ class ComponentConfig(Section):
         if self.qat != "none" and self.precision == "fp8":
             raise ValueError(f"qat = {self.qat!r} with precision = 'fp8': both replace the linears; train with "
                              "precision = 'bf16' and qat")
+        if self.lora is not None and self.precision == "fp8":
+            raise ValueError("lora with precision = 'fp8': fp8 linears and adapters both replace the linears; train "
+                             "the adapters with precision = 'bf16' (lora.base = 'nf4' shrinks the base further)")
+        if self.lora is not None and self.qat != "none":
+            raise ValueError(f"lora with qat = {self.qat!r}: fake quantization and adapters both replace the "
+                             "linears; train the adapters over a quantized base instead (lora.base = 'int8' | 'nf4')")
+        if self.lora is not None and self.lora.base == "bf16" and self.precision == "fp32":
+            raise ValueError("lora.base = 'bf16' on a component with precision = 'fp32': its linears would mix bf16 "
+                             "weights with fp32 inputs; set precision = 'bf16' (or lora.base = 'nf4' / 'int8', which "
+                             "dequantize to the input's dtype)")
         return self
 
     @model_validator(mode="after")
@@ -219,6 +232,9 @@ class ComponentConfig(Section):
             raise ValueError("unfreeze_at_step needs trainable = false (the component is frozen until then)")
         if self.unfreeze_last_blocks is not None and self.unfreeze_at_step is None:
             raise ValueError("unfreeze_last_blocks needs unfreeze_at_step")
+        if self.lora is not None and not self.trainable and self.unfreeze_at_step is None:
+            raise ValueError("lora on a component with trainable = false: its adapters would never train; drop "
+                             "lora, or set unfreeze_at_step for when the adapters start training")
         return self
 
 
@@ -487,10 +503,27 @@ class VLAConfig(Section):
                 setattr(self.model, key, "auto")  # unset: taken from the dataset (data/shapes.py)
             elif self.data.source != "lerobot" and getattr(self.model, key) == "auto":
                 setattr(self.model, key, list(value) if isinstance(value, list) else value)  # no dataset to ask
+        self._lora_composes()
         self.distill.check(self)
         if self.model.shapes_known():  # else checked again once the dataset has resolved them
             self._tokens_fit()
         return self
+
+    def _lora_composes(self) -> None:
+        """The layouts LoRA is not yet carried through are refused here, before anything is built (docs/lora.md)."""
+        lora = [c for c, p in self.components.items() if p.lora is not None]
+        if not lora:
+            return
+        p, t = self.parallel, self.train
+        refused = {"parallel.tp > 1": p.tp > 1, "parallel.pp > 1": p.pp > 1,
+                   "parallel.backend = 'deepspeed'": p.backend == "deepspeed",
+                   "train.checkpoint_format = 'sharded'": t.checkpoint_format == "sharded",
+                   "train.compile": t.compile}
+        for what, hit in refused.items():
+            if hit:
+                raise ValueError(f"components.{lora[0]}.lora with {what} is not supported yet (the adapters are "
+                                 "carried through FSDP2 / HSDP / DDP, checkpointing, offload and accumulation); drop "
+                                 f"{what.split(' ')[0]} or the lora")
 
     def _tokens_fit(self) -> None:
         """The LLM sequence of one sample within the flavor's positions (a pretrained LLM is checked on load)."""

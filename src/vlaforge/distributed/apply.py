@@ -15,6 +15,7 @@ from vlaforge.distributed.pipeline import StageModule, StagePlan, split_for_stag
 from vlaforge.distributed.sequence_parallel import SequenceParallel, apply_sequence_parallel
 from vlaforge.techniques.checkpointing import apply_checkpointing
 from vlaforge.techniques.compile import compile_blocks
+from vlaforge.techniques.lora import LoraReport, apply_lora
 from vlaforge.techniques.offload import apply_offload
 from vlaforge.techniques.precision import PrecisionSetup, apply_precision
 from vlaforge.techniques.quantize import prepare_qat
@@ -33,6 +34,7 @@ class Applied:
     stage_plan: StagePlan | None = None
     sequence_parallel: SequenceParallel | None = None
     qat: dict[str, list[str]] | None = None  # component -> fake-quantized layers
+    lora: dict[str, LoraReport] | None = None  # component -> its adapters
 
 
 def apply_techniques(model: nn.Module, cfg, device: torch.device, dims: "ParallelDims | None" = None, mesh=None,
@@ -48,7 +50,10 @@ def apply_techniques(model: nn.Module, cfg, device: torch.device, dims: "Paralle
     # applies to the fake-quantized linears like any other
     qat = prepare_qat(model, policies)
     applied = Applied(apply_precision(model, policies, device, cfg.train.precision_master), qat=qat)
+    # NOTE: adapters after precision: its master-dtype cast would dequantize an NF4 base (and the adapters are
+    # created in the base's dtype, so a bf16 master trains bf16 adapters, an fp32 master fp32 ones)
     layout = dims is not None and dims.distributed and dims.backend != "deepspeed"
+    applied.lora = apply_lora(model, policies, shards=dims.dp_shard if layout else 1)
     if layout and dims.pp > 1:
         # NOTE: the pipeline split comes first among the layouts: every later step applies to the modules this
         # rank's stage keeps

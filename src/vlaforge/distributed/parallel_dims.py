@@ -178,11 +178,27 @@ def check_layout(cfg, world: World) -> ParallelDims:
         if cfg.parallel.cp_method == "ulysses":  # 'auto' avoids it when the heads do not split
             check_ulysses_heads(dims.cp, facts.llm_heads // dims.tp)
     if dims.distributed:
+        check_lora_storage(cfg, dims)
         if any(p.unfreeze_at_step is not None for _, p in cfg.components.items()):
             raise VlaforgeError("unfreeze_at_step is not available with more than one process yet (FSDP2 fixes "
                                 "which parameters train when it shards); train the component from the start or "
                                 "run in one process")
     return dims
+
+
+def check_lora_storage(cfg, dims: ParallelDims) -> None:
+    """The quantized LoRA bases torchao's tensors can be sharded as: NF4 under FSDP2 sharding (its all-gather
+    hooks fail on a replicate dimension: HSDP, DDP), int8 under none (it implements no split)."""
+    for name, p in cfg.components.items():
+        base = p.lora.base if p.lora is not None else None
+        if base == "int8":
+            raise VlaforgeError(f"components.{name}.lora.base = 'int8' cannot be sharded or replicated (torchao's "
+                                "int8 tensor has no split); use lora.base = 'nf4' or 'bf16' with more than one "
+                                "process")
+        if base == "nf4" and dims.dp_replicate > 1:
+            raise VlaforgeError(f"components.{name}.lora.base = 'nf4' with parallel.dp_replicate = "
+                                f"{dims.dp_replicate}: torchao's NF4 tensor shards under FSDP2 but does not "
+                                "replicate (HSDP, DDP); set dp_replicate = 1, or lora.base = 'bf16'")
 
 
 def check_family(folder: str, dims: ParallelDims) -> None:

@@ -106,19 +106,21 @@ def full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer: torc
     return _merge_stages(tree_map_only(torch.Tensor, lambda t: t.cpu(), state), _merge_optimizer, pp)
 
 
-def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor], optional: set[str] = frozenset()
+                          ) -> None:
     """Load a full state dict; tensors of parameters this rank does not hold (other pipeline stages') are skipped,
-    every tensor it holds must be there."""
+    every tensor it holds must be there but the `optional` ones (a LoRA checkpoint's frozen base)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     mine = set(model.state_dict())
-    missing = mine - state.keys()
+    missing = mine - state.keys() - optional
     if missing:
         from vlaforge.errors import VlaforgeError
 
         raise VlaforgeError(f"the checkpoint lacks {len(missing)} tensors of the model (e.g. {sorted(missing)[0]}); "
                             "resume with the config saved in that checkpoint")
-    set_model_state_dict(model, {k: v for k, v in state.items() if k in mine}, options=_options())
+    set_model_state_dict(model, {k: v for k, v in state.items() if k in mine},
+                         options=_options(strict=not optional))
 
 
 def load_full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer: torch.optim.Optimizer,

@@ -13,6 +13,7 @@ from torch import nn
 from vlaforge import COMPONENTS
 from vlaforge.models.llm import llm_blocks
 from vlaforge.models.vision import vision_blocks
+from vlaforge.techniques.lora import is_adapter
 
 BLOCKS = {"vision": vision_blocks, "llm": llm_blocks}
 
@@ -38,7 +39,8 @@ def apply_freezing(model: nn.Module, policies: Mapping[str, Any], step: int) -> 
     """Set requires_grad for every parameter according to the schedules at `step`.
 
     With `unfreeze_last_blocks = K`, only the last K transformer blocks of the component and the modules after
-    them (e.g. the final norm) train; the embeddings and earlier blocks stay frozen.
+    them (e.g. the final norm) train; the embeddings and earlier blocks stay frozen. A component with LoRA trains
+    only its adapters (its base stays frozen at every step; its adapters follow the schedule).
 
     Returns:
         Trainable parameter count per component.
@@ -47,7 +49,9 @@ def apply_freezing(model: nn.Module, policies: Mapping[str, Any], step: int) -> 
     for name in COMPONENTS:
         module, policy = getattr(model, name), policies[name]
         on = trainable_at(policy, step)
-        module.requires_grad_(on)
+        lora = getattr(policy, "lora", None) is not None
+        for pname, p in module.named_parameters():
+            p.requires_grad_(on and (not lora or is_adapter(pname)))
         k = policy.unfreeze_last_blocks
         if on and not policy.trainable and k is not None:
             _train_only_tail(module, name, k)

@@ -242,9 +242,11 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, sharded: bool = False) -
         from safetensors.torch import load_file
 
         from vlaforge.distributed.state import load_full_model_state
+        from vlaforge.training.lora_checkpoint import is_lora, optional_keys, read_record
 
         _upgrade_legacy(ckpt / MODEL_FILE)
-        load_full_model_state(model, load_file(str(ckpt / MODEL_FILE)))
+        optional = optional_keys(model, read_record(ckpt)) if is_lora(ckpt) else set()
+        load_full_model_state(model, load_file(str(ckpt / MODEL_FILE)), optional=optional)
     else:
         load_weights(ckpt, model)
     return load_trainer_state(ckpt)
@@ -316,6 +318,21 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
         return
     if not (ckpt / MODEL_FILE).is_file():
         raise VlaforgeError(f"checkpoint {ckpt} has no {MODEL_FILE}; give a checkpoints/step_* folder")
+    from vlaforge.training.lora_checkpoint import is_lora, load_lora_weights, load_merged
+
+    if is_lora(ckpt) and getattr(model, "lora", None):  # resuming: the same adapters over the rebuilt base
+        load_lora_weights(ckpt, model, ckpt / MODEL_FILE)
+        return
+    if is_lora(ckpt):  # a plain model (init_from, a teacher): the adapters merged into their base
+        from vlaforge.config.loading import load_config
+
+        merged = load_merged(ckpt, load_config(ckpt / CONFIG_FILE)).state_dict()
+        try:
+            model.load_state_dict(merged)
+        except RuntimeError as exc:
+            raise VlaforgeError(f"checkpoint {ckpt} does not match the model ({first_line(exc, 160)}); use the "
+                                "config saved in that checkpoint") from None
+        return
     try:
         _upgrade_legacy(ckpt / MODEL_FILE)
         missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
@@ -380,7 +397,15 @@ def export_weights(ckpt: Path, out: Path | None = None) -> Path:
     if is_quantized(ckpt):
         raise VlaforgeError(f"{ckpt} is a `vlaforge quantize` folder: its weights are torchao's quantized tensors, "
                             "not float weights to export; export the float run, or serve / eval the folder itself")
-    if not is_sharded(ckpt):
+    from vlaforge.training.lora_checkpoint import is_lora
+
+    if is_lora(ckpt):  # the adapters merged into their base: the full weights a plain VLA loads
+        if out.resolve() == default.resolve():
+            raise VlaforgeError(f"checkpoint {ckpt} is a LoRA run (its {MODEL_FILE} holds the adapters); give --out "
+                                "for the merged weights")
+        _check_export_target(out)
+        state = load_policy_model(ckpt)[0].state_dict()
+    elif not is_sharded(ckpt):
         if out.resolve() == default.resolve():
             raise VlaforgeError(f"checkpoint {ckpt} already holds {MODEL_FILE} (it is not sharded); give --out to "
                                 "copy it elsewhere")
@@ -445,9 +470,12 @@ def load_policy_model(checkpoint: str | Path, device: torch.device | str = "cpu"
     from vlaforge.config.loading import load_config
     from vlaforge.models.build import build_vla
     from vlaforge.techniques.quantized_format import is_quantized, load_quantized
+    from vlaforge.training.lora_checkpoint import is_lora, load_merged
 
     ckpt = resolve_checkpoint(str(checkpoint), ".", what=what)
     cfg = load_config(ckpt / CONFIG_FILE)
+    if is_lora(ckpt) and not is_quantized(ckpt):
+        return load_merged(ckpt, cfg), cfg, ckpt
     model = build_vla(cfg.model, cfg.loss, backbones=saved_backbones(ckpt))
     if is_quantized(ckpt):
         load_quantized(ckpt, model, torch.device(device))

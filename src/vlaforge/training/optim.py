@@ -10,6 +10,7 @@ from torch import nn
 
 from vlaforge import COMPONENTS
 from vlaforge.techniques.freezing import ever_trains
+from vlaforge.techniques.lora import is_adapter
 
 
 class LRSpreadWarning(UserWarning):
@@ -33,11 +34,15 @@ def owned_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 def build_param_groups(model: nn.Module, components) -> list[dict]:
     """Groups named '<component>' and '<component>.no_decay' with the component's lr / weight decay.
 
-    Every parameter is in a group from the start (frozen ones included) so staged unfreezing needs no rebuild.
+    Every parameter is in a group from the start (frozen ones included) so staged unfreezing needs no rebuild;
+    the frozen base of a LoRA component (which never trains) is left out.
     """
     groups = []
     for name, params in owned_parameters(model).items():
         policy = getattr(components, name)
+        if getattr(policy, "lora", None) is not None:
+            adapters = {id(p) for n, p in getattr(model, name).named_parameters() if is_adapter(n)}
+            params = [p for p in params if id(p) in adapters]
         decay, no_decay = [], []
         for p in params:
             (no_decay if _no_decay(p) else decay).append(p)

@@ -34,6 +34,7 @@ from vlaforge.techniques.freezing import ever_trains
 from vlaforge.techniques.precision import PrecisionSetup
 from vlaforge.training import checkpoint as ckpt
 from vlaforge.training.distill import Distiller, Teacher, build_teacher, split_parameters
+from vlaforge.training import lora_checkpoint
 from vlaforge.training.metrics import MetricsLogger, to_floats
 from vlaforge.training.optim import build_optimizer, build_param_groups, build_scheduler
 from vlaforge.training.recorder import oom_snapshot, recorded_step
@@ -120,6 +121,7 @@ class Run:
     tokens_per_sample: int
     data: Data
     evaluate: Evaluator | None
+    lora_base: dict[str, Any] | None = None  # what names a LoRA run's frozen base (training/lora_checkpoint.py)
 
 
 def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
@@ -139,8 +141,12 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
         torch.distributed.barrier()  # NOTE: every rank has checked the folder before rank 0 writes into it
     seed_everything(cfg.train.seed)  # the same on every rank: identical initial weights before sharding
     model = build_bare(cfg, device)
-    if cfg.train.init_from and resume_from is None:
+    lora = any(p.lora is not None for _, p in cfg.components.items())
+    if cfg.train.init_from and (resume_from is None or lora):  # a LoRA checkpoint holds no base: rebuilt here
         ckpt.load_weights(ckpt.resolve_checkpoint(cfg.train.init_from, ".", what="train.init_from"), model)
+    lora_base = lora_checkpoint.base_record(cfg, model)
+    if resume_from is not None and lora_base is not None and lora_checkpoint.is_lora(resume_from):
+        lora_checkpoint.check_base(resume_from, lora_checkpoint.read_record(resume_from), lora_base["digest"])
     teacher = build_teacher(cfg, model, device, fresh=resume_from is None, verbose=world.is_main)
     tps = tokens_per_sample(model, cfg.data.max_instruction_tokens, cfg.data.max_text_tokens)
     check_memory(cfg, model, device, tps)
@@ -177,7 +183,7 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
     return Run(cfg=cfg, run_dir=run_dir, device=device, world=world, dims=dims, model=model,
                precision=applied.precision, guards=guards, executor=executor, weighting=weighting, optimizer=optimizer,
                scheduler=scheduler, start_step=start, start_sample=samples, tokens_per_sample=tps, data=data,
-               evaluate=evaluate)
+               evaluate=evaluate, lora_base=lora_base)
 
 
 def describe_layout(applied: Applied, dims: ParallelDims) -> None:
@@ -187,6 +193,8 @@ def describe_layout(applied: Applied, dims: ParallelDims) -> None:
     if applied.qat:
         print("quantization-aware training: " + ", ".join(f"{c} {len(layers)} layers fake-quantized"
                                                           for c, layers in applied.qat.items()), flush=True)
+    for name, report in (applied.lora or {}).items():
+        print(f"lora: {report.summary(name)}", flush=True)
     if applied.sequence_parallel is not None:
         sp = applied.sequence_parallel
         print(f"context parallel: cp = {dims.cp}, {sp.method} ({sp.why})", flush=True)
@@ -279,18 +287,21 @@ def save(run: Run, step: int) -> Path | None:
         save_sharded(tmp / ckpt.DCP_DIR, run.model, run.weighting, run.optimizer)
     elif distributed:
         weights = full_model_state(run.model, run.dims.pp)
+    if run.lora_base is not None:  # the adapters (and the components trained in full), not the frozen base
+        weights = lora_checkpoint.checkpoint_weights(run.lora_base, run.model.state_dict() if weights is None
+                                                     else weights)
     state = trainer_state(run, step, optimizer=not prepared)
     path = None
     if run.world.is_main:
         path = ckpt.save_checkpoint(run.run_dir, step, run.model, state, dump_toml(run.cfg), t.keep_checkpoints,
-                                    extra=lambda folder: save_policy_files(run, folder), weights=weights,
+                                    extra=lambda folder: save_policy_files(run, folder, weights), weights=weights,
                                     prepared=prepared)
     if distributed:
         torch.distributed.barrier()  # no rank runs ahead of a checkpoint it may need to resume from
     return path
 
 
-def save_policy_files(run: Run, folder: Path) -> None:
+def save_policy_files(run: Run, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
     """What a checkpoint needs beyond its weights to load and predict on its own: the observation spec and the
     tokenizer (training's, or the pretrained LLM's), and the pretrained components' configs (backbones.json), so
     it loads after the pretrained folders it started from are gone."""
@@ -299,6 +310,8 @@ def save_policy_files(run: Run, folder: Path) -> None:
 
         run.data.tokenizer = pretrained_tokenizer(run.cfg.model.text_folder)
     run.data.save_policy_files(folder)
+    if run.lora_base is not None:
+        lora_checkpoint.write_record(folder, run.lora_base, weights)
     backbones = backbone_configs(run.model, run.cfg.model)
     if backbones:
         write_atomic(folder / BACKBONES_FILE, json.dumps(backbones, indent=1, default=str))

@@ -1,0 +1,47 @@
+"""`components.<c>.lora`: low-rank adapters on a component's linears over a frozen (possibly quantized) base
+(techniques/lora.py; docs/lora.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from vlaforge.config.base import Section
+
+# how the frozen base of a LoRA component is stored: "auto" keeps the component's weight dtype (its master dtype)
+LoraBase = Literal["auto", "fp32", "bf16", "int8", "nf4"]
+
+
+class LoraConfig(Section):
+    """LoRA (Hu et al. 2021) on a component, with peft's semantics: y = W x + (alpha / rank) B A dropout(x), A
+    initialised at random and B at zero, so training starts from the base model exactly. `base = "nf4"` is QLoRA
+    (Dettmers et al. 2023): the frozen base held as torchao's NF4 tensor during training."""
+
+    rank: int = Field(16, ge=1, le=4096, description="r: inner width of each adapter (A: r x in, B: out x r)")
+    alpha: float = Field(16.0, gt=0, description="scaling numerator: the update is (alpha / rank) B A x "
+                                                 "(alpha / sqrt(rank) with rslora)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter path's input")
+    targets: Literal["all-linear"] | list[str] = Field(
+        "all-linear", description="the linears that get adapters: every nn.Linear of the component (the LLM's "
+                                  "output head excepted), or module names inside the component, each matching a "
+                                  "module whose name is it or ends in '.' + it (e.g. ['q_proj', 'v_proj'])")
+    init: Literal["kaiming", "gaussian"] = Field(
+        "kaiming", description="initialisation of A (B starts at zero either way): peft's default (Kaiming-uniform) "
+                               "or gaussian with std 1 / rank")
+    rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(rank) (Kalajdzievski 2023)")
+    base: LoraBase = Field("auto", description="storage of the frozen base linears: auto (the component's weight "
+                                               "dtype), fp32, bf16, int8 (torchao int8 weight-only) or nf4 (torchao "
+                                               "NF4, QLoRA); adapters keep the component's weight dtype")
+
+    @field_validator("targets")
+    @classmethod
+    def _names(cls, value):
+        if isinstance(value, list) and (not value or any(not v or v != v.strip(". ") for v in value)):
+            raise ValueError("targets must be 'all-linear' or a non-empty list of module names (no leading or "
+                             "trailing dots), e.g. ['q_proj', 'v_proj']")
+        return value
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)

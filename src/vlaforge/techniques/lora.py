@@ -1,0 +1,227 @@
+"""`apply_lora`: low-rank adapters (peft's LoRA) on a component's linears over a frozen, possibly quantized base
+(`components.<c>.lora`; docs/lora.md).
+
+Why peft: it installs beside the pinned torch and transformers, injects into plain modules (no PeftModel wrapper,
+so the model stays the VLA every other technique sees), and its names (`X.base_layer.weight`,
+`X.lora_A.default.weight`, `X.lora_B.default.weight`) and semantics are what users' tools read. The base storage is
+ours: `base = "nf4"` holds each frozen weight as torchao's `NF4Tensor` (torchtune's QLoRA), whose linear saves
+the 4-bit weight for backward and dequantizes per use; `int8` is torchao's int8 weight-only tensor; `bf16` /
+`fp32` cast the frozen weights only.
+
+A LoRA component trains only its adapters: its embeddings, norms, biases and base weights stay as loaded.
+`merge_lora` folds the adapters back (W = dequant(W0) + scaling * B A, in fp32) into plain `nn.Linear`s with
+the original names, which is what inference, quantization and export load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from vlaforge import COMPONENTS
+from vlaforge.errors import VlaforgeError
+
+ADAPTER_MARKS = (".lora_A.", ".lora_B.")
+BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+NF4_BLOCK = 64  # weights per NF4 scale (torchtune's QLoRA default)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter / state-dict name (of the model or of a component) is a LoRA adapter tensor."""
+    return any(m in f".{name}" for m in ADAPTER_MARKS)
+
+
+def lora_components(policies: Mapping[str, Any]) -> list[str]:
+    return [c for c in COMPONENTS if getattr(policies[c], "lora", None) is not None]
+
+
+@dataclass
+class LoraReport:
+    """What `apply_lora` did to one component."""
+
+    base: str = "auto"  # lora.base: how the frozen base linears are stored
+    layers: list[str] = field(default_factory=list)  # names inside the component that got adapters
+    adapter_params: int = 0
+    base_params: int = 0  # the frozen rest of the component
+    base_bytes: int = 0  # bytes of the frozen base linears' weights as stored
+    float_kept: list[str] = field(default_factory=list)  # nf4 requested, shape does not fit its blocks
+
+    def summary(self, name: str) -> str:
+        share = self.adapter_params / max(1, self.adapter_params + self.base_params)
+        kept = f", {len(self.float_kept)} kept float (shape)" if self.float_kept else ""
+        return (f"{name} LoRA on {len(self.layers)} linears ({self.adapter_params:,} adapter parameters, "
+                f"{100 * share:.2f} % of the component; base {self.base}{kept})")
+
+
+def target_linears(model: nn.Module, component: str, targets) -> list[str]:
+    """Names inside `component` of the linears that get adapters: every nn.Linear (the LLM's output head
+    excepted: it is tied to the embeddings in most families and the vocabulary-wide adapter buys nothing), or the
+    named ones (a name matches a module called it or ending in '.' + it).
+
+    Raises:
+        VlaforgeError: a name in `targets` matches no linear of the component.
+    """
+    module = getattr(model, component)
+    head = module.get_output_embeddings() if component == "llm" and hasattr(module, "get_output_embeddings") \
+        else None
+    linears = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and m is not head and n]
+    if targets == "all-linear":
+        return linears
+    chosen = []
+    for target in targets:
+        found = [n for n in linears if n == target or n.endswith("." + target)]
+        if not found:
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
+            raise VlaforgeError(f"components.{component}.lora.targets: {target!r} names no linear of the "
+                                f"{component} (its linears end in {', '.join(leaves) or 'nothing'}); pick from those")
+        chosen += [n for n in found if n not in chosen]
+    return chosen
+
+
+def apply_lora(model: nn.Module, policies: Mapping[str, Any], shards: int = 1) -> dict[str, LoraReport]:
+    """Inject adapters into each component with a `lora` policy and store its frozen base as asked; call after
+    `apply_precision` (the master-dtype cast would dequantize an NF4 base) and before the optimizer is built.
+    `shards`: the FSDP2 shard degree the model will get (an NF4 weight is split into that many equal pieces).
+
+    Returns:
+        component -> what was done (empty when no component has LoRA).
+    """
+    reports = {}
+    for name in lora_components(policies):
+        reports[name] = _inject(model, name, policies[name].lora, shards)
+    if reports:
+        model.lora = reports  # NOTE: freezing, the optimizer groups and the checkpoint read which components
+    return reports
+
+
+def _inject(model: nn.Module, name: str, cfg, shards: int) -> LoraReport:
+    from peft import LoraConfig as PeftLoraConfig, inject_adapter_in_model
+
+    layers = target_linears(model, name, cfg.targets)
+    if not layers:
+        raise VlaforgeError(f"components.{name}.lora: the {name} has no linear layers to adapt; drop its lora")
+    module = getattr(model, name)
+    pattern = "|".join(re.escape(n) for n in layers)  # peft full-matches a string: exactly these modules
+    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=pattern,
+                              init_lora_weights=True if cfg.init == "kaiming" else "gaussian",
+                              use_rslora=cfg.rslora, bias="none")
+    inject_adapter_in_model(peft_cfg, module)
+    report = LoraReport(base=cfg.base, layers=layers)
+    for layer in lora_layers(module).values():
+        _store_base(layer.base_layer, cfg.base, report, name, shards)
+    for pname, p in module.named_parameters():
+        if is_adapter(pname):
+            report.adapter_params += p.numel()
+        else:
+            p.requires_grad_(False)
+            report.base_params += p.numel()
+    return report
+
+
+def lora_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """The peft LoRA layers inside `module`, by name."""
+    from peft.tuners.lora import LoraLayer
+
+    return {n: m for n, m in module.named_modules() if isinstance(m, LoraLayer)}
+
+
+def _store_base(linear: nn.Linear, base: str, report: LoraReport, component: str, shards: int) -> None:
+    """Replace a frozen base linear's weight (and bias) by its storage form."""
+    weight = linear.weight.detach()
+    if base in BASE_DTYPES:
+        linear.weight = nn.Parameter(weight.to(BASE_DTYPES[base]), requires_grad=False)
+        if linear.bias is not None:
+            linear.bias = nn.Parameter(linear.bias.detach().to(BASE_DTYPES[base]), requires_grad=False)
+    elif base == "nf4":
+        blocks = weight.numel() // NF4_BLOCK
+        if weight.shape[0] % shards or (weight.numel() // shards) % NF4_BLOCK:
+            report.float_kept.append(f"{component}: {tuple(weight.shape)}")
+        else:
+            from torchao.quantization import to_nf4
+
+            # NOTE: the scales are themselves quantized in groups; a group that divides each shard's count (256
+            # for any layer of a real model, fewer for tiny ones): FSDP2 splits every inner tensor evenly
+            group = math.gcd(blocks // shards, 256)
+            linear.weight = nn.Parameter(to_nf4(weight, NF4_BLOCK, group), requires_grad=False)
+    elif base == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        quantize_(linear, Int8WeightOnlyConfig())
+        linear.weight.requires_grad_(False)
+    report.base_bytes += stored_bytes(linear.weight)
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a (possibly torchao-quantized) tensor holds in memory: the sum of its inner tensors."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        inner, _ = tensor.__tensor_flatten__()
+        return sum(stored_bytes(getattr(tensor, n)) for n in inner)
+    return tensor.numel() * tensor.element_size()
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """A stored base weight as an fp32 dense tensor."""
+    if hasattr(weight, "get_original_weight"):  # NF4Tensor
+        return weight.get_original_weight().float()
+    if hasattr(weight, "dequantize"):  # torchao's int8 / intx tensors
+        return weight.dequantize().float()
+    return weight.detach().float()
+
+
+def merge_lora(model: nn.Module) -> int:
+    """Fold every adapter into its base: each peft LoRA layer becomes an fp32 `nn.Linear` holding
+    dequant(W0) + scaling * B @ A under the original name; the LoRA components are cast to fp32. Returns the
+    number of layers merged."""
+    merged = 0
+    for component in COMPONENTS:
+        module = getattr(model, component)
+        layers = lora_layers(module)
+        for name, layer in layers.items():
+            parent_name, _, leaf = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, leaf, _merged_linear(layer))
+            merged += 1
+        if layers:
+            module.float()
+            module.__dict__.pop("peft_config", None)  # what peft's injection set on the instance
+    model.__dict__.pop("lora", None)
+    return merged
+
+
+def _merged_linear(layer) -> nn.Linear:
+    base = layer.base_layer
+    weight = dequantized(base.weight)
+    for adapter in layer.active_adapters:
+        a, b = layer.lora_A[adapter].weight.float(), layer.lora_B[adapter].weight.float()
+        weight = weight + layer.scaling[adapter] * (b @ a)  # (out, r) @ (r, in)
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=base.bias is not None, device=weight.device)
+    with torch.no_grad():
+        out.weight.copy_(weight)
+        if base.bias is not None:
+            out.bias.copy_(base.bias.float())
+    return out
+
+
+def base_digest(model: nn.Module, components: list[str]) -> str:
+    """sha256 over the named tensors of `components` of a bare model (before any technique): what a LoRA run's
+    adapters were trained over, and what every later load of them must rebuild."""
+    h = hashlib.sha256()
+    for component in components:
+        for name, tensor in sorted(getattr(model, component).state_dict().items()):
+            t = tensor.detach().to("cpu").contiguous()
+            h.update(f"{component}.{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def adapter_state(state: Mapping[str, torch.Tensor], components: list[str]) -> dict[str, torch.Tensor]:
+    """A model state dict without the frozen base of the LoRA `components`: their adapters, and every tensor of the
+    other components (what a LoRA run's checkpoint holds)."""
+    prefixes = tuple(f"{c}." for c in components)
+    return {k: v for k, v in state.items() if not k.startswith(prefixes) or is_adapter(k)}

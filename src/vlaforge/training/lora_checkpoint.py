@@ -1,0 +1,156 @@
+"""Checkpoints of a LoRA run: model.safetensors holds the adapters of the LoRA components and every tensor of the
+others; `lora.json` beside it names the frozen base the adapters were trained over - by a digest of its weights and
+the folders it came from - so resuming and loading rebuild that base and refuse any other in one line.
+
+lora.json: {"digest": sha256 over the LoRA components' tensors of the bare model (after train.init_from),
+"components": {name: its lora policy}, "init_from": path | null, "pretrained": {component: folder},
+"seed": train.seed (a randomly initialised base is rebuilt from it), "adapter_tensors", "adapter_bytes"}.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlaforge.config.loading import write_atomic
+from vlaforge.errors import VlaforgeError
+from vlaforge.techniques.lora import adapter_state, apply_lora, base_digest, is_adapter, lora_components, merge_lora
+from vlaforge.techniques.precision import MASTER_DTYPES
+
+LORA_FILE = "lora.json"
+
+
+def is_lora(ckpt: Path) -> bool:
+    return (Path(ckpt) / LORA_FILE).is_file()
+
+
+def base_record(cfg, model: nn.Module) -> dict[str, Any] | None:
+    """What names a LoRA run's base, from the bare model (built and `init_from`-loaded, no technique yet); None
+    without LoRA. Under a fake-tensor mode (planning) there are no weights to digest."""
+    from vlaforge.models.build import fake_mode_active
+
+    components = lora_components(dict(cfg.components.items()))
+    if not components:
+        return None
+    m = cfg.model
+    pretrained = {"vlm": m.vlm.pretrained, "vision": m.vision.pretrained, "llm": m.llm.pretrained}
+    return {"digest": None if fake_mode_active() else base_digest(model, components),
+            "components": {c: getattr(cfg.components, c).lora.model_dump() for c in components},
+            "init_from": cfg.train.init_from, "seed": cfg.train.seed,
+            "pretrained": {k: v for k, v in pretrained.items() if v}}
+
+
+def checkpoint_weights(record: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors a LoRA checkpoint keeps of a full state dict (the frozen base left out)."""
+    return adapter_state(state, list(record["components"]))
+
+
+def write_record(folder: Path, record: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
+    adapters = {k: v for k, v in weights.items() if is_adapter(k)}
+    body = {**record, "adapter_tensors": len(adapters),
+            "adapter_bytes": sum(v.numel() * v.element_size() for v in adapters.values())}
+    write_atomic(folder / LORA_FILE, json.dumps(body, indent=1))
+
+
+def read_record(ckpt: Path) -> dict[str, Any]:
+    path = Path(ckpt) / LORA_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise VlaforgeError(f"{path} is not readable JSON ({exc}); the checkpoint is damaged: use another "
+                            "checkpoint of the run") from None
+    if not isinstance(record, dict) or not isinstance(record.get("components"), dict) or "digest" not in record:
+        raise VlaforgeError(f"{path} does not describe a LoRA base; the checkpoint is damaged: use another "
+                            "checkpoint of the run")
+    return record
+
+
+def check_base(ckpt: Path, record: dict[str, Any], digest: str | None) -> None:
+    """Refuse adapters trained over another base than the one rebuilt (`digest`)."""
+    saved = record.get("digest")
+    if digest is None or saved is None or saved == digest:
+        return
+    source = ", ".join([f"train.init_from {record['init_from']}"] * bool(record.get("init_from"))
+                       + [f"{k} {v}" for k, v in (record.get("pretrained") or {}).items()]) or \
+        f"the random initialisation of seed {record.get('seed')}"
+    raise VlaforgeError(f"checkpoint {ckpt}: its adapters were trained over base {saved[:16]}, but the base rebuilt "
+                        f"from {source} is {digest[:16]}; give the base it was trained over (the same init_from and "
+                        "pretrained folders)")
+
+
+def optional_keys(model: nn.Module, record: dict[str, Any]) -> set[str]:
+    """The model's tensors a LoRA checkpoint does not hold (its components' frozen base)."""
+    prefixes = tuple(f"{c}." for c in record["components"])
+    return {k for k in model.state_dict() if k.startswith(prefixes) and not is_adapter(k)}
+
+
+def load_lora_weights(ckpt: Path, model: nn.Module, path: Path) -> None:
+    """Load a LoRA checkpoint's tensors into a model with the same adapters; every tensor but the frozen base must
+    be in the file, and nothing else.
+
+    Raises:
+        VlaforgeError: the file is damaged, or does not match the model.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from vlaforge.errors import first_line
+
+    record = read_record(ckpt)
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise VlaforgeError(f"checkpoint file {path} is truncated or corrupt ({first_line(exc)}); use another "
+                            "checkpoint") from None
+    want = set(model.state_dict()) - optional_keys(model, record)
+    missing, unexpected = sorted(want - state.keys()), sorted(state.keys() - set(model.state_dict()))
+    if missing or unexpected:
+        raise VlaforgeError(f"checkpoint {ckpt} does not match the model ({len(missing)} missing, {len(unexpected)} "
+                            f"unexpected tensors, e.g. {(missing or unexpected)[0]}); use the config saved in that "
+                            "checkpoint")
+    try:
+        model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:
+        raise VlaforgeError(f"checkpoint {ckpt} does not match the model ({first_line(exc, 160)}); use the config "
+                            "saved in that checkpoint") from None
+
+
+def rebuild_base(cfg, record: dict[str, Any] | None = None) -> nn.Module:
+    """The bare model a run started from: built under the run's seed (a randomly initialised base comes out the
+    same), the pretrained folders read, `train.init_from` loaded."""
+    from vlaforge.models.build import build_vla
+    from vlaforge.training.checkpoint import load_weights, resolve_checkpoint
+
+    state = random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        random.seed(cfg.train.seed)
+        torch.manual_seed(cfg.train.seed)
+        model = build_vla(cfg.model, cfg.loss)
+    random.setstate(state)
+    if cfg.train.init_from:
+        load_weights(resolve_checkpoint(cfg.train.init_from, ".", what="train.init_from"), model)
+    return model
+
+
+def load_merged(ckpt: Path, cfg) -> nn.Module:
+    """A LoRA checkpoint as a plain VLA for inference: the base rebuilt and checked against the digest, stored as in
+    training (master dtype, quantized base), the adapters loaded and merged into fp32 linears."""
+    from vlaforge.training.checkpoint import MODEL_FILE
+
+    record = read_record(ckpt)
+    model = rebuild_base(cfg, record)
+    components = [c for c in record["components"] if getattr(cfg.components, c).lora is not None]
+    check_base(ckpt, record, base_digest(model, components))
+    policies = dict(cfg.components.items())
+    for c in components:  # the dtype apply_precision gave the base before the adapters were injected
+        if policies[c].precision != "fp32":
+            getattr(model, c).to(MASTER_DTYPES[cfg.train.precision_master])
+    apply_lora(model, policies)
+    load_lora_weights(ckpt, model, ckpt / MODEL_FILE)
+    merge_lora(model)
+    return model.float()
