@@ -35,8 +35,19 @@ def _rows(model: type[BaseModel], prefix: str, out: list[str]) -> None:
                     _rows_one(f"components.{comp}", sub, out)
         elif isinstance(ann, type) and issubclass(ann, BaseModel):
             _rows(ann, f"{path}.", out)
+        elif (sub := _optional_section(ann)) is not None:  # e.g. components.<name>.lora: off unless given
+            _rows_one(path, field, out)
+            _rows(sub, f"{path}.", out)
         else:
             _rows_one(path, field, out)
+
+
+def _optional_section(ann) -> type[BaseModel] | None:
+    """The section of a `Section | None` field, else None."""
+    if get_origin(ann) not in (Union, types.UnionType):
+        return None
+    found = [a for a in get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return found[0] if len(found) == 1 else None
 
 
 def _type_name(ann) -> str:

@@ -140,14 +140,19 @@ def _store_base(linear: nn.Linear, base: str, report: LoraReport, component: str
             linear.bias = nn.Parameter(linear.bias.detach().to(BASE_DTYPES[base]), requires_grad=False)
     elif base == "nf4":
         blocks = weight.numel() // NF4_BLOCK
-        if weight.shape[0] % shards or (weight.numel() // shards) % NF4_BLOCK:
+        if weight.numel() % NF4_BLOCK:
             report.float_kept.append(f"{component}: {tuple(weight.shape)}")
         else:
             from torchao.quantization import to_nf4
 
-            # NOTE: the scales are themselves quantized in groups; a group that divides each shard's count (256
-            # for any layer of a real model, fewer for tiny ones): FSDP2 splits every inner tensor evenly
-            group = math.gcd(blocks // shards, 256)
+            # NOTE: the scales are themselves quantized in groups of `group` (256 for any layer of a real model,
+            # fewer for tiny ones), chosen from the shape alone so that every layout (and the merge at inference)
+            # quantizes alike; their count stays a multiple of gcd(blocks, 64), so FSDP2 splits it evenly
+            group = math.gcd(blocks // math.gcd(blocks, 64), 256)
+            if weight.shape[0] % shards or (blocks // group) % shards or blocks % shards:
+                raise VlaforgeError(f"components.{component}.lora.base = 'nf4': a {tuple(weight.shape)} weight does "
+                                    f"not split into {shards} equal NF4 shards; use a shard degree that divides "
+                                    f"{math.gcd(weight.shape[0], blocks // group)}, or lora.base = 'bf16'")
             linear.weight = nn.Parameter(to_nf4(weight, NF4_BLOCK, group), requires_grad=False)
     elif base == "int8":
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
