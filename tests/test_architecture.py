@@ -72,7 +72,7 @@ def test_the_vla_knows_nothing_of_parallelism_or_memory_techniques():
 
 def test_apply_techniques_runs_in_designs_order(monkeypatch):
     """Every step recorded with a layout of every kind (tp, cp, pp, data parallel): precision (fp8 converters),
-    pipeline split, tensor then context parallel, checkpointing, offload, compile, data-parallel sharding, then the
+    LoRA adapters, pipeline split, tensor then context parallel, checkpointing, offload, compile, data-parallel sharding, then the
     pipeline's tied weights registered with the sharded model's reducer."""
     from vlaforge.distributed import apply
 
@@ -82,6 +82,7 @@ def test_apply_techniques_runs_in_designs_order(monkeypatch):
         return lambda *a, **k: calls.append(name) or result
 
     monkeypatch.setattr(apply, "apply_precision", record("precision", "setup"))
+    monkeypatch.setattr(apply, "apply_lora", record("lora", {}))
     monkeypatch.setattr(apply, "split_for_stage", record("pipeline", ("stage", "plan")))
     monkeypatch.setattr(apply, "apply_tensor_parallel", record("tensor_parallel"))
     monkeypatch.setattr(apply, "apply_sequence_parallel", record("context_parallel"))
@@ -91,15 +92,15 @@ def test_apply_techniques_runs_in_designs_order(monkeypatch):
     monkeypatch.setattr(apply, "apply_data_parallel", record("data_parallel", "reducer"))
     monkeypatch.setattr(apply, "tie_stages", record("tied_stages"))
     cfg = tiny_config(train={"compile": True})
-    dims = SimpleNamespace(distributed=True, backend="fsdp2", pp=2, tp=2, cp=2, sequence_parallel=False)
+    dims = SimpleNamespace(distributed=True, backend="fsdp2", pp=2, tp=2, cp=2, dp_shard=1, sequence_parallel=False)
     mesh = {"tp": None}
     applied = apply.apply_techniques(object(), cfg, "cpu", dims, mesh, tokens=64)
-    assert calls == ["precision", "pipeline", "tensor_parallel", "context_parallel", "checkpointing", "offload",
+    assert calls == ["precision", "lora", "pipeline", "tensor_parallel", "context_parallel", "checkpointing", "offload",
                      "compile", "data_parallel", "tied_stages"]
     assert (applied.precision, applied.stage, applied.reducer) == ("setup", "stage", "reducer")
     calls.clear()
     apply.apply_techniques(object(), tiny_config(), "cpu")  # one process: no layout steps, no compile
-    assert calls == ["precision", "checkpointing", "offload"]
+    assert calls == ["precision", "lora", "checkpointing", "offload"]
 
 
 @pytest.mark.parametrize("package", sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()))
