@@ -96,6 +96,23 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, fresh: bo
                           cwd=cwd or ROOT, env=env, timeout=timeout)
 
 
+def train_on_dataset(tmp: Path, name: str, *overrides: str, steps: int = 2, cams: list[str] | None = None) -> Path:
+    """`vlaforge train` of the tiny recipe on the fake LeRobot dataset TMP/ds (32 px images of `cams`, default
+    fake_lerobot's) into TMP/NAME; asserts it exits 0."""
+    import json
+
+    from fake_lerobot import CAMS
+
+    run = tmp / name
+    done = run_cli("train", str(TINY_RECIPE), "--data.source=lerobot", f"--data.path={tmp / 'ds'}",
+                   f"--model.cameras={json.dumps(cams or CAMS)}", "--model.image_size=32",
+                   "--data.max_instruction_tokens=8", f"--train.steps={steps}", "--train.batch_size=4",
+                   "--train.progress=false", "--train.tensorboard=false", "--train.log_every=1",
+                   f"--train.output_dir={run}", *overrides, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return run
+
+
 @contextlib.contextmanager
 def served(path, *args: str):
     """`vlaforge serve PATH ARGS` in a subprocess on a free port: yields its ws:// URI; SIGTERM afterwards must stop

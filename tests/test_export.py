@@ -15,7 +15,7 @@ import torch
 from vlaforge.errors import VlaforgeError
 from vlaforge.inference.runtime import Observation, PolicyRuntime
 
-from conftest import TINY_RECIPE, run_cli, served
+from conftest import run_cli, served, train_on_dataset
 from fake_lerobot import SIZE, write_dataset
 
 pytest.importorskip("onnxruntime")
@@ -24,13 +24,7 @@ CAMS = ["corner", "topview"]  # Meta-World's, so the simulator can evaluate the 
 
 
 def _train(tmp, name, *overrides):
-    run = tmp / name
-    done = run_cli("train", str(TINY_RECIPE), "--data.source=lerobot", f"--data.path={tmp / 'ds'}",
-                   f"--model.cameras={json.dumps(CAMS)}", "--model.image_size=32", "--data.max_instruction_tokens=8",
-                   "--train.steps=3", "--train.batch_size=4", "--train.progress=false", "--train.tensorboard=false",
-                   "--train.log_every=1", f"--train.output_dir={run}", *overrides, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return run
+    return train_on_dataset(tmp, name, *overrides, steps=3, cams=CAMS)
 
 
 def _export(run, out, *extra):

@@ -11,24 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY_RECIPE, make_batch, run_cli, tiny_config
+from conftest import TINY_RECIPE, make_batch, run_cli, tiny_config, train_on_dataset
 from fake_lerobot import CAMS, write_dataset
 from vlaforge.config import load_config
 from vlaforge.errors import VlaforgeError
 
 ALL_LORA = ['--components.vision.lora={rank=4}', '--components.projector.lora={rank=4}',
             '--components.llm.lora={rank=4,base="nf4"}', '--components.action_head.lora={rank=4}']
-
-
-def _train(tmp, name, *overrides, steps=2):
-    run = tmp / name
-    done = run_cli("train", str(TINY_RECIPE), "--data.source=lerobot", f"--data.path={tmp / 'ds'}",
-                   f"--model.cameras={json.dumps(CAMS)}", "--model.image_size=32", "--data.max_instruction_tokens=8",
-                   f"--train.steps={steps}", "--train.batch_size=4", "--train.progress=false",
-                   "--train.tensorboard=false", "--train.log_every=1", f"--train.output_dir={run}", *overrides,
-                   timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return run
 
 
 def _step(run, step):
@@ -41,9 +30,9 @@ def runs(tmp_path_factory):
     step-2 checkpoint (4 steps, a checkpoint every 2)."""
     tmp = tmp_path_factory.mktemp("lora")
     write_dataset(tmp / "ds")
-    base = _train(tmp, "base", "--train.checkpoint_every=1")
-    lora = _train(tmp, "lora", f"--train.init_from={_step(base, 2)}", "--train.checkpoint_every=2", *ALL_LORA,
-                  steps=4)
+    base = train_on_dataset(tmp, "base", "--train.checkpoint_every=1")
+    lora = train_on_dataset(tmp, "lora", f"--train.init_from={_step(base, 2)}", "--train.checkpoint_every=2",
+                            *ALL_LORA, steps=4)
     return tmp, base, lora
 
 
@@ -127,8 +116,9 @@ def test_checkpoint_holds_the_adapters_and_names_its_base(runs):
 def test_resume_is_bit_exact(runs, tmp_path):
     tmp, base, lora = runs
     (tmp_path / "ds").symlink_to(tmp / "ds")
-    again = _train(tmp_path, "again", f"--train.init_from={_step(base, 2)}", *ALL_LORA, steps=2)
-    _train(tmp_path, "again", f"--train.init_from={_step(base, 2)}", *ALL_LORA, "--train.resume=latest", steps=4)
+    init = f"--train.init_from={_step(base, 2)}"
+    again = train_on_dataset(tmp_path, "again", init, *ALL_LORA, steps=2)
+    train_on_dataset(tmp_path, "again", init, *ALL_LORA, "--train.resume=latest", steps=4)
     a, b = load_file(str(_step(again, 4) / "model.safetensors")), load_file(str(_step(lora, 4) / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -19,7 +19,7 @@ from vlaforge.models.build import build_vla
 from vlaforge.techniques.quantize import QuantPolicy, apply_quantization, prepare_qat
 from vlaforge.techniques.quantized_format import _pack, _unpack
 
-from conftest import TINY_RECIPE, run_cli, tiny_config
+from conftest import TINY_RECIPE, run_cli, tiny_config, train_on_dataset
 from fake_lerobot import CAMS, SIZE, write_dataset
 
 COMPONENTS = ("vision", "projector", "llm", "action_head")
@@ -89,22 +89,12 @@ def test_mixed_components_compute_in_their_own_dtypes():
 
 # ---- checkpoints through the CLI --------------------------------------------------------------------------------
 
-def _train(tmp, name, *overrides, steps=2):
-    run = tmp / name
-    done = run_cli("train", str(TINY_RECIPE), "--data.source=lerobot", f"--data.path={tmp / 'ds'}",
-                   f"--model.cameras={json.dumps(CAMS)}", "--model.image_size=32", "--data.max_instruction_tokens=8",
-                   f"--train.steps={steps}", "--train.batch_size=4", "--train.progress=false",
-                   "--train.tensorboard=false", "--train.log_every=1", f"--train.output_dir={run}", *overrides,
-                   timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return run
-
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quant")
     write_dataset(tmp / "ds")
-    return tmp, _train(tmp, "float")
+    return tmp, train_on_dataset(tmp, "float")
 
 
 def _observations(n=3):
@@ -182,9 +172,9 @@ def test_qat_trains_resumes_and_converts_to_the_forward_it_trained(trained):
     one; the converted checkpoint's actions equal the fake-quantized model's."""
     tmp, _ = trained
     qat = ("--components.llm.qat=int2", "--components.vision.qat=int4", "--train.grad_accum=2")
-    straight = _train(tmp, "qat", *qat, steps=3)
-    resumed = _train(tmp, "qat_resumed", *qat, steps=2)
-    _train(tmp, "qat_resumed", *qat, "--train.resume=latest", steps=3)
+    straight = train_on_dataset(tmp, "qat", *qat, steps=3)
+    resumed = train_on_dataset(tmp, "qat_resumed", *qat, steps=2)
+    train_on_dataset(tmp, "qat_resumed", *qat, "--train.resume=latest", steps=3)
     from safetensors.torch import load_file
 
     a = load_file(str(straight / "checkpoints" / "step_00000003" / "model.safetensors"))

@@ -225,8 +225,12 @@ def base_digest(model: nn.Module, components: list[str]) -> str:
     return h.hexdigest()
 
 
+def is_base(name: str, components: list[str]) -> bool:
+    """Whether a model state-dict name is part of the frozen base of the LoRA `components`."""
+    return name.startswith(tuple(f"{c}." for c in components)) and not is_adapter(name)
+
+
 def adapter_state(state: Mapping[str, torch.Tensor], components: list[str]) -> dict[str, torch.Tensor]:
     """A model state dict without the frozen base of the LoRA `components`: their adapters, and every tensor of the
     other components (what a LoRA run's checkpoint holds)."""
-    prefixes = tuple(f"{c}." for c in components)
-    return {k: v for k, v in state.items() if not k.startswith(prefixes) or is_adapter(k)}
+    return {k: v for k, v in state.items() if not is_base(k, components)}

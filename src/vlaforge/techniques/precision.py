@@ -52,6 +52,11 @@ class PrecisionSetup:
         return "; ".join(parts)
 
 
+def master_dtype(precision: str, master: str = "fp32") -> torch.dtype:
+    """The dtype of a component's weights: `train.precision_master` unless it computes in fp32."""
+    return MASTER_DTYPES[master] if precision != "fp32" else torch.float32
+
+
 def bf16_supported(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
@@ -80,7 +85,7 @@ def apply_precision(model: nn.Module, policies: Mapping[str, Any], device: torch
         if precision == "fp8":
             warn_if_slow(device)
             reports[name] = convert_fp8(module, policies[name].fp8_recipe)
-        masters[name] = MASTER_DTYPES[master] if precision != "fp32" else torch.float32
+        masters[name] = master_dtype(precision, master)
         if masters[name] != torch.float32:
             module.to(masters[name])
         _AutocastRegion(module, device.type, DTYPES[precision])

@@ -10,7 +10,6 @@ lora.json: {"digest": sha256 over the LoRA components' tensors of the bare model
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +18,9 @@ from torch import nn
 
 from vlaforge.config.loading import write_atomic
 from vlaforge.errors import VlaforgeError
-from vlaforge.techniques.lora import adapter_state, apply_lora, base_digest, is_adapter, lora_components, merge_lora
-from vlaforge.techniques.precision import MASTER_DTYPES
+from vlaforge.techniques.lora import (adapter_state, apply_lora, base_digest, is_adapter, is_base, lora_components,
+                                      merge_lora)
+from vlaforge.techniques.precision import master_dtype
 
 LORA_FILE = "lora.json"
 
@@ -78,15 +78,14 @@ def check_base(ckpt: Path, record: dict[str, Any], digest: str | None) -> None:
     source = ", ".join([f"train.init_from {record['init_from']}"] * bool(record.get("init_from"))
                        + [f"{k} {v}" for k, v in (record.get("pretrained") or {}).items()]) or \
         f"the random initialisation of seed {record.get('seed')}"
-    raise VlaforgeError(f"checkpoint {ckpt}: its adapters were trained over base {saved[:16]}, but the base rebuilt "
-                        f"from {source} is {digest[:16]}; give the base it was trained over (the same init_from and "
-                        "pretrained folders)")
+    raise VlaforgeError(f"checkpoint {ckpt}: its adapters were trained over base {saved[:16]} (from {source}), but "
+                        f"the base rebuilt now is {digest[:16]}; give the base it was trained over (the same "
+                        "init_from and pretrained folders)")
 
 
 def optional_keys(model: nn.Module, record: dict[str, Any]) -> set[str]:
     """The model's tensors a LoRA checkpoint does not hold (its components' frozen base)."""
-    prefixes = tuple(f"{c}." for c in record["components"])
-    return {k for k in model.state_dict() if k.startswith(prefixes) and not is_adapter(k)}
+    return {k for k in model.state_dict() if is_base(k, list(record["components"]))}
 
 
 def load_lora_weights(ckpt: Path, model: nn.Module, path: Path) -> None:
@@ -120,16 +119,19 @@ def load_lora_weights(ckpt: Path, model: nn.Module, path: Path) -> None:
                             "saved in that checkpoint") from None
 
 
-def rebuild_base(cfg, record: dict[str, Any] | None = None) -> nn.Module:
-    """The bare model a run started from: built under the run's seed (a randomly initialised base comes out the
-    same), the pretrained folders read, `train.init_from` loaded."""
+def rebuild_base(cfg) -> nn.Module:
+    """The bare model a run started from: built under the run's seed as the trainer seeds it (a randomly
+    initialised base comes out the same), the pretrained folders read, `train.init_from` loaded; the caller's
+    random state is left as it was."""
+    import random
+
     from vlaforge.models.build import build_vla
     from vlaforge.training.checkpoint import load_weights, resolve_checkpoint
+    from vlaforge.training.trainer import seed_everything
 
     state = random.getstate()
     with torch.random.fork_rng(devices=[]):
-        random.seed(cfg.train.seed)
-        torch.manual_seed(cfg.train.seed)
+        seed_everything(cfg.train.seed)
         model = build_vla(cfg.model, cfg.loss)
     random.setstate(state)
     if cfg.train.init_from:
@@ -143,13 +145,12 @@ def load_merged(ckpt: Path, cfg) -> nn.Module:
     from vlaforge.training.checkpoint import MODEL_FILE
 
     record = read_record(ckpt)
-    model = rebuild_base(cfg, record)
-    components = [c for c in record["components"] if getattr(cfg.components, c).lora is not None]
-    check_base(ckpt, record, base_digest(model, components))
+    model = rebuild_base(cfg)
     policies = dict(cfg.components.items())
+    components = lora_components(policies)
+    check_base(ckpt, record, base_digest(model, components))
     for c in components:  # the dtype apply_precision gave the base before the adapters were injected
-        if policies[c].precision != "fp32":
-            getattr(model, c).to(MASTER_DTYPES[cfg.train.precision_master])
+        getattr(model, c).to(master_dtype(policies[c].precision, cfg.train.precision_master))
     apply_lora(model, policies)
     load_lora_weights(ckpt, model, ckpt / MODEL_FILE)
     merge_lora(model)

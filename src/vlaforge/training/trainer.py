@@ -31,6 +31,7 @@ from vlaforge.distributed.pipeline import Pipeline
 from vlaforge.distributed.state import (full_model_state, full_optimizer_state, load_full_optimizer_state,
                                         load_sharded, save_sharded)
 from vlaforge.techniques.freezing import ever_trains
+from vlaforge.techniques.lora import lora_components
 from vlaforge.techniques.precision import PrecisionSetup
 from vlaforge.training import checkpoint as ckpt
 from vlaforge.training.distill import Distiller, Teacher, build_teacher, split_parameters
@@ -141,7 +142,7 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
         torch.distributed.barrier()  # NOTE: every rank has checked the folder before rank 0 writes into it
     seed_everything(cfg.train.seed)  # the same on every rank: identical initial weights before sharding
     model = build_bare(cfg, device)
-    lora = any(p.lora is not None for _, p in cfg.components.items())
+    lora = lora_components(dict(cfg.components.items()))
     if cfg.train.init_from and (resume_from is None or lora):  # a LoRA checkpoint holds no base: rebuilt here
         ckpt.load_weights(ckpt.resolve_checkpoint(cfg.train.init_from, ".", what="train.init_from"), model)
     lora_base = lora_checkpoint.base_record(cfg, model)
