@@ -33,7 +33,20 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps openpi-client==0.1.2
 	touch $@
 
-venv: $(VENV)/.installed
+# the real LeRobot 0.4.4 for the tests (its stats reader and its gRPC robot client against vlaforge serve), in a
+# folder of its own that tests/real_lerobot.py puts first on PYTHONPATH; not under the project's constraints (it
+# pins the older transformers / huggingface-hub LeRobot 0.4.4 imports); torchvision is a stand-in
+# (tests/lerobot_env/requirements.txt says why)
+LEROBOT_SITE := $(VENV)/lerobot044
+$(LEROBOT_SITE)/.installed: $(VENV)/.installed tests/lerobot_env/requirements.txt tests/lerobot_env/torchvision_stub.py
+	rm -rf $(LEROBOT_SITE)
+	PIP_CONSTRAINT= $(PY) -m pip install -q --disable-pip-version-check --no-deps --target $(LEROBOT_SITE) \
+		-r tests/lerobot_env/requirements.txt
+	mkdir -p $(LEROBOT_SITE)/torchvision
+	cp tests/lerobot_env/torchvision_stub.py $(LEROBOT_SITE)/torchvision/__init__.py
+	touch $@
+
+venv: $(VENV)/.installed $(LEROBOT_SITE)/.installed
 
 # two pytest workers on the two cores, one torch thread each; tests that start gloo ranks share one xdist group
 # (`distributed`) and run one at a time beside the other worker's tests (docs/testing.md)

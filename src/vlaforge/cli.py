@@ -232,9 +232,10 @@ def config_show(ctx: typer.Context, config: Optional[Path] = typer.Argument(None
     from vlaforge.config import dump_toml
     from vlaforge.distributed.sequence_parallel import token_summary
 
-    from vlaforge.config.shapes import resolve_shapes
+    from vlaforge.config.shapes import resolve_shapes, resolve_terms
 
     cfg, _ = resolve_shapes(_load(config, ctx), required=False)  # "auto" shapes, when the dataset is there
+    cfg, _ = resolve_terms(cfg, required=False)
     typer.echo(dump_toml(cfg), nl=False)
     typer.echo(token_summary(cfg), nl=False)
 

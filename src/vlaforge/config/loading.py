@@ -95,8 +95,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
     """
     raw = read_recipe(path) if path is not None else {}
     if overrides:
-        raw = deep_merge(raw, parse_overrides(overrides) if isinstance(overrides, list) else overrides)
+        update = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        raw = deep_merge(raw, update)
+        raw = _require_explicit_terms(raw, update)
     return validate(raw)
+
+
+def _require_explicit_terms(raw: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """A data-dependent loss weight set by an override (the command line) is an explicit ask: its term goes into
+    loss.required, so a dataset without its column is refused instead of the term being turned off."""
+    weights = (update.get("loss") or {}).get("weights") if isinstance(update.get("loss"), dict) else None
+    if not isinstance(weights, dict):
+        return raw
+    asked = [t for t in ("language", "env_state") if isinstance(weights.get(t), (int, float)) and weights[t] > 0]
+    if not asked:
+        return raw
+    loss = raw.get("loss") if isinstance(raw.get("loss"), dict) else {}
+    have = loss.get("required") if isinstance(loss.get("required"), list) else []
+    return deep_merge(raw, {"loss": {"required": [*have, *(t for t in asked if t not in have)]}})
 
 
 def validate(raw: dict[str, Any]) -> VLAConfig:

@@ -274,6 +274,10 @@ class LossConfig(Section):
     weights: dict[LossTerm, float] = Field(
         default_factory=lambda: {"contrastive": 0.3, "language": 0.4, "action": 0.3},
         description="static weights; a term with weight 0 is not computed (also under dynamic weighting)")
+    required: list[Literal["language", "env_state"]] = Field(
+        default_factory=list, description="terms that need a dataset column (language: data.text_column, env_state: "
+        "observation.environment_state) and must find it; the others are turned off with one line when the dataset "
+        "lacks it. A weight set on the command line adds its term")
     action: Literal["l1", "mse", "huber"] = "huber"
     huber_delta: float = Field(1.0, gt=0)
     smoothness: float = Field(0.0, ge=0, description="weight of the consecutive-action smoothness term")
@@ -371,7 +375,10 @@ class DataConfig(Section):
     max_instruction_tokens: int = Field(16, ge=1, le=MAX_TOKENS)
     max_text_tokens: int = Field(8, ge=0, le=MAX_TOKENS, description="length of language-loss targets; 0 disables "
                                                                     "them")
-    text_column: str = Field("annotation.phase", description="lerobot: per-frame text used as language target")
+    text_column: str = Field("auto", description="lerobot: per-frame text used as language target; 'auto': "
+                                                 "annotation.phase, else LeRobot 0.6's language_persistent.subtask "
+                                                 "(the active subtask), else none (the language term is turned off "
+                                                 "with a line unless loss.required names it)")
     frame_stride: int = Field(1, ge=1, description="lerobot: steps between the frames of the history "
                                                    "(model.frames)")
     augment_shift: int = Field(4, ge=0, description="lerobot: random image shift in pixels (pad + crop)")

@@ -32,6 +32,9 @@ def resolve_cameras(reader: LeRobotDataset, names: list[str]) -> list[str]:
     keys = []
     for name in names:
         key = name if name in reader.cameras else f"observation.images.{name}"
+        if key in reader.videos and key not in reader.cameras:
+            raise VlaforgeError(f"model.cameras asks for {name!r}, a depth map in dataset {reader.root}: vlaforge's "
+                                "vision towers take RGB cameras only; drop it from model.cameras")
         if key not in reader.cameras:
             have = ", ".join(k.removeprefix("observation.images.") for k in reader.cameras)
             raise VlaforgeError(f"model.cameras asks for {name!r} but dataset {reader.root} has only: {have}; "

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from vlaforge.data.lerobot_features import (LANGUAGE_COLUMNS, LANGUAGE_PERSISTENT, READ_DTYPES, feature_notices,
+                                            persistent_columns, rgb_cameras)
 from vlaforge.data.video import decode_frames
 from vlaforge.errors import VlaforgeError
 
@@ -38,9 +40,12 @@ class LeRobotDataset:
     """Reads meta, all frame rows (into memory) and decodes camera frames per episode on demand.
 
     Attributes:
-        version: "v3.0" or "v2.1". fps. cameras: video keys. tasks: task texts by task_index.
-        columns: name -> np.ndarray over all frames, ordered by global `index`.
+        version: "v3.0" or "v2.1". fps. cameras: the RGB cameras' video keys (depth maps are not cameras to
+            vlaforge, data/lerobot_features.py). tasks: task texts by task_index.
+        columns: name -> np.ndarray over all frames, ordered by global `index`; LeRobot 0.6's
+            `language_persistent` becomes one text column per style (`language_persistent.subtask`, ...).
         stats: meta/stats.json.
+        notices: one line per thing training leaves out (a depth camera, event annotations, an unread dtype).
     """
 
     def __init__(self, root: str | Path):
@@ -57,8 +62,13 @@ class LeRobotDataset:
         if not self.fps > 0:
             raise VlaforgeError(f"{self.root / 'meta/info.json'}: fps is {self.info['fps']!r}; it must be the "
                                 "recording rate (> 0) - fix info.json or regenerate the dataset")
-        feats = self.info["features"]
-        self.cameras = [k for k, v in feats.items() if v.get("dtype") == "video"]
+        feats = self.info.get("features")
+        if not isinstance(feats, dict) or not all(isinstance(v, dict) for v in feats.values()):
+            raise VlaforgeError(f"{self.root / 'meta/info.json'}: features is not a table of feature specs; fix "
+                                "info.json or regenerate the dataset")
+        self.cameras = rgb_cameras(feats)
+        self.videos = [k for k, v in feats.items() if v.get("dtype") == "video"]  # RGB and depth
+        self.notices = feature_notices(feats)
         self.stats = _read_json(self.root / "meta" / "stats.json")
         if self.version == "v3.0":
             self.tasks = _read_tasks_v3(self.root / "meta" / "tasks.parquet")
@@ -92,7 +102,7 @@ class LeRobotDataset:
         out = []
         for r in rows:
             videos = {}
-            for key in self.cameras:
+            for key in self.videos:
                 rel = self.info["video_path"].format(video_key=key, chunk_index=r[f"videos/{key}/chunk_index"],
                                                      file_index=r[f"videos/{key}/file_index"])
                 videos[key] = (self.root / rel, float(r[f"videos/{key}/from_timestamp"]))
@@ -109,7 +119,7 @@ class LeRobotDataset:
             ep = int(r["episode_index"])
             videos = {key: (self.root / self.info["video_path"].format(episode_chunk=ep // chunks, video_key=key,
                                                                        episode_index=ep), 0.0)
-                      for key in self.cameras}
+                      for key in self.videos}
             out.append(Episode(ep, r["tasks"][0], int(r["length"]), start, videos))
             start += int(r["length"])
         return out
@@ -123,11 +133,15 @@ class LeRobotDataset:
         except pa.ArrowInvalid as exc:
             raise VlaforgeError(f"dataset {self.root}: data files disagree on their columns ({exc}); "
                                 "regenerate the dataset") from None
-        cols = {}
+        cols, language = {}, {}
         for name in table.column_names:
             col = table.column(name).combine_chunks()
-            if pa.types.is_list(col.type) or pa.types.is_fixed_size_list(col.type) or \
-                    pa.types.is_large_list(col.type):  # fixed_size_list (v3) or plain list (older writers)
+            nested = pa.types.is_list(col.type) or pa.types.is_fixed_size_list(col.type) or \
+                pa.types.is_large_list(col.type)
+            if name in LANGUAGE_COLUMNS:  # LeRobot 0.6: lists of message structs (data/lerobot_features.py)
+                if name == LANGUAGE_PERSISTENT:
+                    language[name] = col.to_pylist()
+            elif nested and _numeric(col.type.value_type):  # fixed_size_list (v3) or plain list (older writers)
                 flat = col.flatten().to_numpy(zero_copy_only=False)
                 if len(col) and flat.size % len(col):
                     raise VlaforgeError(f"dataset {self.root}: column {name!r} has rows of different lengths; "
@@ -135,8 +149,12 @@ class LeRobotDataset:
                 cols[name] = flat.reshape(len(col), -1).astype(np.float32, copy=False)
             elif pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
                 cols[name] = np.asarray(col.to_pylist(), dtype=object)
-            else:
-                cols[name] = col.to_numpy()
+            elif _numeric(col.type):
+                cols[name] = col.to_numpy(zero_copy_only=False)
+            elif (self.info["features"].get(name) or {}).get("dtype", "float32") in READ_DTYPES:
+                # (a feature of a dtype vlaforge does not read is named by feature_notices already)
+                self.notices.append(f"column {name!r} holds {col.type}, which vlaforge does not read; it is "
+                                    "left out")
         for need in ("observation.state", "action", "episode_index", "frame_index", "index"):
             if need not in cols:
                 raise VlaforgeError(f"dataset {self.root}: data files have no column {need!r}; regenerate it")
@@ -144,7 +162,12 @@ class LeRobotDataset:
             order = np.argsort(cols["index"], kind="stable")
         else:  # v2.x: per-episode files may restart `index`; order by episode, then frame
             order = np.lexsort((cols["frame_index"], cols["episode_index"]))
-        return {k: v[order] for k, v in cols.items()}
+        cols = {k: v[order] for k, v in cols.items()}
+        if LANGUAGE_PERSISTENT in language:
+            rows = [language[LANGUAGE_PERSISTENT][i] for i in order]
+            times = cols["timestamp"] if "timestamp" in cols else cols["frame_index"] / self.fps
+            cols.update(persistent_columns(rows, np.asarray(times, np.float64), cols["episode_index"]))
+        return cols
 
     def _check_episodes(self) -> None:
         n = len(self.columns["index"])
@@ -246,6 +269,12 @@ class LeRobotDataset:
                                 f"declares {key} as {declared[0]}x{declared[1]}; fix info.json or regenerate the "
                                 "dataset")
         return frames
+
+
+def _numeric(t) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
 
 
 def _number(info: dict[str, Any], key: str, root: Path) -> float:

@@ -22,24 +22,31 @@ VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.m
 EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 INDEX_COLUMNS = ("timestamp", "frame_index", "episode_index", "index", "task_index")
 ENV_STATE = "observation.environment_state"  # LeRobot's name for privileged scene state (object / goal positions)
-QUANTILES = (0.01, 0.99)
+QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)  # LeRobot's DEFAULT_QUANTILES: its QUANTILES / QUANTILE10 modes read them
+
+
+def _quantile_key(q: float) -> str:
+    return f"q{round(q * 100):02d}"
 
 
 def _stats(values: np.ndarray, axis: tuple[int, ...] = (0,)) -> dict[str, Any]:
-    """min/max/mean/std/count (+ q01/q99 for vectors) over `axis`, as lists for JSON."""
+    """min/max/mean/std/count (+ q01/q10/q50/q90/q99 for vectors) over `axis`, as lists for JSON."""
     v = values.astype(np.float64)
     out = {"min": v.min(axis), "max": v.max(axis), "mean": v.mean(axis), "std": v.std(axis),
            "count": np.array([values.shape[0]])}
     if axis == (0,):
         for q in QUANTILES:
-            out[f"q{round(q * 100):02d}"] = np.quantile(v, q, axis=0)
+            out[_quantile_key(q)] = np.quantile(v, q, axis=0)
     return {k: np.asarray(x).tolist() for k, x in out.items()}
 
 
 def _image_stats(frames: np.ndarray) -> dict[str, Any]:
-    """Per-channel stats in [0, 1], shaped (3, 1, 1) as LeRobot stores them; every 4th frame is enough."""
+    """Per-channel stats in [0, 1], shaped (3, 1, 1) as LeRobot stores them (quantiles too); every 4th frame is
+    enough."""
     v = frames[::4].astype(np.float32) / 255.0  # (T, H, W, C)
     out = {"min": v.min((0, 1, 2)), "max": v.max((0, 1, 2)), "mean": v.mean((0, 1, 2)), "std": v.std((0, 1, 2))}
+    flat = v.reshape(-1, v.shape[-1])
+    out.update({_quantile_key(q): np.quantile(flat, q, axis=0) for q in QUANTILES})
     res = {k: x.reshape(3, 1, 1).tolist() for k, x in out.items()}
     res["count"] = [int(frames.shape[0])]
     return res
@@ -120,6 +127,7 @@ class DatasetWriter:
         self.pending_bytes = 0
         self.episodes: list[dict[str, Any]] = []  # rows of meta/episodes
         self.episode_stats: list[dict[str, dict]] = []
+        self.vectors: dict[str, list[np.ndarray]] = {}  # state / action / env state of every episode: exact stats
         self.tasks: dict[str, int] = {}
         self.total_frames = 0
 
@@ -145,9 +153,11 @@ class DatasetWriter:
         meta: dict[str, Any] = {"episode_index": ep, "tasks": [task], "length": n,
                                 "data/chunk_index": self.data_cursor.chunk, "data/file_index": self.data_cursor.file,
                                 "dataset_from_index": self.total_frames, "dataset_to_index": self.total_frames + n}
-        stats = {"observation.state": _stats(state), "action": _stats(action)}
-        if env_state is not None:
-            stats[ENV_STATE] = _stats(env_state)
+        vectors = {"observation.state": state, "action": action, **({ENV_STATE: env_state} if env_state is not None
+                                                                    else {})}
+        stats = {name: _stats(v) for name, v in vectors.items()}
+        for name, v in vectors.items():
+            self.vectors.setdefault(name, []).append(v)
         for cam in self.f.cameras:
             key = self.f.video_key(cam)
             video = self._video(cam)
@@ -248,6 +258,9 @@ class DatasetWriter:
         pq.write_table(pa.Table.from_pylist(self.episodes), ep_path)
         _write_tasks(meta / "tasks.parquet", list(self.tasks))
         stats = {n: merge_stats([s[n] for s in self.episode_stats]) for n in self.episode_stats[0]}
+        # NOTE: the vectors' quantiles over all frames, not merge_stats' count-weighted mean of the episodes' (what
+        # LeRobot's own aggregation approximates them by): the normalization LeRobot's QUANTILES modes apply
+        stats |= {n: _stats(np.concatenate(v)) for n, v in self.vectors.items()}
         (meta / "stats.json").write_text(json.dumps(stats, indent=1))
         info = {"codebase_version": CODEBASE_VERSION, "robot_type": self.robot_type,
                 "total_episodes": len(self.episodes), "total_frames": self.total_frames,

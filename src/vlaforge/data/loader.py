@@ -55,6 +55,7 @@ class Data:
     dataset: Dataset
     spec: ObservationSpec | None = None
     tokenizer: TextTokenizer | None = None
+    notices: tuple[str, ...] = ()  # what the dataset holds that training leaves out, one line each
 
     def save_policy_files(self, folder: Path) -> None:
         if self.spec is not None:
@@ -79,6 +80,7 @@ def build_data(cfg, model) -> Data:
 
 def _lerobot_data(cfg, model) -> Data:
     from vlaforge.data.episodes import DemoDataset, resolve_cameras
+    from vlaforge.data.lerobot_features import auto_text_column
     from vlaforge.data.lerobot_v3 import LeRobotDataset
     from vlaforge.data.tokenizer import build_tokenizer
     from vlaforge.data.transforms import normalization_from_stats
@@ -91,14 +93,16 @@ def _lerobot_data(cfg, model) -> Data:
             short = "state_dim" if name.startswith("obs") else "action_dim"
             raise VlaforgeError(f"dataset {d.path} has {name} of size {have} but model.{short} = {want}; "
                                 f"set model.{short} = {have}")
+    text_column = auto_text_column(reader.info["features"]) if d.text_column == "auto" else d.text_column
     texts = list(reader.tasks)
-    if d.text_column in reader.columns:
-        texts += sorted(set(reader.columns[d.text_column].astype(str).tolist()))
+    if text_column in reader.columns:
+        texts += sorted(set(reader.columns[text_column].astype(str).tolist()))
     elif d.max_text_tokens > 0 and cfg.loss.weights.get("language", 0) > 0:
         have = sorted(k for k, v in reader.columns.items() if v.dtype == object)
-        raise VlaforgeError(f"dataset {d.path} has no text column {d.text_column!r} (data.text_column) for the "
-                            f"language loss; set data.text_column to one of {have or 'its text columns'}, or "
-                            "turn the term off with --loss.weights.language=0")
+        what = "no per-frame text" if d.text_column == "auto" else f"no text column {d.text_column!r}"
+        raise VlaforgeError(f"dataset {d.path} has {what} (data.text_column) for the language loss; set "
+                            f"data.text_column to one of {have or 'its text columns (it has none)'}, or turn the "
+                            "term off with --loss.weights.language=0")
     vocab = model.llm.config.vocab_size
     tokenizer = build_tokenizer(texts, vocab, m.text_folder)
     if tokenizer.vocab_size > vocab:
@@ -114,9 +118,9 @@ def _lerobot_data(cfg, model) -> Data:
     if env_state:
         check_env_state(reader, m.env_state_dim)
     dataset = DemoDataset(reader, spec, tokenizer, seed=cfg.train.seed, shift=d.augment_shift, color=d.augment_color,
-                          cache_mb=d.cache_mb, text_column=d.text_column, threads=max(2, d.num_workers),
+                          cache_mb=d.cache_mb, text_column=text_column, threads=max(2, d.num_workers),
                           env_state=env_state)
-    return Data(dataset, spec, tokenizer)
+    return Data(dataset, spec, tokenizer, tuple(f"dataset {d.path}: {n}" for n in reader.notices))
 
 
 def check_env_state(reader, dim: int) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vlaforge.data.generate import recorded_hidden_distractors, recorded_tasks, recorded_tcp_steering
+from vlaforge.data.lerobot_features import depth_cameras, feature_kind, rgb_cameras
 from vlaforge.data.lerobot_v3 import LeRobotDataset
 from vlaforge.errors import VlaforgeError
 
@@ -21,10 +22,15 @@ def dataset_shapes(info: dict[str, Any], where: Path) -> dict[str, Any]:
         VlaforgeError: a feature is missing or has no size.
     """
     feats = info.get("features") or {}
-    cameras = [k.removeprefix(VIDEO_PREFIX) for k, v in feats.items() if v.get("dtype") == "video"]
+    cameras = [k.removeprefix(VIDEO_PREFIX) for k in rgb_cameras(feats)]
     if not cameras:
-        raise VlaforgeError(f"{where / 'meta/info.json'} declares no video features (cameras); the dataset has no "
-                            "images to train on")
+        depth = depth_cameras(feats)
+        images = [k for k, v in feats.items() if v.get("dtype") == "image"]
+        why = (f" (only the depth map{'s' if len(depth) > 1 else ''} {', '.join(depth)}, which vlaforge does not "
+               "train on)" if depth else f" ({', '.join(images)} are stored as images in parquet; vlaforge reads "
+               "cameras stored as video: re-encode them with LeRobot's convert-to-video tool)" if images else "")
+        raise VlaforgeError(f"{where / 'meta/info.json'} declares no RGB video features (cameras){why}; the dataset "
+                            "has no images to train on")
     out: dict[str, Any] = {"cameras": cameras}
     for key, name in (("observation.state", "state_dim"), ("action", "action_dim")):
         shape = (feats.get(key) or {}).get("shape")
@@ -48,8 +54,9 @@ def dataset_summary(path: str | Path) -> dict[str, Any]:
     frames: Counter = Counter()
     for e in reader.episodes:
         frames[e.task] += e.length
-    features = [{"name": name, "dtype": spec.get("dtype"), "shape": spec.get("shape")}
+    features = [{"name": name, "dtype": feature_kind(spec), "shape": spec.get("shape")}
                 for name, spec in info.get("features", {}).items()]
+    text_columns = sorted(k for k, v in reader.columns.items() if v.dtype == object)
     return {"path": str(reader.root), "codebase_version": reader.version, "robot_type": info.get("robot_type"),
             "fps": reader.fps, "episodes": len(reader.episodes), "frames": reader.num_frames,
             "tasks": [{"task": t, "episodes": episodes[t], "frames": frames[t]} for t in reader.tasks],
@@ -57,7 +64,8 @@ def dataset_summary(path: str | Path) -> dict[str, Any]:
             "generator": recorded.get("generator"), "simulator_tasks": recorded_tasks(info),
             # episodes per simulator task (make demo compares them with the counts it asks for)
             "simulator_episodes": dict(Counter(recorded.get("episode_tasks", []))),
-            "hide_distractors": recorded_hidden_distractors(info), "expert_steers_tcp": recorded_tcp_steering(info)}
+            "hide_distractors": recorded_hidden_distractors(info), "expert_steers_tcp": recorded_tcp_steering(info),
+            "text_columns": text_columns, "notices": list(reader.notices)}
 
 
 def render_dataset_summary(s: dict[str, Any]) -> str:
@@ -75,6 +83,10 @@ def render_dataset_summary(s: dict[str, Any]) -> str:
     width = max([len("task")] + [len(t["task"]) for t in s["tasks"]])
     lines.append(f"{'task':<{width}}  {'episodes':>8}  {'frames':>7}")
     lines += [f"{t['task']:<{width}}  {t['episodes']:>8}  {t['frames']:>7}" for t in s["tasks"]]
+    if s["text_columns"]:
+        lines += ["", f"per-frame text (data.text_column): {', '.join(s['text_columns'])}"]
+    if s["notices"]:
+        lines += ["", *(f"note: {n}" for n in s["notices"])]
     if s["simulator_tasks"]:
         by = f" ({s['generator']})" if s["generator"] else ""
         counts = s["simulator_episodes"]

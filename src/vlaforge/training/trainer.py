@@ -17,7 +17,7 @@ from torch import nn
 from vlaforge.config.loading import dump_toml, write_atomic
 from vlaforge.config.schema import VLAConfig
 from vlaforge.data.loader import Data, build_data, build_loader
-from vlaforge.config.shapes import describe as describe_shapes, resolve_shapes
+from vlaforge.config.shapes import describe as describe_shapes, resolve_shapes, resolve_terms
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import BACKBONES_FILE, backbone_configs, build_vla, tokens_per_sample
 from vlaforge.progress import progress_bar
@@ -131,8 +131,10 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
                             "evaluator was given: run it through `vlaforge train`, or set eval.every = 0")
     world = world_from_env()
     cfg, chosen = resolve_shapes(cfg)  # "auto" cameras / state / action sizes from the dataset
-    if chosen and world.is_main:
-        print(describe_shapes(chosen, cfg.data.path), flush=True)
+    cfg, term_lines = resolve_terms(cfg)  # the text column, and loss terms the dataset has no data for
+    if world.is_main:
+        for line in ([describe_shapes(chosen, cfg.data.path)] if chosen else []) + term_lines:
+            print(line, flush=True)
     dims = check_layout(cfg, world)
     run_dir = Path(cfg.train.output_dir)
     resume_from = ckpt.resolve_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
@@ -173,6 +175,8 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
                                 f"nothing to train; set --train.steps above {start}")
     data = build_data(cfg, model)  # NOTE: before the run's first files: a dataset it refuses leaves nothing behind
     if world.is_main:
+        for line in data.notices:
+            print(line, flush=True)
         if resume_from is None and (stale := ckpt.stopped_before_first_checkpoint(run_dir)):
             print(f"{run_dir}: replacing the files of a run that stopped before its first checkpoint", flush=True)
             for path in stale:
