@@ -115,14 +115,14 @@ def train_on_dataset(tmp: Path, name: str, *overrides: str, steps: int = 2, cams
 
 @contextlib.contextmanager
 def served(path, *args: str):
-    """`vlaforge serve PATH ARGS` in a subprocess on a free port: yields its ws:// URI; SIGTERM afterwards must stop
-    it cleanly (exit code 0, "stopped")."""
+    """`vlaforge serve PATH ARGS` in a subprocess on a free port: yields its ws:// URI (grpc:// with --protocol
+    lerobot); SIGTERM afterwards must stop it cleanly (exit code 0, "stopped")."""
     server = subprocess.Popen([sys.executable, "-m", "vlaforge", "serve", str(path), "--port=0", *args], cwd=ROOT,
                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     try:
         found = None
         for line in server.stderr:
-            found = re.search(r"on (ws://[\d.]+:\d+)", line)
+            found = re.search(r"on ((?:ws|grpc)://[\d.]+:\d+)", line)
             if found:
                 break
         assert found, "the server did not start"

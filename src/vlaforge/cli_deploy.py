@@ -85,7 +85,12 @@ def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                                                       "folder, a `vlaforge quantize` folder or an exported package"),
           host: str = typer.Option("127.0.0.1", help="interface to bind; anything but loopback should have an API key"),
           port: int = typer.Option(8000, min=0, max=65535, help="websocket port (openpi protocol; also GET /healthz, "
-                                                                "/metrics)"),
+                                                                "/metrics), or the gRPC port with --protocol lerobot"),
+          protocol: str = typer.Option("openpi", help="openpi (websocket, msgpack) or lerobot (LeRobot's "
+                                                      "AsyncInference gRPC service, for its robot_client; "
+                                                      "docs/lerobot.md)"),
+          fps: float = typer.Option(30.0, min=0.1, max=1000.0, help="lerobot: the robot's control rate, which "
+                                                                    "timestamps the actions of a chunk"),
           http_port: Optional[int] = typer.Option(None, min=0, max=65535, help="HTTP port for POST /act (default: "
                                                                                "port + 1; 0: none)"),
           max_batch: int = typer.Option(8, min=1, max=256, help="predictions per batched forward"),
@@ -100,11 +105,14 @@ def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
           dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16"),
           device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N"),
           backend: str = typer.Option("auto", help=_BACKEND)):
-    """Serve a policy to robot clients: openpi's websocket protocol (msgpack), dynamic batching across connections,
-    HTTP POST /act, Prometheus GET /metrics. Stops cleanly on SIGTERM / Ctrl-C."""
+    """Serve a policy to robot clients: openpi's websocket protocol (msgpack) or LeRobot's gRPC robot client
+    (--protocol lerobot), dynamic batching across connections, HTTP POST /act, Prometheus GET /metrics. Stops
+    cleanly on SIGTERM / Ctrl-C."""
     from vlaforge.inference.runtime import PolicyRuntime
     from vlaforge.serving.server import PolicyServer, ServeOptions
 
+    if protocol not in ("openpi", "lerobot"):
+        raise VlaforgeError(f"--protocol {protocol!r} is not one of openpi, lerobot")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         typer.echo(f"warning: serving on {host} without an API key: anyone who reaches the port can drive the "
                    "policy; set --api-key or VLAFORGE_API_KEY", err=True)
@@ -112,7 +120,8 @@ def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                                  backend=backend)
     options = ServeOptions(host=host, port=port, http_port=http_port, max_batch=max_batch, max_wait_ms=max_wait_ms,
                            api_key=api_key, max_message_bytes=int(max_message_mb * 2**20),
-                           max_connections=max_connections, idle_timeout_s=idle_timeout_s)
+                           max_connections=max_connections, idle_timeout_s=idle_timeout_s, protocol=protocol,
+                           fps=fps)
     try:
         PolicyServer(runtime, options, metadata=_serve_metadata(runtime),
                      log=lambda m: typer.echo(m, err=True)).run()

@@ -1,4 +1,5 @@
-"""`vlaforge serve`: a trained policy behind openpi's websocket protocol, with dynamic batching, HTTP and metrics.
+"""`vlaforge serve`: a trained policy behind openpi's websocket protocol (or LeRobot's gRPC service), with dynamic
+batching, HTTP and metrics.
 
 - websocket (port P): on connect the server sends a msgpack metadata map; each binary message is a msgpack
   observation (openpi or LeRobot keys) and is answered with `{"actions": (T, A) float32, "server_timing":
@@ -6,6 +7,8 @@
   session and is acknowledged with `{"__ack__": verb}`; `"observe"` records a frame without predicting. An error
   is one text frame (`error: ...`) and the connection stays usable. `GET /healthz` and `GET /metrics` answer on
   the same port.
+- `protocol = "lerobot"`: LeRobot's AsyncInference gRPC service on port P instead of the websocket
+  (serving/lerobot_grpc.py), for an unmodified LeRobot robot client; the same batching, metrics and limits.
 - HTTP (port `http_port`, default P + 1): `POST /act` with JSON (arrays as nested lists), `GET /metrics`
   (Prometheus text), `GET /healthz`.
 - Each connection is a session (frame history, feature cache). Requests of all sessions are batched by
@@ -18,6 +21,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import json
@@ -49,6 +53,9 @@ class ServeOptions:
     max_message_bytes: int = 16 * 2**20
     max_connections: int = 64
     idle_timeout_s: float = 300.0
+    protocol: str = "openpi"  # "lerobot": LeRobot's AsyncInference gRPC service instead of the websocket
+    fps: float = 30.0  # lerobot: the robot's control rate (a chunk's action i is stamped t0 + i / fps)
+    observation_wait_s: float = 2.0  # lerobot: how long GetActions waits for an observation (LeRobot's default)
 
 
 def error_kind(exc: BaseException) -> str:
@@ -84,8 +91,6 @@ class PolicyServer:
             self.loop.call_soon_threadsafe(lambda: self._stop.done() or self._stop.set_result(None))
 
     async def _main(self) -> None:
-        from websockets.asyncio.server import serve
-
         o = self.options
         self.loop = asyncio.get_running_loop()
         self._stop = self.loop.create_future()
@@ -99,28 +104,45 @@ class PolicyServer:
                 self.loop.add_signal_handler(sig, self.stop)
             except (RuntimeError, ValueError):  # not the main thread (tests run the server in a thread)
                 pass
-        # websockets closes a connection whose message is over max_size; up to twice the limit the protocol
-        # answers with an error frame instead and the connection stays usable
-        async with serve(self._handle, o.host, o.port, process_request=self._process_request,
-                         max_size=2 * o.max_message_bytes, compression=None, ping_interval=20, ping_timeout=20,
-                         close_timeout=5) as server:
-            port = server.sockets[0].getsockname()[1]
+        transport = self._grpc() if o.protocol == "lerobot" else self._websocket()
+        async with transport as (port, scheme):
             http = self._start_http(port)
             self.address = (o.host, port, http.server_address[1] if http else None)
-            self.log(f"serving {self.runtime.source or 'a policy'} on ws://{o.host}:{port}"
+            self.log(f"serving {self.runtime.source or 'a policy'} on {scheme}://{o.host}:{port}"
                      + (f" and http://{o.host}:{self.address[2]}" if http else "")
                      + f" (max batch {o.max_batch}, max wait {o.max_wait_ms:g} ms)")
             self.ready.set()
             await self._stop
             self.log("stopping: answering the requests in flight")
+        if http:
+            http.shutdown()
+            http.server_close()
+        self.batcher.close()
+        self.log("stopped")
+
+    @contextlib.asynccontextmanager
+    async def _websocket(self):
+        """openpi's websocket protocol; yields (port, scheme)."""
+        from websockets.asyncio.server import serve
+
+        o = self.options
+        # websockets closes a connection whose message is over max_size; up to twice the limit the protocol
+        # answers with an error frame instead and the connection stays usable
+        async with serve(self._handle, o.host, o.port, process_request=self._process_request,
+                         max_size=2 * o.max_message_bytes, compression=None, ping_interval=20, ping_timeout=20,
+                         close_timeout=5) as server:
+            yield server.sockets[0].getsockname()[1], "ws"
             server.server.close()  # no new connections; open ones are answered, then closed (going away)
             await self.batcher.drain()
             server.close()
-            if http:
-                http.shutdown()
-                http.server_close()
-        self.batcher.close()
-        self.log("stopped")
+
+    @contextlib.asynccontextmanager
+    async def _grpc(self):
+        """LeRobot's AsyncInference gRPC service (serving/lerobot_grpc.py); yields (port, scheme)."""
+        from vlaforge.serving.lerobot_grpc import serve_grpc
+
+        async with serve_grpc(self) as port:  # on exit: no new calls, the ones in flight answered
+            yield port, "grpc"
 
     # ---- websocket -----------------------------------------------------------------------------------------
     def _authorized(self, header: str | None) -> bool:

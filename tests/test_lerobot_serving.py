@@ -1,0 +1,283 @@
+"""`vlaforge serve --protocol lerobot` (LeRobot's AsyncInference gRPC service): the real LeRobot 0.4.4 robot client
+(its own classes and pickling, in its own environment) gets the runtime's action chunks and drives a simulated robot;
+a corpus of malicious or broken payloads is refused without running anything, one logged line each, while a
+well-behaved robot interleaved with them keeps getting actions; the API key, the call order and the CLI."""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from vlaforge.inference.runtime import Observation
+from vlaforge.serving import lerobot_pickle as lp
+from vlaforge.serving.lerobot_grpc import SERVICE, messages
+
+from conftest import served, train_on_dataset
+from real_lerobot import SCRIPTS, lerobot_env
+from test_serving import CAMS, Live, _runtime
+
+TASK = "open the door"
+M = messages()
+
+
+def _frames(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    g = np.random.default_rng(seed)
+    return {"state": g.normal(size=(n, 4)).astype(np.float32),
+            **{c: g.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8) for c in CAMS}}
+
+
+def _predict(frames: dict, i: int) -> np.ndarray:
+    """The reference: PolicyRuntime.predict of frame i in a fresh session (the tiny model has one frame)."""
+    ref = _runtime()
+    return ref.predict(Observation({c: frames[c][i] for c in CAMS}, frames["state"][i], TASK), f"ref{i}").actions
+
+
+@pytest.fixture
+def lerobot_server():
+    logs: list[str] = []
+    live = Live(_runtime(), protocol="lerobot", max_message_bytes=2**20)
+    live.server.log = logs.append
+    host, port, _ = live.server.address
+    yield f"{host}:{port}", logs, live
+    live.close()
+
+
+@pytest.mark.slow
+def test_the_real_lerobot_robot_client_gets_the_runtime_actions(tmp_path, lerobot_server):
+    address, _, live = lerobot_server
+    frames = _frames(3)
+    np.savez(tmp_path / "frames.npz", **frames)
+    done = subprocess.run([sys.executable, str(SCRIPTS / "robot_client_run.py"), address, str(tmp_path / "frames.npz"),
+                           ",".join(CAMS), TASK, "3", "2"], env=lerobot_env(), capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path)  # (its logger writes logs/ into the working folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    predictions = [_predict(frames, i) for i in range(3)]
+    for i, chunk in enumerate(out["chunks"]):
+        assert chunk["type"] == "lerobot.async_inference.helpers.TimedAction"  # the client's own class
+        assert chunk["timesteps"] == [100 * i + k for k in range(3)]  # actions_per_chunk = 3
+        np.testing.assert_allclose(chunk["actions"], predictions[i][:3], atol=1e-6)
+    # its own threads then drove the robot: every action executed is a row of the chunk of a frame it showed
+    rows = np.concatenate([p[:3] for p in predictions])
+    executed = np.asarray(out["executed"])
+    assert len(executed) >= 10, out
+    assert np.abs(executed[:, None, :] - rows[None]).max(-1).min(-1).max() < 1e-5
+    assert set(out["shown"]) == {0, 1, 2}
+    assert live.server.metrics.text().count('vlaforge_requests_total{transport="grpc"}') == 1
+
+
+class Robot:
+    """A robot speaking LeRobot's gRPC protocol from this process (stubs from serving.lerobot_grpc), sending
+    whatever bytes a test gives it."""
+
+    def __init__(self, address: str, key: str | None = None):
+        # a connection of its own (a robot is its gRPC peer; channels of one process would share one)
+        self.channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        self.md = (("authorization", f"Api-Key {key}"),) if key else None
+
+        def call(name, request, reply, kind="unary_unary"):
+            return getattr(self.channel, kind)(f"/{SERVICE}/{name}", request_serializer=lambda m: m.SerializeToString(),
+                                                response_deserializer=M[reply].FromString)
+
+        self._ready = call("Ready", "Empty", "Empty")
+        self._setup = call("SendPolicyInstructions", "PolicySetup", "Empty")
+        self._send = call("SendObservations", "Observation", "Empty", "stream_unary")
+        self._act = call("GetActions", "Empty", "Actions")
+
+    def ready(self, features: dict | None = None, chunk: int = 4, config: bytes | None = None) -> None:
+        self._ready(M["Empty"](), metadata=self.md, timeout=30)
+        features = features or {"observation.state": {"dtype": "float32", "shape": (4,),
+                                                      "names": [f"j{i}.pos" for i in range(4)]},
+                                **{f"observation.images.{c}": {"dtype": "image", "shape": (32, 32, 3),
+                                                               "names": ["height", "width", "channels"]}
+                                   for c in CAMS}}
+        config = config or lp.dumps(lp.RemotePolicyConfig(
+            policy_type="act", pretrained_name_or_path="x", lerobot_features=features, actions_per_chunk=chunk,
+            device="cpu", rename_map={}))
+        self._setup(M["PolicySetup"](data=config), metadata=self.md, timeout=30)
+
+    def send(self, payload: bytes, states=None, chunk: int = 2**21) -> None:
+        """payload in chunks of LeRobot's 2 MiB (`states` overrides their transfer states)."""
+        parts = [payload[i:i + chunk] for i in range(0, max(len(payload), 1), chunk)]
+        states = states or ([1] + [2] * (len(parts) - 2) + [3] if len(parts) > 1 else [3])
+        self._send(iter([M["Observation"](transfer_state=s, data=p) for s, p in zip(states, parts)]),
+                   metadata=self.md, timeout=30)
+
+    def actions(self) -> bytes:
+        return self._act(M["Empty"](), metadata=self.md, timeout=30).data
+
+
+def _observation(frames: dict, i: int, step: int, **extra) -> bytes:
+    raw = {f"j{k}.pos": float(v) for k, v in enumerate(frames["state"][i])} | {c: frames[c][i] for c in CAMS}
+    return lp.dumps(lp.TimedObservation(timestamp=1.0, timestep=step, observation=raw | {"task": TASK} | extra,
+                                        must_go=True))
+
+
+class Reduce:
+    """Pickles as the call `fn(*args)` (what a hostile client can put anywhere in a payload)."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def _corpus(marker: str) -> dict[str, tuple[bytes, str] | tuple[bytes, str, int]]:
+    """name -> (payload for SendObservations, the status code it must get[, the chunk size it is sent in])."""
+    touch = f"touch {marker}"
+    evil_storage = io.BytesIO()
+    torch.save(Reduce(os.system, touch), evil_storage, _use_new_zipfile_serialization=False)
+    small = torch.zeros(2).storage()
+    ok = {"j0.pos": 0.0}
+    return {
+        "reduce os.system": (pickle.dumps(Reduce(os.system, touch)), "INVALID_ARGUMENT"),
+        "nested os.system inside a TimedObservation": (lp.dumps(lp.TimedObservation(
+            timestamp=1.0, timestep=1, observation={"deep": [{"x": os.system}]}, must_go=True)), "INVALID_ARGUMENT"),
+        "builtins.eval": (pickle.dumps(Reduce(eval, f"__import__('os').system('{touch}')")), "INVALID_ARGUMENT"),
+        "subprocess.Popen": (pickle.dumps(Reduce(subprocess.Popen, ["touch", marker])), "INVALID_ARGUMENT"),
+        "evil tensor storage": (lp.dumps(lp.TimedObservation(timestamp=1.0, timestep=1, must_go=True, observation={
+            "t": Reduce(torch.storage._load_from_bytes, evil_storage.getvalue())})), "INVALID_ARGUMENT"),
+        "stride-0 tensor bomb": (lp.dumps(lp.TimedObservation(timestep=1, timestamp=1.0, must_go=True, observation={
+            "t": Reduce(torch._utils._rebuild_tensor_v2, small, 0, (10**10,), (0,), False,
+                        collections.OrderedDict())})), "INVALID_ARGUMENT"),
+        "ndarray allocation": (lp.dumps(lp.TimedObservation(timestep=1, timestamp=1.0, must_go=True, observation={
+            "a": Reduce(np.ndarray, (10**12,))})), "INVALID_ARGUMENT"),
+        "object array": (lp.dumps(lp.TimedObservation(timestep=1, timestamp=1.0, must_go=True,
+                                                      observation={"a": np.array([1, "x"], dtype=object)} | ok)),
+                         "INVALID_ARGUMENT"),
+        "not a TimedObservation": (pickle.dumps({"timestep": 1, "observation": ok}), "INVALID_ARGUMENT"),
+        "garbage": (b"\x80\x04\x95\x10\x00\x00not a pickle", "INVALID_ARGUMENT"),
+        "deep nesting": (lp.dumps(lp.TimedObservation(timestep=1, timestamp=1.0, must_go=True, observation={
+            "x": _nested(100)})), "INVALID_ARGUMENT"),
+        "a chunk over gRPC's message limit": (b"\x00" * (5 * 2**20), "RESOURCE_EXHAUSTED"),
+        "chunks adding up to over the 1 MiB limit": (b"\x00" * (3 * 2**19), "RESOURCE_EXHAUSTED", 2**19),
+    }
+
+
+def _nested(n: int) -> list:
+    out: list = []
+    for _ in range(n):
+        out = [out]
+    return out
+
+
+@pytest.mark.slow
+def test_malicious_payloads_are_refused_and_a_good_robot_keeps_getting_actions(tmp_path, lerobot_server):
+    address, logs, live = lerobot_server
+    marker = tmp_path / "PWNED"
+    frames = _frames(2, seed=1)
+    good, evil = Robot(address), Robot(address)
+    good.ready()
+    evil.ready()
+    expected = [_predict(frames, i) for i in range(2)]
+    corpus = _corpus(str(marker))
+    for n, (name, (payload, code, *chunk)) in enumerate(corpus.items()):
+        with pytest.raises(grpc.RpcError) as refused:
+            evil.send(payload, chunk=chunk[0] if chunk else 2**21)
+        assert refused.value.code().name == code, (name, refused.value.details())
+        assert "\n" not in refused.value.details(), name
+        i = n % 2
+        good.send(_observation(frames, i, step=n))
+        chunk = lp.loads(good.actions(), list)  # (LeRobot's client pickle.loads it: the first test)
+        np.testing.assert_allclose(np.stack([a.action.numpy() for a in chunk]), expected[i], atol=1e-6,
+                                   err_msg=f"after {name}")
+    assert not marker.exists()
+    refusals = [line for line in logs if line.startswith("lerobot: refused")]
+    assert len(refusals) == len(corpus) and all("\n" not in line for line in refusals), logs
+    # the policy instructions are read the same way; a truncated stream and an unknown transfer state
+    with pytest.raises(grpc.RpcError) as refused:
+        evil.ready(config=pickle.dumps(Reduce(os.system, f"touch {marker}")))
+    assert refused.value.code().name == "INVALID_ARGUMENT" and "posix.system" in refused.value.details()
+    evil.ready()
+    for states in ([1], [1, 2], [0]):
+        with pytest.raises(grpc.RpcError) as refused:
+            evil.send(_observation(frames, 0, step=99), states=states)
+        assert refused.value.code().name == "INVALID_ARGUMENT", refused.value.details()
+    assert not marker.exists()
+    assert 'vlaforge_errors_total{kind="unsafe_pickle"}' in live.server.metrics.text()
+
+
+def test_call_order_features_and_the_api_key(lerobot_server):
+    address, _, _ = lerobot_server
+    robot = Robot(address)
+    with pytest.raises(grpc.RpcError) as refused:
+        robot.actions()
+    assert refused.value.code().name == "FAILED_PRECONDITION"
+    with pytest.raises(grpc.RpcError) as refused:  # the policy takes 4 joints
+        robot.ready(features={"observation.state": {"names": ["a", "b"]}})
+    assert "2 joints" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as refused:
+        robot.ready(features={"observation.state": {"names": [f"j{i}" for i in range(4)]},
+                              "observation.images.side": {"shape": (32, 32, 3)}})
+    assert "cameras" in refused.value.details()
+    keyed = Live(_runtime(), protocol="lerobot", api_key="s3cret")
+    try:
+        host, port, _ = keyed.server.address
+        with pytest.raises(grpc.RpcError) as refused:
+            Robot(f"{host}:{port}").ready()
+        assert refused.value.code().name == "UNAUTHENTICATED"
+        with pytest.raises(grpc.RpcError):
+            Robot(f"{host}:{port}", key="wrong").ready()
+        frames = _frames(1)
+        robot = Robot(f"{host}:{port}", key="s3cret")
+        robot.ready()
+        robot.send(_observation(frames, 0, step=0))
+        np.testing.assert_allclose(np.stack([a.action.numpy() for a in lp.loads(robot.actions(), list)]),
+                                   _predict(frames, 0), atol=1e-6)
+    finally:
+        keyed.close()
+
+
+@pytest.mark.slow
+def test_the_cli_serves_a_trained_run_over_grpc(tmp_path):
+    """`vlaforge serve RUN --protocol lerobot`: a robot gets a chunk of the run's action size; SIGTERM stops it."""
+    from fake_lerobot import write_dataset
+
+    write_dataset(tmp_path / "ds")
+    run = train_on_dataset(tmp_path, "run")
+    frames = _frames(1)
+    with served(run, "--protocol", "lerobot", "--fps", "10") as uri:
+        robot = Robot(uri.removeprefix("grpc://"))
+        robot.ready(features={"observation.state": {"names": [f"j{i}.pos" for i in range(4)]},
+                              "observation.images.front": {}, "observation.images.top": {}}, chunk=2)
+        robot.send(_observation(frames, 0, step=7))
+        chunk = lp.loads(robot.actions(), list)
+    assert [a.timestep for a in chunk] == [7, 8] and chunk[1].timestamp - chunk[0].timestamp == pytest.approx(0.1)
+    assert chunk[0].action.shape == (4,)
+
+
+def test_robots_are_batched_together_each_getting_its_own_actions():
+    """Three robots asking at once: one batched forward (the batcher waits for every open session), each chunk
+    its own observation's."""
+    import concurrent.futures as cf
+
+    live = Live(_runtime(), protocol="lerobot", max_wait_ms=2000)
+    try:
+        host, port, _ = live.server.address
+        frames = _frames(3, seed=2)
+        robots = [Robot(f"{host}:{port}") for _ in range(3)]
+        for r in robots:
+            r.ready()
+
+        def ask(i):
+            robots[i].send(_observation(frames, i, step=0))
+            return np.stack([a.action.numpy() for a in lp.loads(robots[i].actions(), list)])
+
+        with cf.ThreadPoolExecutor(3) as pool:
+            chunks = list(pool.map(ask, range(3)))
+        for i, chunk in enumerate(chunks):
+            np.testing.assert_allclose(chunk, _predict(frames, i), atol=1e-6)
+        assert 'vlaforge_batch_size_bucket{le="2.0"} 0.0' in live.server.metrics.text()  # one batch of three
+    finally:
+        live.close()
