@@ -28,12 +28,26 @@ from pathlib import Path
 TORCH_DEFAULT_SEED = 67280421310721  # torch.initial_seed() of a fresh interpreter
 
 
+GRPC_THREADS = ("event_engine", "grpc_global_tim")  # gRPC core's threads while a channel or server lives
+
+
 def can_fork() -> bool:
     """False once this process has opened a GL display (a test rendered the simulator in-process): Mesa's driver
     state does not survive a fork, and a forked child that renders hangs (measured: MuJoCo's EGL context). The DRI
-    driver library is mapped from the first eglInitialize on; importing mujoco alone maps only libEGL."""
+    driver library is mapped from the first eglInitialize on; importing mujoco alone maps only libEGL. False too
+    while gRPC core runs threads here (a channel or server is open): a child forked then hung in training (measured;
+    gRPC logs "Other threads are currently calling into gRPC, skipping fork() handlers")."""
     with open("/proc/self/maps") as f:
-        return "_dri.so" not in f.read()
+        if "_dri.so" in f.read():
+            return False
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().strip().startswith(GRPC_THREADS):
+                    return False
+        except OSError:  # the thread ended meanwhile
+            continue
+    return True
 
 
 def _become_fresh(cwd: Path, env: dict[str, str]) -> None:

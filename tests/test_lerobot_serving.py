@@ -42,6 +42,13 @@ def _predict(frames: dict, i: int) -> np.ndarray:
     return ref.predict(Observation({c: frames[c][i] for c in CAMS}, frames["state"][i], TASK), f"ref{i}").actions
 
 
+@pytest.fixture(autouse=True)
+def _close_robots():
+    yield
+    while Robot.opened:
+        Robot.opened.pop().channel.close()
+
+
 @pytest.fixture
 def lerobot_server():
     logs: list[str] = []
@@ -78,9 +85,13 @@ def test_the_real_lerobot_robot_client_gets_the_runtime_actions(tmp_path, lerobo
 
 class Robot:
     """A robot speaking LeRobot's gRPC protocol from this process (stubs from serving.lerobot_grpc), sending
-    whatever bytes a test gives it."""
+    whatever bytes a test gives it. Closed at the end of the test (`robots` fixture): gRPC's threads live while a
+    channel is open, and this process cannot fork CLI runs meanwhile (tests/forked.py)."""
+
+    opened: list["Robot"] = []
 
     def __init__(self, address: str, key: str | None = None):
+        Robot.opened.append(self)
         # a connection of its own (a robot is its gRPC peer; channels of one process would share one)
         self.channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
         self.md = (("authorization", f"Api-Key {key}"),) if key else None

@@ -50,9 +50,6 @@ class LeRobotDataset:
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
-        if not self.root.is_dir():
-            raise VlaforgeError(f"dataset folder {self.root} does not exist; generate one with "
-                                "`vlaforge data generate --out DIR` or fix data.path")
         self.info = read_info(self.root)
         self.version = str(self.info.get("codebase_version", ""))
         if self.version not in ("v3.0", "v2.1", "v2.0"):
@@ -287,7 +284,10 @@ def _number(info: dict[str, Any], key: str, root: Path) -> float:
 
 def read_info(root: Path) -> dict[str, Any]:
     """meta/info.json of a dataset folder."""
-    return _read_json(root / "meta" / "info.json")
+    if not Path(root).is_dir():
+        raise VlaforgeError(f"dataset folder {root} does not exist; generate one with `vlaforge data generate --out "
+                            "DIR` or fix data.path")
+    return _read_json(Path(root) / "meta" / "info.json")
 
 
 def _read_parquet(path: Path):

@@ -1,0 +1,200 @@
+"""The LoRA adaptation experiment on Meta-World (issue 42; figures in docs/lora.md). Prints one JSON.
+
+1. data: a pretraining set (button-press-topdown, drawer-close, door-open) and an adaptation set (those three plus
+   reach, which the pretrained policy never saw), recorded as `make demo` records its dataset;
+2. pretrain the demo recipe on the pretraining set;
+3. adapt from that checkpoint (`--train.init_from`) on the adaptation set four ways, the same steps each: full
+   fine-tuning, LoRA rank 8, LoRA rank 32, QLoRA rank 32 (NF4 base). Adapters go on the vision tower and the LLM
+   (alpha = rank); the projector and the action head train in full, as in recipes/tiny_lora.toml;
+4. evaluate the pretrained policy and the four adapted ones on the four tasks (`--episodes` held-out episodes each,
+   Wilson intervals);
+5. per variant: the trainable-parameter share, the adapter bytes of its checkpoint, the median step time (its
+   metrics), and the peak training memory measured on real tensors (torch's MemTracker over one optimizer step of
+   the recipe's batch: parameters, gradients, optimizer state, activations; a CPU has no allocator peak).
+
+Every stage is skipped when its output exists, so a cut run goes on where it stopped. The tiny flavor is what
+trains on this CPU: its linears are 64-256 wide, where a rank-32 adapter is half the size of the weight it adapts,
+so the trainable share is far from the <= 5 % a 7B model's rank-32 adapters give (docs/lora.md has the planner's
+count for vla-7b).
+
+    python bench/lora.py [--out bench-out/lora] [--pretrain-steps 6000] [--adapt-steps 3000] [--episodes 50]
+    python bench/lora.py --out /tmp/lora-smoke --pretrain-steps 20 --adapt-steps 10 --episodes 1 --data-scale 0.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "tiny_metaworld.toml"
+OLD = {"button-press-topdown-v3": 40, "drawer-close-v3": 40, "door-open-v3": 40}
+NEW = {"reach-v3": 80}
+CAMERAS = "corner,topview,behindGripper"
+VARIANTS = {"full": None, "lora_r8": (8, "auto"), "lora_r32": (32, "auto"), "qlora_r32": (32, "nf4")}
+
+
+def vlaforge(*args: str, log: Path) -> float:
+    """Runs `vlaforge ARGS` (its output to `log`); the seconds it took. A failure ends the bench with its log's tail."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        done = subprocess.run([sys.executable, "-m", "vlaforge", *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if done.returncode:
+        sys.exit(f"vlaforge {' '.join(args[:2])} failed (exit {done.returncode}): {log.read_text()[-2000:]}")
+    return time.perf_counter() - t0
+
+
+def lora_overrides(rank: int, base: str) -> list[str]:
+    return [f"--components.{c}.lora.{k}={v}" for c in ("vision", "llm")
+            for k, v in (("rank", rank), ("alpha", float(rank)), ("base", f'"{base}"'))]
+
+
+def generate(out: Path, tasks: dict[str, int], times: dict) -> Path:
+    if not (out / "meta" / "info.json").is_file():
+        spec = ",".join(f"{t}:{n}" for t, n in tasks.items())
+        times[f"generate {out.name}"] = vlaforge("data", "generate", "--out", str(out), "--tasks", spec, "--cameras",
+                                                 CAMERAS, "--hide-distractors", "--steer-tcp", "--overwrite",
+                                                 log=out.parent / f"{out.name}.log")
+    return out
+
+
+def train(run: Path, data: Path, steps: int, extra: list[str], times: dict) -> Path:
+    if not (run / "checkpoints" / "latest").is_file():
+        times[f"train {run.name}"] = vlaforge("train", str(RECIPE), f"--data.path={data}", f"--train.output_dir={run}",
+                                              f"--train.steps={steps}", f"--train.checkpoint_every={steps}",
+                                              "--train.progress=false", *extra, log=run.parent / f"{run.name}.log")
+    return run
+
+
+def evaluate(run: Path, episodes: int, tasks: list[str], times: dict) -> dict:
+    report = run / "eval" / "report.json"
+    if not report.is_file():
+        times[f"eval {run.name}"] = vlaforge("eval", str(run), "--out", str(run / "eval"), "--episodes",
+                                             str(episodes), "--tasks", ",".join(tasks),
+                                             log=run.parent / f"{run.name}_eval.log")
+    return json.loads(report.read_text())
+
+
+def checkpoint_counts(run: Path) -> dict:
+    """Trainable share (what a LoRA checkpoint holds - adapters and the components trained in full - over the
+    model's parameters; a full fine-tune trains everything) and adapter bytes."""
+    from safetensors import safe_open
+
+    ckpt = (run / "checkpoints" / "latest").read_text().strip()
+    folder = run / "checkpoints" / ckpt
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        held = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    numel = {k: math.prod(s) for k, s in held.items()}
+    lora = folder / "lora.json"
+    record = json.loads(lora.read_text()) if lora.is_file() else None
+    return {"held_numel": sum(numel.values()), "adapter_bytes": record["adapter_bytes"] if record else 0,
+            "adapter_tensors": record["adapter_tensors"] if record else 0, "lora": record is not None}
+
+
+def step_seconds(run: Path) -> float:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return statistics.median(r["perf/step_s"] for r in rows if "perf/step_s" in r)
+
+
+def peak_memory(run: Path, data: Path) -> dict:
+    """Peak tensor bytes of one optimizer step of `run`'s config on real tensors (MemTracker), after a warm step
+    (so AdamW's state exists), and the model's parameter count."""
+    import tempfile
+
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from vlaforge.config import load_config
+    from vlaforge.data.loader import build_loader
+    from vlaforge.training.step import train_step
+    from vlaforge.training.trainer import build_run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(run / "config.toml", [f"--train.output_dir={tmp}/run", "--train.progress=false",
+                                                "--train.tensorboard=false", f"--data.path={data}"])
+        r = build_run(cfg)
+        batches = iter(build_loader(r.data.dataset, cfg.train.batch_size, cfg.train.seed))
+        step = lambda: train_step(r.model, [next(batches)], r.optimizer, r.scheduler, r.weighting,  # noqa: E731
+                                  cfg.train.grad_clip, r.guards, r.executor)
+        step()
+        tracker = MemTracker()
+        tracker.track_external(r.model, r.optimizer)
+        with tracker:
+            step()
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        total = sum(p.numel() for p in r.model.parameters())
+        trainable = sum(p.numel() for p in r.model.parameters() if p.requires_grad)
+    return {"peak_bytes": int(peak), "params_in_model": total, "trainable_in_model": trainable}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench-out" / "lora")
+    ap.add_argument("--pretrain-steps", type=int, default=6000)
+    ap.add_argument("--adapt-steps", type=int, default=3000)
+    ap.add_argument("--episodes", type=int, default=50)
+    ap.add_argument("--data-scale", type=float, default=1.0, help="times the recorded episodes (a quick smoke run)")
+    args = ap.parse_args()
+    scale = lambda tasks: {t: max(2, round(n * args.data_scale)) for t, n in tasks.items()}  # noqa: E731
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+    pre_data = generate(out / "data_pretrain", scale(OLD), times)
+    adapt_data = generate(out / "data_adapt", scale(NEW | OLD), times)
+    tasks = list(NEW | OLD)
+    pretrained = train(out / "pretrained", pre_data, args.pretrain_steps, [], times)
+    result: dict = {"episodes": args.episodes, "pretrain_steps": args.pretrain_steps, "adapt_steps": args.adapt_steps,
+                    "new_task": next(iter(NEW)), "old_tasks": list(OLD), "variants": {}}
+    pre_report = evaluate(pretrained, args.episodes, tasks, times)
+    result["pretrained"] = {t: v["success_rate"] for t, v in pre_report["tasks"].items()}
+    for name, lora in VARIANTS.items():
+        extra = [f"--train.init_from={pretrained}", "--train.warmup_steps=100"]
+        extra += lora_overrides(*lora) if lora else []
+        run = train(out / name, adapt_data, args.adapt_steps, extra, times)
+        report = evaluate(run, args.episodes, tasks, times)
+        counts, mem = checkpoint_counts(run), peak_memory(run, adapt_data)
+        trainable = counts["held_numel"] if counts["lora"] else mem["params_in_model"]
+        result["variants"][name] = {
+            "success": {t: {"rate": v["success_rate"], "ci95": v["ci95"]} for t, v in report["tasks"].items()},
+            "mean_success": report["mean_success_rate"],
+            "trainable_share": round(trainable / mem["params_in_model"], 4),
+            "trainable_share_in_model": round(mem["trainable_in_model"] / mem["params_in_model"], 4),
+            "adapter_bytes": counts["adapter_bytes"], "peak_train_bytes": mem["peak_bytes"],
+            "step_s_median": round(step_seconds(run), 4)}
+        print(json.dumps({name: result["variants"][name]}), file=sys.stderr, flush=True)
+    result["checks"] = checks(result)
+    result["seconds"] = {k: round(v, 1) for k, v in times.items()}
+    (out / "lora.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+def checks(result: dict) -> dict:
+    """The issue's targets, read off the figures: LoRA r32 within full fine-tuning's interval on the new task and no
+    worse (inside the interval or above) on the old ones, its share and memory; QLoRA within 3 points of LoRA at a
+    smaller peak."""
+    v = result["variants"]
+    full, lora, qlora = v["full"], v["lora_r32"], v["qlora_r32"]
+
+    def inside(a, ref, task):
+        lo, _ = ref["success"][task]["ci95"]
+        return a["success"][task]["rate"] >= lo
+
+    return {"lora_r32_new_task_within_full_interval": inside(lora, full, result["new_task"]),
+            "lora_r32_old_tasks_no_worse": all(inside(lora, full, t) for t in result["old_tasks"]),
+            "lora_r32_trainable_share_at_most_5pct": lora["trainable_share"] <= 0.05,
+            "lora_r32_peak_1_3x_lower": full["peak_train_bytes"] / lora["peak_train_bytes"] >= 1.3,
+            "peak_ratio_full_over_lora_r32": round(full["peak_train_bytes"] / lora["peak_train_bytes"], 3),
+            "qlora_within_3_points_of_lora": abs(qlora["mean_success"] - lora["mean_success"]) <= 0.03,
+            "qlora_peak_smaller": qlora["peak_train_bytes"] < lora["peak_train_bytes"]}
+
+
+if __name__ == "__main__":
+    main()
