@@ -9,8 +9,9 @@
 4. evaluate the pretrained policy and the four adapted ones on the four tasks (`--episodes` held-out episodes each,
    Wilson intervals);
 5. per variant: the trainable-parameter share, the adapter bytes of its checkpoint, the median step time (its
-   metrics), and the peak training memory measured on real tensors (torch's MemTracker over one optimizer step of
-   the recipe's batch: parameters, gradients, optimizer state, activations; a CPU has no allocator peak).
+   metrics), and the peak training memory measured on real tensors over one optimizer step of the recipe's batch
+   (`PeakBytes`: parameters, gradients, optimizer state, activations and temporaries, each storage counted while it
+   lives; a CPU has no allocator peak).
 
 Every stage is skipped when its output exists, so a cut run goes on where it stopped. The tiny flavor is what
 trains on this CPU: its linears are 64-256 wide, where a rank-32 adapter is half the size of the weight it adapts,
@@ -104,13 +105,67 @@ def step_seconds(run: Path) -> float:
     return statistics.median(r["perf/step_s"] for r in rows if "perf/step_s" in r)
 
 
-def peak_memory(run: Path, data: Path) -> dict:
-    """Peak tensor bytes of one optimizer step of `run`'s config on real tensors (MemTracker), after a warm step
-    (so AdamW's state exists), and the model's parameter count."""
-    import tempfile
+def _storages(t):
+    """The storages behind a tensor (a torchao subclass's inner tensors, e.g. NF4's)."""
+    if hasattr(t, "__tensor_flatten__") and type(t) is not __import__("torch").Tensor:
+        names, _ = t.__tensor_flatten__()
+        return [s for n in names for s in _storages(getattr(t, n))]
+    return [t.untyped_storage()]
 
-    import torch
-    from torch.distributed._tools.mem_tracker import MemTracker
+
+class PeakBytes:
+    """Peak bytes of live tensor storages over a region: the ones given at entry (parameters, gradients, optimizer
+    state) plus every storage an op creates inside, each counted until it is freed (a CPU has no allocator peak)."""
+
+    def __init__(self, tensors):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        tracker = self
+        self.live: dict[int, int] = {}
+        self.refs: dict[int, object] = {}
+        self.now = self.peak = 0
+
+        def add(t) -> None:
+            for st in _storages(t):
+                key = st._cdata
+                if key in tracker.live:
+                    continue
+                tracker.live[key] = st.nbytes()
+                tracker.refs[key] = weakref.ref(st, lambda _, k=key: tracker._free(k))
+                tracker.now += tracker.live[key]
+            tracker.peak = max(tracker.peak, tracker.now)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, __import__("torch").Tensor):
+                        add(t)
+                return out
+
+        for t in tensors:
+            add(t)
+        self.mode = Mode()
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+        self.refs.pop(key, None)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def peak_memory(run: Path, data: Path) -> dict:
+    """Peak tensor bytes of one optimizer step of `run`'s config on real tensors (`PeakBytes`), after a warm step
+    (so AdamW's state exists), and the model's parameter counts."""
+    import tempfile
 
     from vlaforge.config import load_config
     from vlaforge.data.loader import build_loader
@@ -121,18 +176,20 @@ def peak_memory(run: Path, data: Path) -> dict:
         cfg = load_config(run / "config.toml", [f"--train.output_dir={tmp}/run", "--train.progress=false",
                                                 "--train.tensorboard=false", f"--data.path={data}"])
         r = build_run(cfg)
-        batches = iter(build_loader(r.data.dataset, cfg.train.batch_size, cfg.train.seed))
-        step = lambda: train_step(r.model, [next(batches)], r.optimizer, r.scheduler, r.weighting,  # noqa: E731
-                                  cfg.train.grad_clip, r.guards, r.executor)
-        step()
-        tracker = MemTracker()
-        tracker.track_external(r.model, r.optimizer)
-        with tracker:
-            step()
-        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-        total = sum(p.numel() for p in r.model.parameters())
-        trainable = sum(p.numel() for p in r.model.parameters() if p.requires_grad)
-    return {"peak_bytes": int(peak), "params_in_model": total, "trainable_in_model": trainable}
+        batches = iter(build_loader(r.data.dataset, cfg.train.batch_size, cfg.train.seed, start_sample=0,
+                                    num_workers=0))
+        step = lambda batch: train_step(r.model, [batch], r.optimizer, r.scheduler, r.weighting,  # noqa: E731
+                                        cfg.train.grad_clip, r.guards, r.executor)
+        step(next(batches))
+        batch = next(batches)
+        state = [t for group in r.optimizer.state.values() for t in group.values() if hasattr(t, "untyped_storage")]
+        params = list(r.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        with PeakBytes(params + grads + state) as tracker:
+            step(batch)
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+    return {"peak_bytes": int(tracker.peak), "params_in_model": total, "trainable_in_model": trainable}
 
 
 def main() -> None:
