@@ -180,8 +180,8 @@ class Sequence:
 
 
 def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, tp: int = 1, cp: int = 1,
-                     sequence_parallel: bool = False, allgather: bool = False, zigzag: bool = False
-                     ) -> dict[str, int]:
+                     sequence_parallel: bool = False, allgather: bool = False, zigzag: bool = False,
+                     master: str = "fp32") -> dict[str, int]:
     """Bytes kept for backward for one micro-batch, by part: 'vision', 'projector', 'llm_block' (one LLM block),
     'llm_once' (shared by the LLM's blocks), 'llm_tail' (final norm and LM-head input; under cp also the layout's
     indices), 'action_head' and 'other' (the loss terms). Under tensor parallel `tp` an LLM block holds its heads'
@@ -190,8 +190,10 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     tower, projector and heads are replicated (every tp / cp rank computes them whole). `sequence_parallel`:
     Megatron SP inside the tp group (`block_bytes`'s `sp`). `allgather`: the all-gather cp method, whose ranks keep
     the whole K/V of every block. `zigzag`: the ring's
-    layout, padded to a multiple of 2 x cp tokens (the other methods pad to a multiple of cp)."""
+    layout, padded to a multiple of 2 x cp tokens (the other methods pad to a multiple of cp). `master`: the master
+    dtype (`train.precision_master`), which LoRA adapters take under a lower compute precision (planner/lora.py)."""
     from vlaforge.models.vision import vision_family
+    from vlaforge.planner.lora import adapters_of, block_delta
 
     vis, llm = model.vision.config, model.llm.config
     b, s = seq.batch, seq.llm_tokens
@@ -204,19 +206,28 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     c = {name: compute_bytes(policies[name].precision) for name in ("vision", "projector", "llm", "action_head")}
     strat = {name: policies[name].checkpointing for name in ("vision", "projector", "llm", "action_head")}
     out: dict[str, int] = {}
+    lora = adapters_of(model, policies)
+    mb = {name: 4 if policies[name].precision == "fp32" else 4 if master == "fp32" else 2 for name in c}
 
     vshape = vision_shape(model.vision)
     blocks = vis.num_hidden_layers * block_bytes(vshape, images, seq.tower_patches, policies["vision"].precision,
                                                  strat["vision"])
+    if "vision" in lora:
+        args = (strat["vision"], vshape.kind, c["vision"], mb["vision"], vshape.hidden, vshape.ffn, tvt)
+        blocks += (vis.num_hidden_layers - 1) * block_delta(lora["vision"], *args, first=False)
+        blocks += block_delta(lora["vision"], *args, first=True)
     if vshape.kind == "qwen_vit":  # its flattened 3-D patches (cast for the Conv3d), rotary cos / sin, window indices
         kept_args = strat["vision"] not in ("none", "selective_ffn")  # a checkpoint keeps its keyword tensors
         rope = 2 * 4 * vshape.head_dim * tvt if not kept_args or c["vision"] == 4 else 0
         out["vision"] = (blocks + c["vision"] * tvt * 3 * vis.temporal_patch_size * vis.patch_size ** 2 + rope
                          + 2 * 8 * tvt // seq.merge ** 2 + (qwen_bounds(vis, images, seq) if kept_args else 0))
     else:
-        out["vision"] = (blocks + c["vision"] * images * 3 * seq.image_size ** 2  # pixels, cast for the patch conv
-                         + conv_stem_bytes(model.vision, images, seq.image_size, c["vision"])
-                         + 8 * seq.tower_patches * (images if vision_family(model.vision).positions_per_image else 1)
+        # the pixels (cast for the patch conv), a conv stem's tensors and the position ids: kept for the embeddings'
+        # gradients, which a LoRA tower (its embeddings frozen) does not compute
+        embed = (c["vision"] * images * 3 * seq.image_size ** 2
+                 + conv_stem_bytes(model.vision, images, seq.image_size, c["vision"])
+                 + 8 * seq.tower_patches * (images if vision_family(model.vision).positions_per_image else 1))
+        out["vision"] = (blocks + (0 if "vision" in lora else embed)
                          + (4 * vshape.hidden + 8) * tvt)  # post-LayerNorm
     # linear + GELU + linear: the first's input, the GELU's input and output; one linear: its input. A merging
     # connector's linear reads merge^2 patches side by side (its input: the shuffled copy), after Qwen-VL's RMSNorm
@@ -239,6 +250,12 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
                                  block_positions=not model.layout.mrope)
     out["llm_tail"] = ((4 * D + 4 + 4 * D) * b * s_rank  # final RMSNorm
                        + c["llm"] * b * (seq.text + 1) * D)  # LM head input: the text targets' positions (+1)
+    if "llm" in lora:
+        a = lora["llm"]
+        out["llm_block"] += block_delta(a, strat["llm"], "llama", c["llm"], mb["llm"], D, lshape.ffn, b * s_rank,
+                                        first=False)
+        # the final norm's frozen weight needs no normalized input; a head without an adapter no input
+        out["llm_tail"] -= 4 * D * b * s_rank + (0 if a.head_adapted else c["llm"] * b * (seq.text + 1) * D)
     if cp > 1:  # the layout's int64 indices: this rank's rows (and the batch index), the scatter back to the layout
         out["llm_tail"] += 8 * b * (s_rank + 1 + s_pad)
     head = model.action_head
@@ -252,6 +269,9 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
         other += 4 * b * seq.text * vocab + 4 * b * seq.text  # cross-entropy's fp32 log-softmax, text mask
     if contrastive:
         other += 6 * 4 * b * D  # pooled, normalized embeddings and their products (fp32)
+    if "llm" in lora:  # frozen token embeddings: no ids kept for their gradient, no instruction-side pooling kept
+        other -= 8 * b * (seq.instruction + seq.text) + 4 * b * seq.instruction + (8 * b * (D + 1) if contrastive
+                                                                                  else 0)
     out["other"] = other
     return out
 
@@ -293,13 +313,14 @@ def qwen_bounds(vis, images: int, seq: Sequence) -> int:
     return 4 * (images + 1) * full + 4 * (images * windows + 1) * windowed
 
 
-def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = True) -> dict[str, int]:
+def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = True, master: str = "fp32"
+                           ) -> dict[str, int]:
     """Bytes kept for backward per component ('other': the loss terms) for one micro-batch, from the model's
     shapes: the blocks (`block_bytes`, `once_bytes`) plus each component's non-block parts.
 
     The regression action head is modeled; projector and action head with `checkpointing = "full"` keep their
     input only."""
-    parts = activation_parts(model, seq, policies, contrastive)
+    parts = activation_parts(model, seq, policies, contrastive, master=master)
     layers = model.llm.config.num_hidden_layers
     out = {k: v for k, v in parts.items() if not k.startswith("llm_")}
     out["llm"] = layers * parts["llm_block"] + parts["llm_once"] + parts["llm_tail"]

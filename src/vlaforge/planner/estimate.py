@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from vlaforge import COMPONENTS
 from vlaforge.planner.activations import activation_parts, compute_bytes
 from vlaforge.planner.hardware import GB
+from vlaforge.planner.lora import adapters_of, block_gather_bytes, cast_share
 from vlaforge.planner.memory import StateBytes, per_gpu
 from vlaforge.planner.throughput import step_time
 from vlaforge.planner.types import Assumptions, Case, Cluster, MemoryBytes, PlanModel, config_fields
@@ -79,12 +80,13 @@ def build_case(pm: PlanModel, cfg, cluster: Cluster) -> Case:
         method = cp_method_for(par, seq.llm_tokens, pm.model.llm.config.num_attention_heads)[0]
     parts = activation_parts(pm.model, seq, policies, pm.contrastive, tp=tp, cp=cp,
                              sequence_parallel=par.sequence_parallel, allgather=cp > 1 and method == "allgather",
-                             zigzag=cp > 1 and method == "ring")
+                             zigzag=cp > 1 and method == "ring", master=tr.precision_master)
     trains = {c: ever_trains(policies[c]) for c in COMPONENTS}
     through = {"vision": trains["vision"], "projector": trains["vision"] or trains["projector"]}
     through["llm"] = through["projector"] or trains["llm"]
     through["action_head"] = True
-    return Case(cfg=cfg, policies=policies, tp=tp, pp=pp, cp=cp, rep=rep, shard=shard, micro=tr.batch_size,
+    return Case(cfg=cfg, policies=policies, lora=adapters_of(pm.model, policies), tp=tp, pp=pp, cp=cp, rep=rep,
+                shard=shard, micro=tr.batch_size,
                 accum=tr.grad_accum, seq=seq, bounds=pm.stage_bounds(pp) if pp > 1 else ((0, layers),),
                 state=pm.state(policies, tr.precision_master), parts=parts,
                 fsdp=par.backend == "fsdp2" and shard * cp > 1, method=method, backward_through=through)
@@ -179,6 +181,9 @@ def _component_memory(pm: PlanModel, case: Case, comp: str, stage: int, in_fligh
     if on and not case.fsdp and dtype_bytes < master_bytes and case.backward_through[comp]:
         blocks = (b - a) if comp == "llm" else _vision_layers(pm) if comp == "vision" else 0
         casts = dtype_bytes * pm.cast_numel(comp, pol.checkpointing, blocks, case.tp) * in_flight
+        if comp in case.lora:  # the base's copies as stored (planner/lora.py), the adapters' by the same share
+            kept = casts / max(1, dtype_bytes * sum(pm.matmul_numel[comp].values()))
+            casts = casts * cast_share(case.lora[comp]) + dtype_bytes * case.lora[comp].numel * kept
     st = _state_share(pm, case, comp, stage)
     params, grads, opt = float(st.params), float(st.grads), float(st.optimizer)
     host = {"cpu": off if pol.offload == "cpu" else 0.0, "nvme": off if pol.offload == "nvme" else 0.0}
@@ -235,6 +240,10 @@ def _buffers(pm: PlanModel, case: Case) -> float:
         root = sum(n for c, n in pm.root_numel.items())
         block = max(n["block"] / case.tp, pm.vision_block_numel)
         out += (root + 2 * block) * (llm_c + 4)
+        if "llm" in case.lora:  # its largest block gathered as stored, gradients for its adapters only
+            master = 4 if case.policies["llm"].precision == "fp32" else compute_bytes(case.cfg.train.precision_master)
+            lora_block = block_gather_bytes(case.lora["llm"], n["block"], llm_c, master)
+            out += 2 * (max(lora_block, pm.vision_block_numel * (llm_c + 4)) - block * (llm_c + 4))
     elif case.par.backend == "ddp":
         out += 2 * DDP_BUCKET
     if case.pp > 1:

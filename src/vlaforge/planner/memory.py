@@ -82,7 +82,9 @@ def _tp_split(model: nn.Module) -> set[int]:
 
 
 def model_state(model: nn.Module, policies: Mapping[str, Any], master: str = "fp32") -> ModelState:
-    """Whole-model state bytes per component (no sharding)."""
+    """Whole-model state bytes per component (no sharding); a LoRA component (planner/lora.py): its frozen base as
+    stored, its adapters trained."""
+    from vlaforge.planner.lora import adapted, adapter_state, frozen_param_bytes
     from vlaforge.training.optim import owned_parameters
 
     tp_ids = _tp_split(model)
@@ -92,11 +94,18 @@ def model_state(model: nn.Module, policies: Mapping[str, Any], master: str = "fp
         dtype = torch.float32 if policy.precision == "fp32" else MASTER_DTYPES[master]
         size = torch.empty((), dtype=dtype).element_size()
         trains = ever_trains(policy)
+        lora = adapted(model, name, policy)
         s = StateBytes()
+        if lora is not None:
+            s.params, s.grads, s.optimizer = adapter_state(lora, size)
+            s.numel, s.tensors = lora.numel, 2 * len(lora.linears)
         for p in params:
             n = p.numel()
             s.numel += n
             s.tensors += 1
+            if lora is not None:
+                s.params += frozen_param_bytes(lora, p, size)
+                continue
             s.params += n * size
             if id(p) in tp_ids:
                 s.tp_sharded_params += n * size

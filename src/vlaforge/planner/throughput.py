@@ -97,7 +97,10 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     b, s = seq.batch, seq.llm_tokens
     images, t = b * seq.frames, b * s
     tv, tp = images * seq.tower_patches, images * seq.patches  # the tower's tokens, the projected ones
+    from vlaforge.planner.lora import adapters_of, block_flops, first_block_input_free
+
     trains = {c: ever_trains(policies[c]) for c in ("vision", "projector", "llm", "action_head")}
+    lora = adapters_of(model, policies)
     out = StepFlops()
 
     # vision: patch convolution, blocks (q, k, v, o; fc1, fc2), attention core over each image's patches
@@ -115,6 +118,13 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     out.backward["vision"] = (conv + 2 * v_blocks) if trains["vision"] else 0.0
     rec, core_again = _recomputed(policies["vision"].checkpointing, v_attn_mm, v_ffn_mm, v_out, v_fc2)
     out.recompute["vision"] = vis.num_hidden_layers * rec if trains["vision"] else 0.0
+    if "vision" in lora:  # a frozen patch embedding, frozen block weights; block 0's input needs no gradient
+        f, bwd, rec = block_flops(lora["vision"], tv, policies["vision"].checkpointing, v_attn_mm, v_ffn_mm, v_out,
+                                  v_fc2)
+        layers = vis.num_hidden_layers
+        out.forward["vision"] = conv + layers * f
+        out.backward["vision"] = layers * bwd - first_block_input_free(lora["vision"], tv, v_attn_mm - v_out)
+        out.recompute["vision"] = layers * rec
     out.recompute_attention["vision"] = v_core if core_again and trains["vision"] else 0.0
     out.attention["vision"] = v_core + (2 * v_core if trains["vision"] else 0.0) + out.recompute_attention["vision"]
 
@@ -154,6 +164,19 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     needs_backward = trains["llm"] or upstream
     rec, core_again = _recomputed(policies["llm"].checkpointing, l_attn_mm, l_ffn_mm, l_out, l_down)
     out.recompute["llm"] = llm.num_hidden_layers * rec if needs_backward else 0.0
+    if "llm" in lora:  # frozen block weights and head (its input gradient only); adapters train
+        a, layers = lora["llm"], llm.num_hidden_layers
+        if a.head_adapted:
+            from vlaforge.errors import VlaforgeError
+
+            raise VlaforgeError("the planner does not count an adapter on the LLM's output head; drop it from "
+                                "components.llm.lora.targets to plan")
+        f, bwd, rec = block_flops(a, t, policies["llm"].checkpointing, l_attn_mm, l_ffn_mm, l_out, l_down)
+        out.forward["llm"] = layers * f + head
+        out.backward["llm"] = layers * bwd + head
+        if not upstream:  # the LLM's input (frozen embeddings, a frozen tower's tokens) needs no gradient
+            out.backward["llm"] -= first_block_input_free(a, t, l_attn_mm - l_out)
+        out.recompute["llm"] = layers * rec
     out.recompute_attention["llm"] = l_core if core_again and needs_backward else 0.0
     out.attention["llm"] = l_core + (2 * l_core if needs_backward else 0.0) + out.recompute_attention["llm"]
 
@@ -167,7 +190,7 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     out.recompute["action_head"] = (body + state) if policies["action_head"].checkpointing == "full" else 0.0
 
     out.forward["other"] = 2.0 * b * b * D if contrastive else 0.0  # contrastive logits (B x B)
-    out.backward["other"] = 2 * out.forward["other"]
+    out.backward["other"] = (1 if "llm" in lora else 2) * out.forward["other"]  # LoRA: frozen instruction side
     return out
 
 
@@ -231,7 +254,8 @@ def _stage_compute(pm: "PlanModel", case: "Case", cluster: "Cluster", assume: "A
     # memory-bound kernels work on every activation the forward makes (what `none` keeps), again for what
     # recomputation rebuilds (a third of the passes: forward only)
     plain = {c: p.model_copy(update={"checkpointing": "none"}) for c, p in policies.items()}
-    work = activation_parts(pm.model, case.seq, plain, pm.contrastive, tp=tp, cp=cp)
+    work = activation_parts(pm.model, case.seq, plain, pm.contrastive, tp=tp, cp=cp,
+                            master=case.cfg.train.precision_master)
     out = []
     for stage, (a, b) in enumerate(case.bounds):
         first, last = stage == 0, stage == case.pp - 1

@@ -110,7 +110,8 @@ class PlanModel:
         return self.seq.llm_tokens
 
     def state(self, policies, master: str):
-        key = (master, tuple((c, policies[c].precision, ever_trains(policies[c])) for c in COMPONENTS))
+        key = (master, tuple((c, policies[c].precision, ever_trains(policies[c]),
+                              policies[c].lora.model_dump_json() if policies[c].lora else None) for c in COMPONENTS))
         if key not in self._states:
             self._states[key] = model_state(self.model, policies, master)
         return self._states[key]
@@ -192,6 +193,7 @@ class Case:
 
     cfg: Any
     policies: dict
+    lora: dict  # component -> planner.lora.Adapted, for the components with adapters
     tp: int
     pp: int
     cp: int

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from vlaforge import COMPONENTS
 from vlaforge.models.blocks import blocks_of
@@ -101,6 +102,7 @@ class SavedBytes:
     """Bytes saved for backward by place (device / cpu / nvme), component and block."""
 
     params: set = field(default_factory=set)
+    casts: set = field(default_factory=set)  # storages of frozen parameters' casts (`_FrozenCasts`)
     seen: set = field(default_factory=set)
     by_block: dict = field(default_factory=lambda: defaultdict(int))  # (place, comp, block) -> bytes
     weight_casts: dict = field(default_factory=lambda: defaultdict(int))  # comp -> bytes
@@ -113,7 +115,7 @@ class SavedBytes:
             return
         self.seen.add(key)
         comp, block = current_location()
-        if is_weight_cast(t):
+        if key in self.casts or is_weight_cast(t):
             self.weight_casts[comp] += tensor_bytes(t)
         else:
             self.by_block[(place, comp, block)] += tensor_bytes(t)
@@ -147,7 +149,8 @@ def record(t: torch.Tensor, place: str = DEVICE) -> None:
 def count_saved(model: nn.Module) -> Iterator[SavedBytes]:
     """Count what the forward passes run inside this block save for backward."""
     track_locations(model)
-    acc = SavedBytes(params={storage_key(p) for p in model.parameters()})
+    # a torchao weight (LoRA's NF4 base) is a wrapper: its own storage and its inner tensors' are parameters
+    acc = SavedBytes(params={storage_key(t) for p in model.parameters() for t in {p, *_plain(p)}})
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         acc.record(t)
@@ -155,7 +158,31 @@ def count_saved(model: nn.Module) -> Iterator[SavedBytes]:
 
     _active.append(acc)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FrozenCasts(acc):
             yield acc
     finally:
         _active.pop()
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """A tensor, or a torchao subclass's inner tensors (an NF4 weight's)."""
+    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in _plain(getattr(t, n))]
+    return [t]
+
+
+class _FrozenCasts(TorchDispatchMode):
+    """Marks autocast's copies of *frozen* parameters as weight casts: a trainable parameter's copy is found by its
+    autograd history (`is_weight_cast`), a frozen one's has none (LoRA's base weights under bf16 compute)."""
+
+    def __init__(self, acc: "SavedBytes"):
+        super().__init__()
+        self.acc = acc
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) \
+                and not is_traceable_wrapper_subclass(args[0]) and storage_key(args[0]) in self.acc.params:
+            self.acc.casts.add(storage_key(out))
+        return out

@@ -15,6 +15,7 @@ the original names, which is what inference, quantization and export load.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import re
@@ -111,7 +112,10 @@ def _inject(model: nn.Module, name: str, cfg, shards: int) -> LoraReport:
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=pattern,
                               init_lora_weights=True if cfg.init == "kaiming" else "gaussian",
                               use_rslora=cfg.rslora, bias="none")
-    inject_adapter_in_model(peft_cfg, module)
+    from vlaforge.models.build import fake_mode_active
+
+    with _fake_safe_moves() if fake_mode_active() else contextlib.nullcontext():
+        inject_adapter_in_model(peft_cfg, module)
     report = LoraReport(base=cfg.base, layers=layers)
     for layer in lora_layers(module).values():
         _store_base(layer.base_layer, cfg.base, report, name, shards)
@@ -122,6 +126,35 @@ def _inject(model: nn.Module, name: str, cfg, shards: int) -> LoraReport:
             p.requires_grad_(False)
             report.base_params += p.numel()
     return report
+
+
+@contextlib.contextmanager
+def _fake_safe_moves():
+    """NOTE: peft moves new adapters with `Module.to`, which must swap every fake parameter (planning builds under a
+    fake-tensor mode) and torch refuses that (a FakeTensor carries weakrefs). Meanwhile `Module.to` replaces each
+    parameter and buffer that has to change by a converted copy instead (what it does to real tensors)."""
+
+    def to(module, *args, **kwargs):
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        for m in module.modules():
+            for table in (m._parameters, m._buffers):
+                for key, t in list(table.items()):
+                    if t is None:
+                        continue
+                    want = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                    if t.dtype == want and (device is None or t.device == device):
+                        continue
+                    moved = t.detach().to(device=device or t.device, dtype=want)
+                    table[key] = nn.Parameter(moved, requires_grad=t.requires_grad) if key in m._parameters \
+                        else moved
+        return module
+
+    original = nn.Module.to
+    nn.Module.to = to
+    try:
+        yield
+    finally:
+        nn.Module.to = original
 
 
 def lora_layers(module: nn.Module) -> dict[str, nn.Module]:
