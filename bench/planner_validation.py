@@ -1,6 +1,7 @@
 """The planner's prediction next to a real training step in one process: peak device memory and step time for
 six configurations (checkpointing none / selective / full x two micro-batches), bf16 compute over fp32 masters
-with AdamW. Prints JSON with each configuration's predicted and measured figures and their ratios.
+with AdamW, and two LoRA rows (rank 32 on the tower and the LLM over a bf16 base, and QLoRA over an NF4 base).
+Prints JSON with each configuration's predicted and measured figures and their ratios.
 
 On a GPU (`--device cuda`, the issue's check: the `small` flavor, peak within 10 %, step time within 25 %), the
 measured peak is `torch.cuda.max_memory_allocated` over a step after warm-up, and the planner is given the GPU
@@ -26,14 +27,18 @@ import torch
 from vlaforge.config import load_config
 
 CONFIGS = [(ck, batch) for ck in ("none", "selective", "full") for batch in (2, 4)]
+# LoRA rows (issue 42): rank-32 adapters on the tower and the LLM over a bf16 base, and QLoRA over an NF4 base
+LORA_ROWS = [("none", 4, {"rank": 32, "base": "bf16"}), ("none", 4, {"rank": 32, "base": "nf4"})]
 
 
-def config(flavor: str, checkpointing: str, batch: int, seq: int | None):
+def config(flavor: str, checkpointing: str, batch: int, seq: int | None, lora: dict | None = None):
     from vlaforge.models.build import with_seq_len
 
     comps = {c: {"precision": "bf16"} for c in ("vision", "projector", "llm", "action_head")}
     comps["llm"]["checkpointing"] = checkpointing
     comps["vision"]["checkpointing"] = checkpointing if checkpointing != "selective" else "none"
+    for c in ("vision", "llm") if lora else ():
+        comps[c]["lora"] = lora
     cfg = load_config(None, {"model": {"flavor": flavor}, "components": comps,
                              "train": {"batch_size": batch, "progress": False, "tensorboard": False}})
     return with_seq_len(cfg, seq)
@@ -117,12 +122,14 @@ def main() -> None:
 
     cluster = Cluster(get_gpu(args.gpu), gpus_per_node=1, nodes=1)
     rows, measured = [], []
-    for ck, batch in CONFIGS:
-        cfg = config(flavor, ck, batch, args.seq)
+    for ck, batch, lora in [(ck, b, None) for ck, b in CONFIGS] + LORA_ROWS:
+        cfg = config(flavor, ck, batch, args.seq, lora)
         predicted = estimate(PlanModel(cfg), cfg, cluster)
         got = measure(cfg, device, args.steps)
-        measured.append(MeasuredRun(f"{ck}/mb{batch}", cfg, got["step_s"], 1))
-        row = {"checkpointing": ck, "micro_batch": batch, "predicted_gb": _sig(predicted.memory["total"]),
+        if lora is None:  # (the calibration fits and holds out the full fine-tuning rows)
+            measured.append(MeasuredRun(f"{ck}/mb{batch}", cfg, got["step_s"], 1))
+        row = {"checkpointing": ck, "micro_batch": batch, "lora": lora,
+               "predicted_gb": _sig(predicted.memory["total"]),
                "predicted_step_s": _sig(predicted.step_time_s), "measured_step_s": _sig(got["step_s"]),
                "predicted_compute_s": _sig(predicted.time_s["compute"])}
         if got["peak_bytes"] is not None:
@@ -131,7 +138,7 @@ def main() -> None:
             row["time_ratio"] = _sig(predicted.step_time_s / got["step_s"])
         rows.append(row)
     base = Assumptions().matmul_efficiency
-    eff = statistics.median(base * r["predicted_compute_s"] / r["measured_step_s"] for r in rows)
+    eff = statistics.median(base * r["predicted_compute_s"] / r["measured_step_s"] for r in rows if not r["lora"])
     calibration = held_out_calibration(measured, cluster.gpu)
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "flavor": flavor,
            "planner_gpu": cluster.gpu.name, "rows": rows, "suggested_matmul_efficiency": _sig(eff),

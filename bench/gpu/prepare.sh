@@ -15,16 +15,19 @@ version() { "$py" -c "import importlib.metadata as m, sys; print(m.version(sys.a
 pkgs=(torchao pydantic pydantic-core annotated-types typing-inspection typing-extensions tomli-w)
 pins=()
 for p in "${pkgs[@]}"; do pins+=("$p==$(version "$p")"); done
+# peft: the LoRA rows of planner_validation (pure Python; its requirements - transformers, accelerate, safetensors,
+# psutil, tqdm, pyyaml - are on the device), carried without its dependencies
+extra=("peft==$(version peft)")
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 target=(--python-version 3.12 --implementation cp --only-binary=:all: "${platforms[@]}")
 rm -rf "$dest"
 mkdir -p "$dest"
-"$py" -m pip download -q --no-deps "${target[@]}" -d "$dest" "${pins[@]}"
+"$py" -m pip download -q --no-deps "${target[@]}" -d "$dest" "${pins[@]}" "${extra[@]}"
 # offline resolution for Python 3.12: every requirement of these wheels is among them (torchao declares no torch)
 "$py" -m pip install -q --dry-run --ignore-installed --no-index --find-links "$dest" "${target[@]}" \
     --target /tmp/vlaforge-whl-check "${pins[@]}"
-echo "resolved offline for Python 3.12: ${pins[*]}"
+echo "resolved offline for Python 3.12: ${pins[*]} (and ${extra[*]} without its dependencies)"
 size=$(du -sm "$dest" | cut -f1)
 ls -1 "$dest"
 echo "$dest: ${size} MiB of 64 MiB a call may carry"

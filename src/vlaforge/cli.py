@@ -180,6 +180,11 @@ def plan(model: str = typer.Option("vla-7b", help=f"a flavor ({' | '.join(FLAVOR
          fix: list[str] = typer.Option([], help="KEY=VALUE pins a config field (repeatable), e.g. --fix "
                                                 "parallel.tp=1 --fix components.llm.checkpointing=none"),
          top: int = typer.Option(5, min=1, help="candidates shown / in --json"),
+         lora: Optional[int] = typer.Option(None, min=1, max=1024, help="also consider LoRA of this rank on the "
+                                                                        "vision tower and the LLM (bf16 base) and "
+                                                                        "QLoRA (NF4 base); the explanation says "
+                                                                        "what it trains and what full fine-tuning "
+                                                                        "would need (docs/lora.md)"),
          matmul_efficiency: Optional[float] = typer.Option(None, min=0.01, max=1, help="share of the dense peak "
                                                                                        "matmuls reach (default 0.6, "
                                                                                        "or the calibrated one)"),
@@ -201,7 +206,8 @@ def plan(model: str = typer.Option("vla-7b", help=f"a flavor ({' | '.join(FLAVOR
                                                               "frames x 8xA100-80, 8xH100, 4x8xH100) to this Markdown "
                                                               "file and exit")):
     """Plan memory and throughput per GPU for a VLA on a cluster, and recommend the fastest configuration that fits:
-    layout (FSDP2 / HSDP / DDP, tp, pp, cp), precision, checkpointing, offload, micro-batch and accumulation."""
+    layout (FSDP2 / HSDP / DDP, tp, pp, cp), precision, checkpointing, offload, micro-batch and accumulation (and,
+    with --lora R, LoRA / QLoRA of rank R)."""
     from vlaforge.planner import cli as planner_cli
 
     from vlaforge.planner import calibrate as calib
@@ -219,7 +225,8 @@ def plan(model: str = typer.Option("vla-7b", help=f"a flavor ({' | '.join(FLAVOR
         typer.echo(f"wrote {planner_cli.write_whitepaper(whitepaper, global_batch, assume, catalog)}")
         return
     base = planner_cli.base_config(model, frames, cameras, image_size, text_tokens, seq)
-    result = planner_cli.run(base, cluster, global_batch, fix, micro_batch, assume, top, measure, write_config, plot)
+    result = planner_cli.run(base, cluster, global_batch, fix, micro_batch, assume, top, measure, write_config, plot,
+                             lora_rank=lora)
     result["json"]["calibration"] = source
     note = source or calib.uncalibrated_note(assume)
     typer.echo(json.dumps(result["json"], indent=2) if as_json else f"{result['text']}\n{note}")

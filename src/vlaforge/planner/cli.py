@@ -52,7 +52,7 @@ def base_config(model: str, frames: int | None, cameras: int | None, image_size:
 
 
 def run(base, cl: Cluster, global_batch: int, fix: list[str], micro_batch: int | None, assume: Assumptions,
-        top: int, measure: bool, write_to: Path | None, plot_to: Path | None) -> dict:
+        top: int, measure: bool, write_to: Path | None, plot_to: Path | None, lora_rank: int | None = None) -> dict:
     """Search (or evaluate the one configuration `fix` pins completely), then report; returns text and JSON."""
     from vlaforge.planner.report import plan_json, plot, render
 
@@ -60,7 +60,7 @@ def run(base, cl: Cluster, global_batch: int, fix: list[str], micro_batch: int |
     if micro_batch is not None:
         fixed["train.batch_size"] = micro_batch
     pm = PlanModel(base)
-    plan = search(pm, cl, global_batch, fixed, assume, keep=top)
+    plan = search(pm, cl, global_batch, fixed, assume, keep=top, lora_rank=lora_rank)
     out = plan_json(pm, plan, assume)
     text = render(plan, top)
     ref = out["reference"]

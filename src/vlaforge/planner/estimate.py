@@ -53,12 +53,14 @@ class Estimate:
     reasons: list[str] = field(default_factory=list)
     stage: int = 0  # the pipeline stage whose GPU is reported
     recompute_share: float = 0.0  # FLOPs recomputed by checkpointing over the useful FLOPs
+    trainable_share: float = 1.0  # parameters that train (LoRA: the adapters) over all
 
     def to_json(self) -> dict:
         return {"config": config_fields(self.config), "memory_gb": _round(self.memory),
                 "by_component": {c: _round(v) for c, v in self.by_component.items()}, "fits": self.fits,
                 "step_time_s": round(self.step_time_s, 4), "tokens_per_s": round(self.tokens_per_s, 1),
-                "mfu": round(self.mfu, 4), "time_s": _round(self.time_s), "reasons": self.reasons}
+                "mfu": round(self.mfu, 4), "time_s": _round(self.time_s), "reasons": self.reasons,
+                "trainable_share": round(self.trainable_share, 5)}
 
 
 def _round(d: dict) -> dict:
@@ -138,9 +140,12 @@ def estimate(pm: PlanModel, cfg, cluster: Cluster, assume: Assumptions = Assumpt
     slowest = max((k for k in times if k != "compute"), key=lambda k: times[k], default=None)
     if slowest and times[slowest] > 0.05 * step:
         reasons.append(f"{slowest.replace('_', ' ')} is {100 * times[slowest] / step:.0f}% of the step")
+    numel = {c: case.state.by_component[c].numel for c in COMPONENTS}
+    trains = sum(case.lora[c].numel if c in case.lora else numel[c] * ever_trains(case.policies[c]) for c in numel)
     return Estimate(config=cfg, memory=memory, by_component=by_component, fits=fits, step_time_s=step,
                     tokens_per_s=tokens_per_s, mfu=mfu, time_s=times, reasons=reasons, stage=stage,
-                    recompute_share=sum(flops.recompute.values()) / flops.model_flops)
+                    recompute_share=sum(flops.recompute.values()) / flops.model_flops,
+                    trainable_share=trains / max(1, sum(numel.values())))
 
 
 def _stage_memory(pm: PlanModel, case: Case, stage: int) -> tuple[MemoryBytes, dict[str, MemoryBytes]]:

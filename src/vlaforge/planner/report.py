@@ -73,6 +73,9 @@ def _policy(e: Estimate) -> str:
     for comp, tag in (("llm", "llm"), ("vision", "vis")):
         p, ck, off = (f[f"components.{comp}.{k}"] for k in ("precision", "checkpointing", "offload"))
         out.append(f"{tag} {p}/{ck}" + (f"/off-{off}" if off != "none" else ""))
+    lora = f["components.llm.lora"]
+    if lora is not None:
+        out.append(f"{'qlora' if lora['base'] == 'nf4' else 'lora'} r{lora['rank']}")
     return ", ".join(out)
 
 
@@ -195,8 +198,58 @@ def whitepaper(path: str | Path, global_batch: int = 256, assume: Assumptions = 
                              f"{b.config.train.grad_accum} | [{b.memory['total']:.1f}]({charts.name}/{chart.name}) | "
                              f"{b.tokens_per_s:,.0f} | {100 * b.mfu:.0f}% | {why} |")
             lines.append("")
+    lines += _lora_section(assume, charts)
     write_atomic(path, "\n".join(lines) + "\n")
     return path
+
+
+LORA_SETUPS = {"full fine-tuning": None, "LoRA r32 (bf16 base)": {"rank": 32, "base": "bf16"},
+               "QLoRA r32 (NF4 base)": {"rank": 32, "base": "nf4"}}
+LORA_GLOBAL_BATCH = 16  # OpenVLA's fine-tuning batch
+
+
+def lora_clusters(catalog=None) -> list[Cluster]:
+    from vlaforge.planner.hardware import get_gpu
+
+    return [Cluster(get_gpu(g, catalog), n, 1) for g, n in (("rtx-4090", 1), ("l40s", 1), ("h100-80", 1),
+                                                            ("h100-80", 8))]
+
+
+def lora_plans(flavor: str = "vla-7b", assume: Assumptions = Assumptions(), clusters: list[Cluster] | None = None,
+               global_batch: int = LORA_GLOBAL_BATCH):
+    """(setup, cluster, plan) for full fine-tuning, LoRA and QLoRA (adapters on the vision tower and the LLM) of
+    `flavor` on each cluster."""
+    from vlaforge.config.loading import load_config
+    from vlaforge.planner.search import search
+
+    for setup, lora in LORA_SETUPS.items():
+        comps = {c: {"precision": "bf16"} | ({"lora": lora} if lora and c in ("vision", "llm") else {})
+                 for c in COMPONENTS}
+        pm = PlanModel(load_config(None, {"model": {"flavor": flavor}, "components": comps}))
+        for cluster in clusters or lora_clusters():
+            yield setup, cluster, pm, search(pm, cluster, global_batch, assume=assume, keep=1)
+
+
+def _lora_section(assume: Assumptions, charts: Path) -> list[str]:
+    lines = ["## Full fine-tuning, LoRA and QLoRA: vla-7b on one GPU and on eight", "",
+             f"Global batch {LORA_GLOBAL_BATCH} (OpenVLA's fine-tuning batch), one frame. Adapters of rank 32 on every "
+             "linear of the vision tower and the LLM (the LM head excepted), alpha 16; the projector and the action "
+             "head train in full. The frozen base is stored in bf16 (LoRA) or NF4 (QLoRA); the planner counts "
+             "both (docs/lora.md).", "",
+             "| setup | cluster | fits | layout | precision / checkpointing | micro × accum | GB per GPU | step s | "
+             "tokens/s | trains |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for setup, cluster, pm, plan in lora_plans(assume=assume):
+        b = plan.best
+        if b is None:
+            m = plan.best_misfit
+            lines.append(f"| {setup} | {cluster.describe()} | no | — | — | — | "
+                         f"{m.memory['total']:.1f} needed | — | — | — |" if m else
+                         f"| {setup} | {cluster.describe()} | no | — | — | — | — | — | — | — |")
+            continue
+        lines.append(f"| {setup} | {cluster.describe()} | yes | {_short(b)} | {_policy(b)} | "
+                     f"{b.config.train.batch_size} × {b.config.train.grad_accum} | {b.memory['total']:.1f} | "
+                     f"{b.step_time_s:.2f} | {b.tokens_per_s:,.0f} | {100 * b.trainable_share:.2f} % |")
+    return lines + [""]
 
 
 def _arithmetic(pm: PlanModel) -> list[str]:

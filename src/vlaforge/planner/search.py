@@ -27,6 +27,7 @@ from vlaforge.planner.estimate import GB, Estimate, estimate
 from vlaforge.planner.types import Assumptions, Cluster, PlanModel, config_fields
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+LORA = "components.lora"  # the search's LoRA choice: adapters on the vision tower and the LLM (or none)
 ALTERNATIVES = {
     "DeepSpeed ZeRO-3 with optimizer and parameter offload to CPU": {
         "parallel.backend": "deepspeed", "parallel.zero_stage": 3, "parallel.offload_optimizer": "cpu",
@@ -108,10 +109,13 @@ def _free(choices: dict[str, tuple], fixed: dict[str, Any]):
 
 
 def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, Any] | None = None,
-           assume: Assumptions = Assumptions(), keep: int = 10, alternatives: bool = True) -> Plan:
+           assume: Assumptions = Assumptions(), keep: int = 10, alternatives: bool = True,
+           lora_rank: int | None = None) -> Plan:
     """Every candidate that the trainer accepts, estimated; the fitting ones ranked by tokens/s. When none fits,
     `plan.alternatives` holds the best of each of the fallbacks the search leaves out by default (`ALTERNATIVES`:
-    they change the numerics or cost host memory and PCIe time)."""
+    they change the numerics or cost host memory and PCIe time). `lora_rank`: also try LoRA of that rank on the
+    vision tower and the LLM over a bf16 base, and QLoRA (an NF4 base) - they train a few per cent of the
+    parameters, which is what the explanation says they give up."""
     from vlaforge.config.loading import deep_merge, validate
     from vlaforge.distributed.parallel_dims import World, check_layout
 
@@ -123,6 +127,8 @@ def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, 
     fp8 = ("bf16", "fp8") if cluster.gpu.fp8_tflops else ("bf16",)
     knobs = {"components.llm.precision": fp8, "components.llm.checkpointing": ("none", "selective", "full"),
              "components.vision.checkpointing": ("none", "full"), "components.llm.offload": ("none", "cpu")}
+    if lora_rank:
+        knobs[LORA] = (None, {"rank": lora_rank, "base": "bf16"}, {"rank": lora_rank, "base": "nf4"})
     defaults = {"components.vision.precision": "bf16", "components.projector.precision": "bf16",
                 "components.action_head.precision": "bf16"}
     defaults = {k: v for k, v in defaults.items() if k not in fixed}
@@ -155,6 +161,13 @@ def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, 
                 continue
             for knob in _free(knobs, fixed):
                 cand = cfg if not knob else cfg.model_copy(update={"components": _components(cfg, knob)})
+                if knob.get(LORA) or cand.components.llm.lora or cand.components.vision.lora:
+                    # LoRA's own refusals (tp, pp, fp8, DeepSpeed): the config's validation
+                    try:
+                        validate(cand.model_dump(mode="json"))
+                    except VlaforgeError:
+                        plan.refused += 1
+                        continue
                 candidates.append(estimate(pm, cand, cluster, assume))
     plan.considered = len(candidates)
     fitting = [e for e in candidates if e.fits]
@@ -181,9 +194,15 @@ def _techniques(e: Estimate) -> int:
 
 
 def _components(cfg, knob: dict[str, Any]):
+    from vlaforge.config.lora import LoraConfig
+
     comps = cfg.components
     updates: dict[str, dict[str, Any]] = {}
     for key, value in knob.items():
+        if key == LORA:  # the same adapters on the tower and the LLM
+            for comp in ("vision", "llm"):
+                updates.setdefault(comp, {})["lora"] = LoraConfig(**value) if value else None
+            continue
         _, comp, name = key.split(".")
         updates.setdefault(comp, {})[name] = value
     return comps.model_copy(update={c: getattr(comps, c).model_copy(update=u) for c, u in updates.items()})
@@ -194,7 +213,7 @@ def _distinct(ranked: list[Estimate]) -> list[Estimate]:
     out, seen = [], set()
     for e in ranked:
         f = config_fields(e.config)
-        key = tuple(v for k, v in f.items() if not k.startswith("train."))
+        key = tuple(repr(v) for k, v in f.items() if not k.startswith("train."))  # (LoRA settings: dicts)
         if key not in seen:
             seen.add(key)
             out.append(e)
@@ -257,11 +276,32 @@ def explain(plan: Plan, candidates: list[Estimate], cluster: Cluster, assume: As
         share = best.time_s.get("pipeline_bubble", 0) / best.step_time_s
         out.append(f"pp = {f['parallel.pp']}: pipeline bubble {100 * share:.0f}% of the step with "
                    f"{best.config.train.grad_accum} micro-batches")
+    if f["components.llm.lora"] is not None:
+        out.append(_lora_tradeoff(best, candidates))
     if f["components.llm.precision"] == "fp8":
         bf16 = _same_but(best, candidates, **{"components.llm.precision": "bf16"})
         if bf16 is not None:
             out.append(f"fp8 on llm: {best.tokens_per_s / bf16.tokens_per_s:.2f}x the tokens/s of bf16")
     return out
+
+
+def _lora_tradeoff(best: Estimate, candidates: list[Estimate]) -> str:
+    """What LoRA gave up, from the estimates: its trainable share, and the best full fine-tune beside it."""
+    lora = best.config.components.llm.lora
+    full = [c for c in candidates if config_fields(c.config)["components.llm.lora"] is None]
+    fits = [c for c in full if c.fits]
+    kind = "QLoRA (NF4 base)" if lora.base == "nf4" else f"LoRA ({lora.base} base)"
+    share = best.trainable_share
+    head = (f"{kind}, rank {lora.rank} on vision + llm: trains {100 * share:.2f} % of the parameters (the rest "
+            "frozen: what it gives up against full fine-tuning)")
+    if fits:
+        top = max(fits, key=lambda c: c.tokens_per_s)
+        return (f"{head}; full fine-tuning fits here at {top.tokens_per_s:,.0f} tokens/s "
+                f"({top.memory['total']:.1f} GB per GPU) vs {best.tokens_per_s:,.0f}")
+    if full:
+        low = min(full, key=lambda c: c.memory["total"])
+        return f"{head}; full fine-tuning does not fit here (at least {low.memory['total']:.1f} GB per GPU)"
+    return head
 
 
 def needed_nodes(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, Any] | None = None,

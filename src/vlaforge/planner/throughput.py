@@ -17,7 +17,8 @@ runtime makes):
   the component's precision times `matmul_efficiency` (`fp8_efficiency` of the fp8 peak for fp8 linears);
   attention cores at `attention_efficiency`; plus memory-bound kernels: every activation the forward makes
   (what `none` keeps) moved `elementwise_passes` times through HBM, and a third of that again for what
-  recomputation rebuilds;
+  recomputation rebuilds; an NF4 LoRA base's dequantization (its codes read, a dense copy written, forward and
+  backward) at HBM speed;
   the LLM's work divided by tp x cp and over the stages, the vision tower and heads replicated; plus
   `micro_overhead_s` per micro-batch (launches and Python; 0 unless calibrated);
 - FSDP all-gathers (forward and backward of every micro-batch) and the reduce-scatter (once per step), DDP's and
@@ -276,6 +277,12 @@ def _stage_compute(pm: "PlanModel", case: "Case", cluster: "Cluster", assume: "A
             kept += parts["llm_tail"] + parts["action_head"] + parts["other"]
         passes = assume.elementwise_passes
         t += (made * passes + max(0.0, made - kept) * passes / 3) / (gpu.hbm_gbps * GB)
+        # an NF4 base is dequantized for each use, forward and backward: its 4-bit codes read, a dense copy written
+        for comp, on in (("vision", first), ("llm", True)):
+            a_ = case.lora.get(comp)
+            if a_ is not None and a_.base == "nf4" and on:
+                n = sum(i * o for i, o, _ in a_.linears) * (share if comp == "llm" else 1.0)
+                t += 2 * n * (0.5 + compute_bytes(policies[comp].precision)) / (gpu.hbm_gbps * GB)
         out.append(t)
     return out
 

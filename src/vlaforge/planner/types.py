@@ -25,7 +25,8 @@ SEARCHED = ("parallel.tp", "parallel.sequence_parallel", "parallel.pp", "paralle
 
 
 def config_fields(cfg) -> dict[str, Any]:
-    """The fields a plan decides, flat and dotted (the rest of the config is the base's)."""
+    """The fields a plan decides, flat and dotted (the rest of the config is the base's); a component's LoRA as its
+    settings (`components.<c>.lora`, None without)."""
     out = {}
     for key in SEARCHED:
         section, *rest = key.split(".")
@@ -33,6 +34,9 @@ def config_fields(cfg) -> dict[str, Any]:
         for part in rest:
             value = getattr(value, part)
         out[key] = value
+    for comp in ("vision", "llm"):
+        lora = getattr(cfg.components, comp).lora
+        out[f"components.{comp}.lora"] = lora.model_dump() if lora is not None else None
     out["train.precision_master"] = cfg.train.precision_master
     return out
 
