@@ -91,6 +91,11 @@ def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                                                       "docs/lerobot.md)"),
           fps: float = typer.Option(30.0, min=0.1, max=1000.0, help="lerobot: the robot's control rate, which "
                                                                     "timestamps the actions of a chunk"),
+          keep_adapters: bool = typer.Option(False, help="a LoRA run: keep its adapters unmerged over its base, with "
+                                                         "the --adapter runs beside it; a client names its adapter "
+                                                         "(docs/lora.md)"),
+          adapter: list[str] = typer.Option([], help="NAME=RUN: another LoRA run over the same base, served as NAME "
+                                                     "(repeatable; needs --keep-adapters)"),
           http_port: Optional[int] = typer.Option(None, min=0, max=65535, help="HTTP port for POST /act (default: "
                                                                                "port + 1; 0: none)"),
           max_batch: int = typer.Option(8, min=1, max=256, help="predictions per batched forward"),
@@ -116,8 +121,16 @@ def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         typer.echo(f"warning: serving on {host} without an API key: anyone who reaches the port can drive the "
                    "policy; set --api-key or VLAFORGE_API_KEY", err=True)
+    if adapter and not keep_adapters:
+        raise VlaforgeError("--adapter NAME=RUN serves LoRA runs side by side; add --keep-adapters")
+    named = {}
+    for item in adapter:
+        name, sep, run = item.partition("=")
+        if not sep or not name or not run:
+            raise VlaforgeError(f"--adapter {item!r}: write NAME=RUN (a LoRA run over the same base)")
+        named[name] = run
     runtime = PolicyRuntime.load(checkpoint, device=device, dtype=dtype, compile=compile, cache=cache,
-                                 backend=backend)
+                                 backend=backend, adapters=named if keep_adapters else None)
     options = ServeOptions(host=host, port=port, http_port=http_port, max_batch=max_batch, max_wait_ms=max_wait_ms,
                            api_key=api_key, max_message_bytes=int(max_message_mb * 2**20),
                            max_connections=max_connections, idle_timeout_s=idle_timeout_s, protocol=protocol,

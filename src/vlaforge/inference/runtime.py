@@ -40,6 +40,7 @@ class Observation:
     images: Mapping[str, Any]
     state: Any
     instruction: str
+    adapter: str | None = None  # with several LoRA adapters served (inference/adapters.py): the one to run with
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Session:
     instruction: str | None = None
     tokens: tuple[torch.Tensor, torch.Tensor, int] | None = None  # ids, mask, real length
     latencies_ms: list[float] = field(default_factory=list)
+    adapter: str | None = None  # the LoRA adapter it runs with, when the runtime holds several
 
     def report(self) -> dict[str, Any]:
         """Per-session figures: predictions, latency p50/p99, cache statistics."""
@@ -108,7 +110,7 @@ class PolicyRuntime:
 
     def __init__(self, model: torch.nn.Module, spec: ObservationSpec, tokenizer, *, device: str = "auto",
                  dtype: str = "auto", compile: str = "off", cache: CacheConfig | str = "exact",
-                 source: str | None = None):
+                 source: str | None = None, adapters=None):
         if compile not in COMPILE_MODES:
             raise VlaforgeError(f"compile mode {compile!r} is not one of {', '.join(COMPILE_MODES)}")
         self.cache_config = cache if isinstance(cache, CacheConfig) else CacheConfig(mode=cache)
@@ -130,8 +132,11 @@ class PolicyRuntime:
         self._encode, self._act = model.encode_frames, model.actions_from_tokens
         self._token_encoder = TokenReuseEncoder(model, self.cache_config) \
             if self.cache_config.mode == "token" else None
-        self._norm = {k: torch.tensor(getattr(spec, k), device=self.device)
-                      for k in ("state_mean", "state_std", "action_mean", "action_std")}
+        self.adapters = adapters  # an inference.adapters.AdapterSet: several LoRA runs over this base, unmerged
+        specs = {n: a.spec for n, a in adapters.adapters.items()} if adapters is not None else {None: spec}
+        self._norms = {n: {k: torch.tensor(getattr(sp, k), device=self.device)
+                           for k in ("state_mean", "state_std", "action_mean", "action_std")} for n, sp in specs.items()}
+        self._norm = next(iter(self._norms.values()))
         self.compile_s = 0.0
         if compile != "off":
             self._encode = torch.compile(model.encode_frames, mode=None if compile == "default" else compile)
@@ -154,14 +159,19 @@ class PolicyRuntime:
 
     @classmethod
     def load(cls, checkpoint: str | Path, *, device: str = "auto", dtype: str = "auto", compile: str = "off",
-             cache: CacheConfig | str = "exact", backend: str = "auto") -> "PolicyRuntime":
+             cache: CacheConfig | str = "exact", backend: str = "auto",
+             adapters: Mapping[str, str | Path] | None = None) -> "PolicyRuntime":
         """Any checkpoint `vlaforge eval` takes (a run folder or a checkpoints/step_* folder; full or sharded), or an
         exported package (`vlaforge export --format onnx|executorch`). `backend`: auto (the package's runtime for
-        a package, else torch), torch, onnx or executorch (which then need a package of that runtime)."""
+        a package, else torch), torch, onnx or executorch (which then need a package of that runtime).
+        `adapters`: name -> LoRA run to serve beside `checkpoint` (a LoRA run too, named after its folder), each
+        kept unmerged over the one base (inference/adapters.py); {} keeps `checkpoint`'s own adapters unmerged."""
         from vlaforge.inference.packages import is_package, load_package
 
         if backend not in BACKENDS:
             raise VlaforgeError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        if adapters is not None:
+            return cls._load_adapters(checkpoint, adapters, device, dtype, compile, cache, backend)
         if backend in ("onnx", "executorch") or (backend == "auto" and is_package(checkpoint)):
             regions, spec, tokenizer = load_package(checkpoint, device, backend)
             return cls(regions, spec, tokenizer, device=device, dtype=dtype, compile=compile, cache=cache,
@@ -178,6 +188,21 @@ class PolicyRuntime:
         return cls(model, spec, tokenizer, device=device, dtype=dtype, compile=compile, cache=cache,
                    source=str(ckpt))
 
+    @classmethod
+    def _load_adapters(cls, checkpoint, adapters, device, dtype, compile, cache, backend) -> "PolicyRuntime":
+        from vlaforge.inference.adapters import load_adapter_set
+        from vlaforge.training.checkpoint import resolve_checkpoint
+
+        if backend not in ("auto", "torch") or compile != "off":
+            raise VlaforgeError("--keep-adapters runs the PyTorch model (peft layers switch adapters): drop --backend "
+                                "and --compile")
+        ckpt = resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT")
+        main = ckpt.parent.parent.name if ckpt.parent.name == "checkpoints" else ckpt.name
+        model, _, aset = load_adapter_set({main: ckpt, **adapters}, pick_device(device))
+        first = aset.adapters[aset.default]
+        return cls(model, first.spec, first.tokenizer, device=device, dtype=dtype, cache=cache, source=str(ckpt),
+                   adapters=aset)
+
     # ---- description -------------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         """What a client needs to build observations, and how this runtime runs."""
@@ -188,6 +213,7 @@ class PolicyRuntime:
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "compile": self.compile_mode, "compile_s": self.compile_s, "cache": self.cache_config.mode,
                 "backend": self.backend,
+                **({"adapters": self.adapters.describe()} if self.adapters is not None else {}),
                 **({"quantization": layout.summary() if (layout := getattr(self.model, "quantization", None)) else None}
                    if self.backend == "torch" else {"package": self.model.describe(),
                                                     "quantization": self.model.manifest.get("quantization")})}
@@ -228,11 +254,31 @@ class PolicyRuntime:
         """Record an observation's frames in the session's history without predicting (a frame history needs every
         control step's frame; a prediction needs only the latest state)."""
         frames, _ = self.check(obs)
-        return self._record(self.session(session), frames, obs.instruction)
+        return self._record(self._session_for(session, obs), frames, obs.instruction)
+
+    def _session_for(self, name: str, obs: Observation) -> Session:
+        """The session, on the adapter the observation names (or the one it has, or the default); another adapter
+        than its own starts a new episode (features, history and tokens belong to one adapter)."""
+        s = self.session(name)
+        if self.adapters is None:
+            if obs.adapter not in (None, ""):
+                raise ObservationError(f"adapter {str(obs.adapter)[:64]!r}: this policy holds no adapters to choose "
+                                       "from (serve LoRA runs with --keep-adapters)")
+            return s
+        want = obs.adapter or s.adapter or self.adapters.default
+        if want not in self.adapters.adapters:
+            raise ObservationError(f"adapter {str(want)[:64]!r}: this server holds "
+                                   f"{', '.join(self.adapters.adapters)}")
+        if s.adapter not in (None, want):
+            self.reset(name)
+            s = self.session(name)
+        s.adapter = want
+        return s
 
     def _record(self, s: Session, frames: dict[str, torch.Tensor], instruction: str) -> Session:
         if instruction != s.instruction:  # tokenized once per instruction, not per call
-            ids, mask = self.tokenizer.encode([instruction], self.spec.instruction_tokens)
+            tokenizer = self.tokenizer if s.adapter is None else self.adapters.adapters[s.adapter].tokenizer
+            ids, mask = tokenizer.encode([instruction], self.spec.instruction_tokens)
             s.tokens = (ids[0].to(self.device), mask[0].to(self.device), int(mask[0].sum()))
             s.instruction = instruction
         for cam, frame in frames.items():
@@ -244,8 +290,9 @@ class PolicyRuntime:
                 prefix_weight: np.ndarray | None = None) -> _Request:
         """Record `obs` and snapshot what its prediction needs (safe to run in another thread afterwards)."""
         frames, state = self.check(obs)
-        s = self._record(self.session(session), frames, obs.instruction)
+        s = self._record(self._session_for(session, obs), frames, obs.instruction)
         spec = self.spec
+        norm = self._norms[s.adapter]
         rows = spec.history(len(s.frames[self.cameras[0]]) - 1)  # positions in the deque, as the dataset picks
         slots = [(cam, *s.frames[cam][r]) for r in rows for cam in self.cameras]  # time-major, as training
         pre = None
@@ -258,7 +305,7 @@ class PolicyRuntime:
             k = min(t, len(prefix))
             full[:k] = torch.as_tensor(np.asarray(prefix[:k]), dtype=torch.float32)
             w[:k] = torch.as_tensor(np.asarray(prefix_weight[:k]), dtype=torch.float32)
-            pre = (((full.to(self.device) - self._norm["action_mean"]) / self._norm["action_std"]), w.to(self.device))
+            pre = (((full.to(self.device) - norm["action_mean"]) / norm["action_std"]), w.to(self.device))
         return _Request(s, slots, state, pre)
 
     # ---- prediction --------------------------------------------------------------------------------------
@@ -273,8 +320,23 @@ class PolicyRuntime:
             raise VlaforgeError("predict_batch takes one observation per session, each session once")
         return self.run([self.request(o, s) for o, s in zip(observations, sessions)])
 
-    @torch.inference_mode()
     def run(self, requests: list[_Request]) -> list[Prediction]:
+        """Predictions for prepared requests, in one forward of each region (per adapter, when several are held:
+        the model switches to each group's adapter first and its timings say what the switch cost)."""
+        if self.adapters is None:
+            return self._run(requests)
+        out: list[Prediction | None] = [None] * len(requests)
+        for name in dict.fromkeys(r.session.adapter for r in requests):
+            group = [i for i, r in enumerate(requests) if r.session.adapter == name]
+            switch = self.adapters.activate(name)
+            self._norm = self._norms[name]
+            for i, pred in zip(group, self._run([requests[i] for i in group])):
+                pred.timings["switch_ms"] = round(switch, 3)
+                out[i] = pred
+        return out
+
+    @torch.inference_mode()
+    def _run(self, requests: list[_Request]) -> list[Prediction]:
         t0 = time.perf_counter()
         tokens: list[list[torch.Tensor | None]] = []
         pending: list[tuple[int, int, torch.Tensor]] = []  # (request, slot, model-space pixels)

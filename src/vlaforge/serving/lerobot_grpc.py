@@ -74,6 +74,7 @@ class RobotSession:
     state_names: list[str] = field(default_factory=list)
     cameras: dict[str, str] = field(default_factory=dict)  # policy camera -> the robot's observation key
     actions_per_chunk: int = 0
+    adapter: str | None = None  # with --keep-adapters: the LoRA run its pretrained_name_or_path names
     queued: Any = None  # the latest TimedObservation waiting for GetActions
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     predicted: set[int] = field(default_factory=set)
@@ -161,12 +162,24 @@ class LeRobotService:
             if not isinstance(chunk, int) or chunk < 1:
                 raise protocol.RequestError(f"actions_per_chunk {chunk!r} is not a count >= 1")
             robot.actions_per_chunk = chunk
+            robot.adapter = self._adapter(config.get("pretrained_name_or_path"))
         except protocol.RequestError as exc:
             await self._refuse(context, "INVALID_ARGUMENT", _kind(exc), first_line(exc))
         self.server.log(f"lerobot: robot {robot.name} asks for {config.get('policy_type')!r} "
                         f"{config.get('pretrained_name_or_path')!r}, served {self.server.runtime.source or 'this policy'}"
                         f" ({len(robot.state_names)} joints, cameras {robot.cameras}, {chunk} actions a chunk)")
         return self.msg["Empty"]()
+
+    def _adapter(self, asked) -> str | None:
+        """A server holding several LoRA runs (--keep-adapters) serves the one the client's pretrained_name_or_path
+        names; otherwise that field is only logged."""
+        held = self.server.runtime.adapters
+        if held is None:
+            return None
+        if asked not in held.adapters:
+            raise protocol.RequestError(f"pretrained_name_or_path {str(asked)[:64]!r}: this server holds adapters "
+                                        f"{', '.join(held.adapters)}; name one of them")
+        return asked
 
     async def observations(self, request_iterator, context):
         await self._guard(context)
@@ -328,6 +341,8 @@ def to_observation(raw: dict, robot: RobotSession):
         if image is None:
             raise protocol.RequestError(f"the observation has no camera {key!r}")
         msg[f"{IMAGE_PREFIX}{cam}"] = image.numpy() if hasattr(image, "numpy") else image
+    if robot.adapter is not None:
+        msg["adapter"] = robot.adapter
     return protocol.observation(msg, list(robot.cameras))
 
 

@@ -98,8 +98,8 @@ def control(msg: dict) -> str | None:
 
 def observation(msg: dict, cameras: list[str]) -> Observation:
     """openpi keys (`observation/images/<camera>`, `observation/state`, `prompt`) or LeRobot's
-    (`observation.images.<camera>`, `observation.state`, `task`) -> an `Observation` (checked further by the
-    runtime)."""
+    (`observation.images.<camera>`, `observation.state`, `task`), and an optional `adapter` (a server holding
+    several LoRA runs, `--keep-adapters`) -> an `Observation` (checked further by the runtime)."""
     images = {}
     for cam in cameras:
         for key in (f"observation/images/{cam}", f"observation.images.{cam}", f"observation/{cam}"):
@@ -121,7 +121,10 @@ def observation(msg: dict, cameras: list[str]) -> Observation:
         raise RequestError("prompt: missing or not a string")
     if len(prompt) > MAX_PROMPT:
         raise RequestError(f"prompt: {len(prompt)} characters, at most {MAX_PROMPT}")
-    return Observation(images, state, prompt)
+    adapter = msg.get("adapter")
+    if adapter is not None and (not isinstance(adapter, str) or len(adapter) > 64):
+        raise RequestError("adapter: the name of a LoRA adapter the server holds (a string of at most 64 characters)")
+    return Observation(images, state, prompt, adapter)
 
 
 def _image(value: Any, key: str) -> np.ndarray:

@@ -243,7 +243,8 @@ def json_observation(body: Any, cameras: list[str]) -> Observation:
     images = o.get("images")
     if not isinstance(images, dict):
         raise protocol.RequestError("observation.images: missing or not a map of camera -> H x W x 3 lists")
-    msg: dict[str, Any] = {"observation/state": o.get("state"), "prompt": body.get("prompt", body.get("task"))}
+    msg: dict[str, Any] = {"observation/state": o.get("state"), "prompt": body.get("prompt", body.get("task")),
+                           "adapter": body.get("adapter")}
     for cam, value in images.items():
         try:
             arr = np.asarray(value)

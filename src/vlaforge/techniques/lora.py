@@ -157,6 +157,27 @@ def _fake_safe_moves():
         nn.Module.to = original
 
 
+def add_adapter(model: nn.Module, policies: Mapping[str, Any], name: str) -> None:
+    """A second set of adapters, named `name`, beside the ones `apply_lora` injected (the same ranks and targets):
+    one base serving several LoRA runs (inference/adapters.py)."""
+    from peft import LoraConfig as PeftLoraConfig, inject_adapter_in_model
+
+    for component in lora_components(policies):
+        cfg = policies[component].lora
+        module = getattr(model, component)
+        pattern = "|".join(re.escape(n) for n in lora_layers(module))
+        peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=pattern,
+                                  use_rslora=cfg.rslora, bias="none")
+        inject_adapter_in_model(peft_cfg, module, adapter_name=name)
+
+
+def set_adapter(model: nn.Module, name: str) -> None:
+    """Make `name` the adapter every LoRA layer of the model applies."""
+    for component in COMPONENTS:
+        for layer in lora_layers(getattr(model, component)).values():
+            layer.set_adapter(name, inference_mode=True)
+
+
 def lora_layers(module: nn.Module) -> dict[str, nn.Module]:
     """The peft LoRA layers inside `module`, by name."""
     from peft.tuners.lora import LoraLayer
