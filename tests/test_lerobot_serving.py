@@ -168,6 +168,9 @@ def _corpus(marker: str) -> dict[str, tuple[bytes, str] | tuple[bytes, str, int]
                                                       observation={"a": np.array([1, "x"], dtype=object)} | ok)),
                          "INVALID_ARGUMENT"),
         "not a TimedObservation": (pickle.dumps({"timestep": 1, "observation": ok}), "INVALID_ARGUMENT"),
+        "a TimedObservation without the robot's joints": (lp.dumps(lp.TimedObservation(
+            timestep=1, timestamp=1.0, must_go=True, observation={"front": np.zeros((4, 4, 3), np.uint8)})),
+            "INVALID_ARGUMENT"),
         "garbage": (b"\x80\x04\x95\x10\x00\x00not a pickle", "INVALID_ARGUMENT"),
         "deep nesting": (lp.dumps(lp.TimedObservation(timestep=1, timestamp=1.0, must_go=True, observation={
             "x": _nested(100)})), "INVALID_ARGUMENT"),

@@ -192,10 +192,9 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     the whole K/V of every block. `zigzag`: the ring's
     layout, padded to a multiple of 2 x cp tokens (the other methods pad to a multiple of cp). `master`: the master
     dtype (`train.precision_master`), which LoRA adapters take under a lower compute precision (planner/lora.py)."""
-    from vlaforge.models.vision import vision_family
     from vlaforge.planner.lora import adapters_of, block_delta
 
-    vis, llm = model.vision.config, model.llm.config
+    llm = model.llm.config
     b, s = seq.batch, seq.llm_tokens
     multiple = 2 * cp if zigzag and cp > 1 else cp
     s_pad = -(-s // multiple) * multiple  # the padded layout the ranks split (distributed/sequence_parallel.py)
@@ -210,25 +209,7 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     mb = {name: 4 if policies[name].precision == "fp32" else 4 if master == "fp32" else 2 for name in c}
 
     vshape = vision_shape(model.vision)
-    blocks = vis.num_hidden_layers * block_bytes(vshape, images, seq.tower_patches, policies["vision"].precision,
-                                                 strat["vision"])
-    if "vision" in lora:
-        args = (strat["vision"], vshape.kind, c["vision"], mb["vision"], vshape.hidden, vshape.ffn, tvt)
-        blocks += (vis.num_hidden_layers - 1) * block_delta(lora["vision"], *args, first=False)
-        blocks += block_delta(lora["vision"], *args, first=True)
-    if vshape.kind == "qwen_vit":  # its flattened 3-D patches (cast for the Conv3d), rotary cos / sin, window indices
-        kept_args = strat["vision"] not in ("none", "selective_ffn")  # a checkpoint keeps its keyword tensors
-        rope = 2 * 4 * vshape.head_dim * tvt if not kept_args or c["vision"] == 4 else 0
-        out["vision"] = (blocks + c["vision"] * tvt * 3 * vis.temporal_patch_size * vis.patch_size ** 2 + rope
-                         + 2 * 8 * tvt // seq.merge ** 2 + (qwen_bounds(vis, images, seq) if kept_args else 0))
-    else:
-        # the pixels (cast for the patch conv), a conv stem's tensors and the position ids: kept for the embeddings'
-        # gradients, which a LoRA tower (its embeddings frozen) does not compute
-        embed = (c["vision"] * images * 3 * seq.image_size ** 2
-                 + conv_stem_bytes(model.vision, images, seq.image_size, c["vision"])
-                 + 8 * seq.tower_patches * (images if vision_family(model.vision).positions_per_image else 1))
-        out["vision"] = (blocks + (0 if "vision" in lora else embed)
-                         + (4 * vshape.hidden + 8) * tvt)  # post-LayerNorm
+    out["vision"] = _vision_bytes(model, seq, vshape, policies["vision"], mb["vision"], lora.get("vision"))
     # linear + GELU + linear: the first's input, the GELU's input and output; one linear: its input. A merging
     # connector's linear reads merge^2 patches side by side (its input: the shuffled copy), after Qwen-VL's RMSNorm
     # (fp32: its input, rsqrt, normed output)
@@ -254,26 +235,58 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
         a = lora["llm"]
         out["llm_block"] += block_delta(a, strat["llm"], "llama", c["llm"], mb["llm"], D, lshape.ffn, b * s_rank,
                                         first=False)
-        # the final norm's frozen weight needs no normalized input; a head without an adapter no input
-        out["llm_tail"] -= 4 * D * b * s_rank + (0 if a.head_adapted else c["llm"] * b * (seq.text + 1) * D)
+        # the final norm's frozen weight needs no normalized input, the frozen head no input
+        out["llm_tail"] -= 4 * D * b * s_rank + c["llm"] * b * (seq.text + 1) * D
     if cp > 1:  # the layout's int64 indices: this rank's rows (and the batch index), the scatter back to the layout
         out["llm_tail"] += 8 * b * (s_rank + 1 + s_pad)
     head = model.action_head
     ha, t = head.in_proj.out_features, seq.chunk
     out["action_head"] = (4 * D * b * t if strat["action_head"] == "full"
                           else c["action_head"] * (b * t * (D + 4 * ha) + b * seq.state_dim))
-    vocab = llm.vocab_size
+    out["other"] = _loss_bytes(seq, D, llm.vocab_size, contrastive, frozen_embeddings="llm" in lora)
+    return out
+
+
+def _vision_bytes(model, seq: Sequence, vshape: BlockShape, policy, master_bytes: int, lora) -> int:
+    """The vision tower's part of `activation_parts`: its blocks (`lora`: an `Adapted` of it, or None) and what its
+    embeddings and final norm keep."""
+    from vlaforge.models.vision import vision_family
+    from vlaforge.planner.lora import block_delta
+
+    vis, strategy, c = model.vision.config, policy.checkpointing, compute_bytes(policy.precision)
+    images = seq.batch * seq.frames
+    tvt = images * seq.tower_patches  # the tower's tokens
+    blocks = vis.num_hidden_layers * block_bytes(vshape, images, seq.tower_patches, policy.precision, strategy)
+    if lora is not None:
+        args = (strategy, vshape.kind, c, master_bytes, vshape.hidden, vshape.ffn, tvt)
+        blocks += (vis.num_hidden_layers - 1) * block_delta(lora, *args, first=False)
+        blocks += block_delta(lora, *args, first=True)
+    if vshape.kind == "qwen_vit":  # its flattened 3-D patches (cast for the Conv3d), rotary cos / sin, window indices
+        kept_args = strategy not in ("none", "selective_ffn")  # a checkpoint keeps its keyword tensors
+        rope = 2 * 4 * vshape.head_dim * tvt if not kept_args or c == 4 else 0
+        return (blocks + c * tvt * 3 * vis.temporal_patch_size * vis.patch_size ** 2 + rope
+                + 2 * 8 * tvt // seq.merge ** 2 + (qwen_bounds(vis, images, seq) if kept_args else 0))
+    # the pixels (cast for the patch conv), a conv stem's tensors and the position ids: kept for the embeddings'
+    # gradients, which a LoRA tower (its embeddings frozen) does not compute
+    embed = (c * images * 3 * seq.image_size ** 2 + conv_stem_bytes(model.vision, images, seq.image_size, c)
+             + 8 * seq.tower_patches * (images if vision_family(model.vision).positions_per_image else 1))
+    return blocks + (0 if lora is not None else embed) + (4 * vshape.hidden + 8) * tvt  # post-LayerNorm
+
+
+def _loss_bytes(seq: Sequence, D: int, vocab: int, contrastive: bool, frozen_embeddings: bool) -> int:
+    """What the loss terms keep ('other'): ids and masks, action targets, the text cross-entropy, the contrastive
+    term's pooled embeddings; a LoRA LLM's frozen token embeddings keep no ids and no instruction-side pooling."""
+    b, t = seq.batch, seq.chunk
     other = 8 * b * (seq.instruction + seq.text) + 4 * b * seq.instruction  # ids, instruction mask
     other += 2 * 4 * b * t * seq.action_dim + b * t * seq.action_dim  # action target / prediction, mask
     if seq.text:
         other += 4 * b * seq.text * vocab + 4 * b * seq.text  # cross-entropy's fp32 log-softmax, text mask
     if contrastive:
         other += 6 * 4 * b * D  # pooled, normalized embeddings and their products (fp32)
-    if "llm" in lora:  # frozen token embeddings: no ids kept for their gradient, no instruction-side pooling kept
+    if frozen_embeddings:
         other -= 8 * b * (seq.instruction + seq.text) + 4 * b * seq.instruction + (8 * b * (D + 1) if contrastive
                                                                                   else 0)
-    out["other"] = other
-    return out
+    return other
 
 
 def conv_stem_bytes(vision, images: int, image_size: int, cb: int) -> int:

@@ -47,7 +47,6 @@ class Adapted:
     block_ffn: tuple[tuple[int, int], ...] = ()
     attn_out_adapted: bool = False  # the attention output projection has an adapter
     ffn_out_adapted: bool = False  # the FFN's output projection has one
-    head_adapted: bool = False  # the LLM's output head has one (named in targets)
     base_ids: tuple[tuple[int, str], ...] = ()  # (id of an adapted linear's weight / bias, "weight" | "bias")
 
     @property
@@ -116,9 +115,13 @@ def _adapted(model: nn.Module, comp: str, cfg) -> Adapted:
             last[region] = bool(found) and found[-1][1]
     head = module.get_output_embeddings() if comp == "llm" and hasattr(module, "get_output_embeddings") else None
     head_adapted = head is not None and any(m is head or getattr(head, "base_layer", None) is m for m in units)
+    if head_adapted:
+        from vlaforge.errors import VlaforgeError
+
+        raise VlaforgeError("the planner does not count an adapter on the LLM's output head; drop it from "
+                            "components.llm.lora.targets to plan")
     ids = tuple((id(t), kind) for m in units for kind, t in (("weight", m.weight), ("bias", m.bias)) if t is not None)
-    return Adapted(cfg.rank, cfg.base, linears, rows["attn"], rows["ffn"], last["attn"], last["ffn"], head_adapted,
-                   ids)
+    return Adapted(cfg.rank, cfg.base, linears, rows["attn"], rows["ffn"], last["attn"], last["ffn"], ids)
 
 
 def frozen_param_bytes(a: Adapted, p, master_bytes: int) -> int:

@@ -98,7 +98,7 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     b, s = seq.batch, seq.llm_tokens
     images, t = b * seq.frames, b * s
     tv, tp = images * seq.tower_patches, images * seq.patches  # the tower's tokens, the projected ones
-    from vlaforge.planner.lora import adapters_of, block_flops, first_block_input_free
+    from vlaforge.planner.lora import adapters_of
 
     trains = {c: ever_trains(policies[c]) for c in ("vision", "projector", "llm", "action_head")}
     lora = adapters_of(model, policies)
@@ -120,34 +120,13 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     rec, core_again = _recomputed(policies["vision"].checkpointing, v_attn_mm, v_ffn_mm, v_out, v_fc2)
     out.recompute["vision"] = vis.num_hidden_layers * rec if trains["vision"] else 0.0
     if "vision" in lora:  # a frozen patch embedding, frozen block weights; block 0's input needs no gradient
-        f, bwd, rec = block_flops(lora["vision"], tv, policies["vision"].checkpointing, v_attn_mm, v_ffn_mm, v_out,
-                                  v_fc2)
-        layers = vis.num_hidden_layers
-        out.forward["vision"] = conv + layers * f
-        out.backward["vision"] = layers * bwd - first_block_input_free(lora["vision"], tv, v_attn_mm - v_out)
-        out.recompute["vision"] = layers * rec
+        _lora_flops(out, "vision", lora["vision"], vis.num_hidden_layers, tv, policies["vision"].checkpointing,
+                    (v_attn_mm, v_ffn_mm, v_out, v_fc2), extra=(conv, 0.0), input_free=True)
     out.recompute_attention["vision"] = v_core if core_again and trains["vision"] else 0.0
     out.attention["vision"] = v_core + (2 * v_core if trains["vision"] else 0.0) + out.recompute_attention["vision"]
 
-    # projector: two linears over the vision tokens, or one (after a pixel shuffle: merge^2 patches per token)
-    width = vs.hidden * seq.merge * seq.merge
-    if len(model.projector.mlp) == 3:
-        hp = model.projector.mlp[0].out_features
-        fc1, fc2 = 2.0 * tp * width * hp, 2.0 * tp * hp * llm.hidden_size
-    else:  # its one linear's input gradient reaches the vision tower, its weight gradient the projector
-        fc1, fc2 = 0.0, 2.0 * tp * width * llm.hidden_size
-    proj = fc1 + fc2
-    out.forward["projector"] = proj
-    # weight gradients when it trains; fc2's input gradient to reach fc1's weights or the vision tower; the first
-    # linear's input gradient for what is below it: the vision tower, or a norm before it that trains (Qwen-VL's)
-    below = trains["vision"] or (model.projector.norm is not None and trains["projector"])
-    if fc1:
-        out.backward["projector"] = (proj * trains["projector"] + fc2 * (trains["projector"] or trains["vision"])
-                                     + fc1 * below)
-    else:  # one linear: its weight gradient when it trains, its input gradient for what is below it
-        out.backward["projector"] = proj * trains["projector"] + proj * below
-    out.recompute["projector"] = proj if policies["projector"].checkpointing == "full" and (
-        trains["projector"] or trains["vision"]) else 0.0
+    _projector_flops(out, model, vs.hidden * seq.merge * seq.merge, tp, llm.hidden_size, trains,
+                     policies["projector"].checkpointing)
 
     # llm: blocks (q, k, v, o; gate, up, down), LM head over the text positions (+1), causal attention core
     ls = llm_shape(llm)
@@ -165,19 +144,10 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     needs_backward = trains["llm"] or upstream
     rec, core_again = _recomputed(policies["llm"].checkpointing, l_attn_mm, l_ffn_mm, l_out, l_down)
     out.recompute["llm"] = llm.num_hidden_layers * rec if needs_backward else 0.0
-    if "llm" in lora:  # frozen block weights and head (its input gradient only); adapters train
-        a, layers = lora["llm"], llm.num_hidden_layers
-        if a.head_adapted:
-            from vlaforge.errors import VlaforgeError
-
-            raise VlaforgeError("the planner does not count an adapter on the LLM's output head; drop it from "
-                                "components.llm.lora.targets to plan")
-        f, bwd, rec = block_flops(a, t, policies["llm"].checkpointing, l_attn_mm, l_ffn_mm, l_out, l_down)
-        out.forward["llm"] = layers * f + head
-        out.backward["llm"] = layers * bwd + head
-        if not upstream:  # the LLM's input (frozen embeddings, a frozen tower's tokens) needs no gradient
-            out.backward["llm"] -= first_block_input_free(a, t, l_attn_mm - l_out)
-        out.recompute["llm"] = layers * rec
+    if "llm" in lora:  # frozen block weights and head (its input gradient only); adapters train; the LLM's input
+        # needs no gradient unless something below trains (its own token embeddings are frozen)
+        _lora_flops(out, "llm", lora["llm"], llm.num_hidden_layers, t, policies["llm"].checkpointing,
+                    (l_attn_mm, l_ffn_mm, l_out, l_down), extra=(head, head), input_free=not upstream)
     out.recompute_attention["llm"] = l_core if core_again and needs_backward else 0.0
     out.attention["llm"] = l_core + (2 * l_core if needs_backward else 0.0) + out.recompute_attention["llm"]
 
@@ -193,6 +163,43 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     out.forward["other"] = 2.0 * b * b * D if contrastive else 0.0  # contrastive logits (B x B)
     out.backward["other"] = (1 if "llm" in lora else 2) * out.forward["other"]  # LoRA: frozen instruction side
     return out
+
+
+def _projector_flops(out: StepFlops, model, width: int, tokens: int, hidden: int, trains: dict, strategy: str
+                     ) -> None:
+    """The projector's part of `step_flops`: two linears over the vision tokens, or one (after a pixel shuffle:
+    merge^2 patches of `width` per token)."""
+    if len(model.projector.mlp) == 3:
+        hp = model.projector.mlp[0].out_features
+        fc1, fc2 = 2.0 * tokens * width * hp, 2.0 * tokens * hp * hidden
+    else:  # its one linear's input gradient reaches the vision tower, its weight gradient the projector
+        fc1, fc2 = 0.0, 2.0 * tokens * width * hidden
+    proj = fc1 + fc2
+    out.forward["projector"] = proj
+    # weight gradients when it trains; fc2's input gradient to reach fc1's weights or the vision tower; the first
+    # linear's input gradient for what is below it: the vision tower, or a norm before it that trains (Qwen-VL's)
+    below = trains["vision"] or (model.projector.norm is not None and trains["projector"])
+    if fc1:
+        out.backward["projector"] = (proj * trains["projector"] + fc2 * (trains["projector"] or trains["vision"])
+                                     + fc1 * below)
+    else:  # one linear: its weight gradient when it trains, its input gradient for what is below it
+        out.backward["projector"] = proj * trains["projector"] + proj * below
+    out.recompute["projector"] = proj if strategy == "full" and (trains["projector"] or trains["vision"]) else 0.0
+
+
+def _lora_flops(out: StepFlops, comp: str, a, layers: int, tokens: float, strategy: str, block: tuple,
+                extra: tuple[float, float], input_free: bool) -> None:
+    """A LoRA component's matmul FLOPs (planner/lora.py): `layers` blocks of the (attention, FFN, attention output,
+    FFN output) base matmuls `block`, plus `extra` (forward, backward) outside them; `input_free`: the first block's
+    input needs no gradient."""
+    from vlaforge.planner.lora import block_flops, first_block_input_free
+
+    attn_mm, ffn_mm, attn_out, ffn_out = block
+    f, bwd, rec = block_flops(a, tokens, strategy, attn_mm, ffn_mm, attn_out, ffn_out)
+    out.forward[comp] = layers * f + extra[0]
+    out.backward[comp] = layers * bwd + extra[1] - (first_block_input_free(a, tokens, attn_mm - attn_out)
+                                                    if input_free else 0.0)
+    out.recompute[comp] = layers * rec
 
 
 def mfu(flops: StepFlops, steps_per_s: float, gpus: int, peak_tflops: float) -> float:

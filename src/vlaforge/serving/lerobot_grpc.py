@@ -188,10 +188,10 @@ class LeRobotService:
             data = await receive_chunks(request_iterator, self.options.max_message_bytes)
             obs = self._decode(data, lerobot_pickle.TimedObservation)
             check_timed(obs)
+            state = robot_state(obs.observation, robot.state_names)
         except protocol.RequestError as exc:
             code = "RESOURCE_EXHAUSTED" if _kind(exc) == "too_large" else "INVALID_ARGUMENT"
             await self._refuse(context, code, _kind(exc), first_line(exc))
-        state = robot_state(obs.observation, robot.state_names)
         fresh = obs.timestep not in robot.predicted and (
             robot.last_state is None or state.shape != robot.last_state.shape
             or float(np.linalg.norm(state - robot.last_state)) >= SIMILAR_STATE)
