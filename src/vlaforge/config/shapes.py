@@ -17,9 +17,8 @@ from vlaforge.config.loading import deep_merge, to_dict, validate
 from vlaforge.config.schema import VLAConfig
 from vlaforge.data.lerobot_features import auto_text_column
 from vlaforge.data.lerobot_v3 import read_info
+from vlaforge.data.lerobot_writer import ENV_STATE
 from vlaforge.data.summary import dataset_shapes
-
-ENV_STATE = "observation.environment_state"
 
 
 def resolve_shapes(cfg: VLAConfig, required: bool = True) -> tuple[VLAConfig, dict[str, Any]]:
