@@ -23,7 +23,7 @@ DEMO_CAMERAS ?= corner,topview,behindGripper
 # extra `vlaforge train` overrides, e.g. the README's seed spread: make demo DEMO_RUN=runs/seed2 DEMO_ARGS=--train.seed=2
 DEMO_ARGS ?=
 
-.PHONY: venv test test-fast bench demo demo-long quickstart clean
+.PHONY: venv lerobot-env test test-fast bench demo demo-long quickstart clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,18 +46,20 @@ $(LEROBOT_SITE)/.installed: $(VENV)/.installed tests/lerobot_env/requirements.tx
 	cp tests/lerobot_env/torchvision_stub.py $(LEROBOT_SITE)/torchvision/__init__.py
 	touch $@
 
-venv: $(VENV)/.installed $(LEROBOT_SITE)/.installed
+venv: $(VENV)/.installed
+
+lerobot-env: $(LEROBOT_SITE)/.installed
 
 # two pytest workers on the two cores, one torch thread each; tests that start gloo ranks share one xdist group
 # (`distributed`) and run one at a time beside the other worker's tests (docs/testing.md)
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -q
 
-test: venv
+test: venv lerobot-env
 	@start=$$(date +%s); $(PYTEST) --durations=15; rc=$$?; \
 	echo "make test: $$(( ($$(date +%s) - start) / 60 )) min $$(( ($$(date +%s) - start) % 60 )) s wall"; exit $$rc
 
-test-fast: venv
+test-fast: venv lerobot-env
 	$(PYTEST) -m 'not slow'
 
 bench: venv
