@@ -106,3 +106,18 @@ def test_what_the_planner_does_not_count_is_one_line():
     cfg = tiny_config(components={"projector": {"lora": {"rank": 4}}})
     with pytest.raises(VlaforgeError, match="projector.lora is not counted"):
         PlanModel(cfg).state(dict(cfg.components.items()), "fp32")
+
+
+def test_the_recorder_counts_a_quantized_base_as_stored():
+    """`[diagnostics] memory_steps` logs a LoRA component's parameters as held (NF4's inner tensors, adapters): what
+    the planner plans for it."""
+    from vlaforge.models.build import build_vla
+    from vlaforge.planner.memory import model_state
+    from vlaforge.training.recorder import component_memory
+    from vlaforge.training.trainer import build_model
+
+    cfg = _cfg("fp32", "none", "nf4", comps=("llm",))
+    model, _ = build_model(cfg, torch.device("cpu"))
+    logged = component_memory(model, optimizer=None)["memory/llm/params_gb"] * 1e9
+    planned = model_state(build_vla(cfg.model, cfg.loss), dict(cfg.components.items())).by_component["llm"].params
+    assert logged == pytest.approx(planned, abs=1)

@@ -32,8 +32,10 @@ COMM = ("nccl", "gloo", "c10d", "all_reduce", "allreduce", "all_gather", "allgat
 def _bytes(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
+    from vlaforge.techniques.lora import stored_bytes
+
     local = getattr(t, "_local_tensor", t)  # a DTensor: this rank's shard
-    return local.numel() * local.element_size()
+    return stored_bytes(local)  # a quantized LoRA base (NF4, int8): the bytes its inner tensors hold
 
 
 def component_memory(model: nn.Module, optimizer, saved=None) -> dict[str, float]:
