@@ -5,7 +5,9 @@
 2. pretrain the demo recipe on the pretraining set;
 3. adapt from that checkpoint (`--train.init_from`) on the adaptation set four ways, the same steps each: full
    fine-tuning, LoRA rank 8, LoRA rank 32, QLoRA rank 32 (NF4 base). Adapters go on the vision tower and the LLM
-   (alpha = rank); the projector and the action head train in full, as in recipes/tiny_lora.toml;
+   (alpha = rank); the projector and the action head train in full, as in recipes/tiny_lora.toml. A fifth run,
+   LoRA rank 32 on the LLM only with the vision tower trained in full, says where a gap comes from (the tower's
+   conv stem has no linears, so LoRA on the tower leaves it frozen);
 4. evaluate the pretrained policy and the four adapted ones on the four tasks (`--episodes` held-out episodes each,
    Wilson intervals);
 5. per variant: the trainable-parameter share, the adapter bytes of its checkpoint, the median step time (its
@@ -39,7 +41,9 @@ RECIPE = ROOT / "recipes" / "tiny_metaworld.toml"
 OLD = {"button-press-topdown-v3": 40, "drawer-close-v3": 40, "door-open-v3": 40}
 NEW = {"reach-v3": 80}
 CAMERAS = "corner,topview,behindGripper"
-VARIANTS = {"full": None, "lora_r8": (8, "auto"), "lora_r32": (32, "auto"), "qlora_r32": (32, "nf4")}
+VARIANTS = {"full": None, "lora_r8": (8, "auto"), "lora_r32": (32, "auto"), "qlora_r32": (32, "nf4"),
+            # where the gap comes from: adapters on the LLM only, the vision tower (its conv stem) trained in full
+            "lora_r32_llm_only": (32, "auto", ("llm",))}
 
 
 def vlaforge(*args: str, log: Path) -> float:
@@ -53,8 +57,8 @@ def vlaforge(*args: str, log: Path) -> float:
     return time.perf_counter() - t0
 
 
-def lora_overrides(rank: int, base: str) -> list[str]:
-    return [f"--components.{c}.lora.{k}={v}" for c in ("vision", "llm")
+def lora_overrides(rank: int, base: str, components: tuple[str, ...] = ("vision", "llm")) -> list[str]:
+    return [f"--components.{c}.lora.{k}={v}" for c in components
             for k, v in (("rank", rank), ("alpha", float(rank)), ("base", f'"{base}"'))]
 
 
