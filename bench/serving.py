@@ -107,7 +107,7 @@ def _grpc_client(address: str, http: str, requests: int, seed: int, size: int) -
         states = [1] + [2] * (len(parts) - 2) + [3] if len(parts) > 1 else [3]
         send(iter(m["Observation"](transfer_state=s, data=p) for s, p in zip(states, parts)))
         reply = act(m["Empty"]())
-        lp.loads(reply.data, list)
+        lp.decode(reply.data, list)
         total = (time.perf_counter() - t0) * 1000
         out.append({"total_ms": total, "infer_ms": (_infer_seconds(http) - before) * 1000, "queue_ms": 0.0,
                     "batch_size": 1})

@@ -203,7 +203,7 @@ def test_malicious_payloads_are_refused_and_a_good_robot_keeps_getting_actions(t
         assert "\n" not in refused.value.details(), name
         i = n % 2
         good.send(_observation(frames, i, step=n))
-        chunk = lp.loads(good.actions(), list)  # (LeRobot's client pickle.loads it: the first test)
+        chunk = lp.decode(good.actions(), list)  # (LeRobot's client pickle.loads it: the first test)
         np.testing.assert_allclose(np.stack([a.action.numpy() for a in chunk]), expected[i], atol=1e-6,
                                    err_msg=f"after {name}")
     assert not marker.exists()
@@ -247,7 +247,7 @@ def test_call_order_features_and_the_api_key(lerobot_server):
         robot = Robot(f"{host}:{port}", key="s3cret")
         robot.ready()
         robot.send(_observation(frames, 0, step=0))
-        np.testing.assert_allclose(np.stack([a.action.numpy() for a in lp.loads(robot.actions(), list)]),
+        np.testing.assert_allclose(np.stack([a.action.numpy() for a in lp.decode(robot.actions(), list)]),
                                    _predict(frames, 0), atol=1e-6)
     finally:
         keyed.close()
@@ -266,7 +266,7 @@ def test_the_cli_serves_a_trained_run_over_grpc(tmp_path):
         robot.ready(features={"observation.state": {"names": [f"j{i}.pos" for i in range(4)]},
                               "observation.images.front": {}, "observation.images.top": {}}, chunk=2)
         robot.send(_observation(frames, 0, step=7))
-        chunk = lp.loads(robot.actions(), list)
+        chunk = lp.decode(robot.actions(), list)
     assert [a.timestep for a in chunk] == [7, 8] and chunk[1].timestamp - chunk[0].timestamp == pytest.approx(0.1)
     assert chunk[0].action.shape == (4,)
 
@@ -286,7 +286,7 @@ def test_robots_are_batched_together_each_getting_its_own_actions():
 
         def ask(i):
             robots[i].send(_observation(frames, i, step=0))
-            return np.stack([a.action.numpy() for a in lp.loads(robots[i].actions(), list)])
+            return np.stack([a.action.numpy() for a in lp.decode(robots[i].actions(), list)])
 
         with cf.ThreadPoolExecutor(3) as pool:
             chunks = list(pool.map(ask, range(3)))

@@ -37,8 +37,8 @@ NF4_BLOCK = 64  # techniques.lora.NF4_BLOCK
 @dataclass(frozen=True)
 class Adapted:
     """One component's adapters as the planner counts them: every adapted linear (in, out, bias) and which of them
-    sit in one transformer block (all blocks alike), by sub-layer; `block_out` marks each sub-layer's output
-    projection (o_proj / out_proj, down_proj / fc2)."""
+    sit in one transformer block (all blocks alike), by sub-layer; whether each sub-layer's output projection (its
+    last linear) has one; the ids of the adapted weights and biases."""
 
     rank: int
     base: str

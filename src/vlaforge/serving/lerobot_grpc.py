@@ -225,7 +225,7 @@ class LeRobotService:
     def _decode(self, data: bytes, want):
         if len(data) > self.options.max_message_bytes:
             raise TooLarge(f"a payload of {len(data)} bytes is over the {self.options.max_message_bytes}-byte limit")
-        return lerobot_pickle.loads(data, want)
+        return lerobot_pickle.decode(data, want)
 
     async def _drop(self, peer: str) -> None:
         if self.robots.pop(peer, None) is not None:

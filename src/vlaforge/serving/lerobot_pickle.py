@@ -177,7 +177,7 @@ class _Unpickler(pickle.Unpickler):
         raise UnsafePickle("the pickle uses persistent ids, which LeRobot's client never sends")
 
 
-def loads(data: bytes, want: type[Record]) -> Any:
+def decode(data: bytes, want: type[Record]) -> Any:
     """A LeRobot payload -> its `want` stand-in, checked as data; `UnsafePickle` / `RequestError` (one line)."""
     try:
         obj = _Unpickler(io.BytesIO(data)).load()
