@@ -231,6 +231,9 @@ def test_call_order_features_and_the_api_key(lerobot_server):
     with pytest.raises(grpc.RpcError) as refused:  # the policy takes 4 joints
         robot.ready(features={"observation.state": {"names": ["a", "b"]}})
     assert "2 joints" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as refused:  # a refused instruction configures nothing
+        robot.actions()
+    assert refused.value.code().name == "FAILED_PRECONDITION"
     with pytest.raises(grpc.RpcError) as refused:
         robot.ready(features={"observation.state": {"names": [f"j{i}" for i in range(4)]},
                               "observation.images.side": {"shape": (32, 32, 3)}})

@@ -156,15 +156,16 @@ class LeRobotService:
             await self._refuse(context, "FAILED_PRECONDITION", "bad_message", "call Ready first")
         try:
             config = self._decode(request.data, lerobot_pickle.RemotePolicyConfig)
-            robot.state_names, robot.cameras = robot_features(config, self.server.runtime.cameras,
-                                                              len(self.server.runtime.spec.state_mean))
+            names, cameras = robot_features(config, self.server.runtime.cameras,
+                                            len(self.server.runtime.spec.state_mean))
             chunk = config.get("actions_per_chunk")
             if not isinstance(chunk, int) or chunk < 1:
                 raise protocol.RequestError(f"actions_per_chunk {chunk!r} is not a count >= 1")
-            robot.actions_per_chunk = chunk
-            robot.adapter = self._adapter(config.get("pretrained_name_or_path"))
+            adapter = self._adapter(config.get("pretrained_name_or_path"))
         except protocol.RequestError as exc:
             await self._refuse(context, "INVALID_ARGUMENT", _kind(exc), first_line(exc))
+        # NOTE: all checked before any is set: a refused instruction leaves the robot unconfigured
+        robot.state_names, robot.cameras, robot.actions_per_chunk, robot.adapter = names, cameras, chunk, adapter
         self.server.log(f"lerobot: robot {robot.name} asks for {config.get('policy_type')!r} "
                         f"{config.get('pretrained_name_or_path')!r}, served {self.server.runtime.source or 'this policy'}"
                         f" ({len(robot.state_names)} joints, cameras {robot.cameras}, {chunk} actions a chunk)")
