@@ -109,14 +109,6 @@ def step_seconds(run: Path) -> float:
     return statistics.median(r["perf/step_s"] for r in rows if "perf/step_s" in r)
 
 
-def _storages(t):
-    """The storages behind a tensor (a torchao subclass's inner tensors, e.g. NF4's)."""
-    if hasattr(t, "__tensor_flatten__") and type(t) is not __import__("torch").Tensor:
-        names, _ = t.__tensor_flatten__()
-        return [s for n in names for s in _storages(getattr(t, n))]
-    return [t.untyped_storage()]
-
-
 class PeakBytes:
     """Peak bytes of live tensor storages over a region: the ones given at entry (parameters, gradients, optimizer
     state) plus every storage an op creates inside, each counted until it is freed (a CPU has no allocator peak)."""
@@ -127,13 +119,15 @@ class PeakBytes:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_leaves
 
+        from vlaforge.techniques.accounting import inner_tensors
+
         tracker = self
         self.live: dict[int, int] = {}
         self.refs: dict[int, object] = {}
         self.now = self.peak = 0
 
         def add(t) -> None:
-            for st in _storages(t):
+            for st in (x.untyped_storage() for x in inner_tensors(t)):
                 key = st._cdata
                 if key in tracker.live:
                     continue

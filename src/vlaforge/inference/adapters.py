@@ -118,12 +118,15 @@ def load_adapter_set(runs: dict[str, str | Path], device: torch.device) -> tuple
         other = load_config(ckpt / CONFIG_FILE)
         _check_compatible(n, ckpt, cfg, other, first)
         check_base(ckpt, read_record(ckpt), digest)
-        if n != first:
+        own = "default" if n == first else n  # peft's name for apply_lora's adapters
+        if n == first:
+            set_adapter(model, own)
+            load_lora_weights(ckpt, model, ckpt / MODEL_FILE)
+        else:
             add_adapter(model, policies, n)
-        set_adapter(model, "default" if n == first else n)
-        load_lora_weights(ckpt, model, ckpt / MODEL_FILE) if n == first else _load_renamed(ckpt, model, n)
+            set_adapter(model, own)
+            _load_renamed(ckpt, model, n)
         state = model.state_dict()
-        own = "default" if n == first else n
         adapter_keys = [k for k in state if is_adapter(k) and f".{own}." in k]
         full = {k: v.detach().clone() for k, v in state.items()
                 if not is_adapter(k) and not k.startswith(tuple(f"{c}." for c in components))}

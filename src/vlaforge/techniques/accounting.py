@@ -150,7 +150,7 @@ def count_saved(model: nn.Module) -> Iterator[SavedBytes]:
     """Count what the forward passes run inside this block save for backward."""
     track_locations(model)
     # a torchao weight (LoRA's NF4 base) is a wrapper: its own storage and its inner tensors' are parameters
-    acc = SavedBytes(params={storage_key(t) for p in model.parameters() for t in {p, *_plain(p)}})
+    acc = SavedBytes(params={storage_key(t) for p in model.parameters() for t in {p, *inner_tensors(p)}})
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         acc.record(t)
@@ -164,11 +164,11 @@ def count_saved(model: nn.Module) -> Iterator[SavedBytes]:
         _active.pop()
 
 
-def _plain(t: torch.Tensor) -> list[torch.Tensor]:
-    """A tensor, or a torchao subclass's inner tensors (an NF4 weight's)."""
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding `t`'s data: itself, or a torchao subclass's inner tensors (an NF4 weight's)."""
     if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
-        return [x for n in names for x in _plain(getattr(t, n))]
+        return [x for n in names for x in inner_tensors(getattr(t, n))]
     return [t]
 
 

@@ -218,10 +218,9 @@ def _store_base(linear: nn.Linear, base: str, report: LoraReport, component: str
 
 def stored_bytes(tensor: torch.Tensor) -> int:
     """Bytes a (possibly torchao-quantized) tensor holds in memory: the sum of its inner tensors."""
-    if hasattr(tensor, "__tensor_flatten__"):
-        inner, _ = tensor.__tensor_flatten__()
-        return sum(stored_bytes(getattr(tensor, n)) for n in inner)
-    return tensor.numel() * tensor.element_size()
+    from vlaforge.techniques.accounting import inner_tensors
+
+    return sum(t.numel() * t.element_size() for t in inner_tensors(tensor))
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
