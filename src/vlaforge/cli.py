@@ -265,30 +265,54 @@ def model_summary(flavor: str = typer.Argument("tiny", help=f"{' | '.join(FLAVOR
 @data_app.command("generate")
 def data_generate(
         out: Path = typer.Option(..., help="new dataset folder (LeRobotDataset v3)"),
-        tasks: str = typer.Option(",".join(("reach-v3", "button-press-topdown-v3", "drawer-close-v3", "door-open-v3")),
-                                  help="comma-separated Meta-World tasks; task:N records N episodes of that task"),
+        tasks: Optional[str] = typer.Option(None, help="comma-separated Meta-World tasks; task:N records N episodes of "
+                                                       "that task (default: the demo's four tasks)"),
+        suite: Optional[str] = typer.Option(None, help="libero_object: LIBERO-Object's ten tasks, recorded by its "
+                                                       "scripted expert from LIBERO's placement sampler in the "
+                                                       "LeRobot / openpi LIBERO layout (docs/libero.md)"),
         episodes: int = typer.Option(20, min=1, help="successful episodes per task without its own :N"),
-        image_size: int = typer.Option(96, min=16, help="pixels per side (even)"),
-        cameras: str = typer.Option("corner,behindGripper", help="comma-separated cameras: Meta-World's own, or side "
-                                    "(ours: the goal box seen from beside the table); a wrong name lists them all"),
+        image_size: Optional[int] = typer.Option(None, min=16, help="pixels per side (even); default 96, with "
+                                                                    "--suite 256 (the LIBERO datasets')"),
+        cameras: Optional[str] = typer.Option(None, help="comma-separated cameras: Meta-World's own, or side (ours: "
+                                                         "the goal box seen from beside the table); a wrong name lists "
+                                                         "them all; default corner,behindGripper, with --suite "
+                                                         "image,wrist_image"),
         seed: int = typer.Option(0, min=0, max=MAX_ENV_SEED, help="base seed of the initial positions"),
         workers: int = typer.Option(2, min=1, help="recording processes"),
-        max_steps: int = typer.Option(200, min=1, help="steps before an expert attempt counts as failed"),
+        max_steps: int = typer.Option(200, min=1, help="steps before an expert attempt counts as failed (LIBERO: "
+                                                       "at most the suite's limit)"),
         hide_distractors: bool = typer.Option(False, help="render the tasks' distractor bodies (reach's puck) "
                                                           "invisible; recorded, and `vlaforge eval` renders alike"),
         steer_tcp: bool = typer.Option(False, help="reach's expert steers the fingertips (what its success test "
                                                    "measures) to the goal instead of the hand body; recorded"),
         overwrite: bool = typer.Option(False, help="replace a non-empty --out"),
         progress: bool = typer.Option(True, help="show a progress bar")):
-    """Record scripted-expert demonstrations in Meta-World (successful episodes only)."""
+    """Record scripted-expert demonstrations in Meta-World or LIBERO-Object (successful episodes only)."""
     from vlaforge.data.generate import generate
-    from vlaforge.data.metaworld import parse_cameras, parse_task_counts
+    from vlaforge.data.metaworld import DEMO_TASKS, parse_cameras, parse_task_counts
 
-    if image_size % 2:
-        raise VlaforgeError(f"--image-size {image_size} must be even (the videos use yuv420p)")
-    summary = generate(parse_task_counts(tasks, episodes), episodes, out, cameras=parse_cameras(cameras),
-                       image_size=image_size, seed=seed, workers=workers, max_steps=max_steps, overwrite=overwrite,
-                       progress=progress, hide_distractors=hide_distractors, steer_tcp=steer_tcp)
+    if suite is not None:
+        from vlaforge.data import libero
+
+        if suite != "libero_object":
+            raise VlaforgeError(f"--suite {suite!r}: vlaforge has a scripted expert for libero_object only")
+        if tasks is not None:
+            raise VlaforgeError("--tasks and --suite exclude each other: --suite records all of the suite's tasks")
+        counts = {t.id: episodes for t in libero.suite_tasks(suite)}
+        cams = [c.strip() for c in (cameras or ",".join(libero.CAMERAS)).split(",") if c.strip()]
+        size = 256 if image_size is None else image_size
+        bad = [c for c in cams if c not in libero.CAMERAS]
+        if bad or not cams:
+            raise VlaforgeError(f"unknown LIBERO camera {bad[0] if bad else '(none)'!r}; choose from "
+                                f"{', '.join(libero.CAMERAS)}")
+    else:
+        counts = parse_task_counts(tasks or ",".join(DEMO_TASKS), episodes)
+        cams, size = parse_cameras(cameras or "corner,behindGripper"), 96 if image_size is None else image_size
+    if size % 2:
+        raise VlaforgeError(f"--image-size {size} must be even (the videos use yuv420p)")
+    summary = generate(counts, episodes, out, cameras=cams, image_size=size, seed=seed, workers=workers,
+                       max_steps=max_steps, overwrite=overwrite, progress=progress, hide_distractors=hide_distractors,
+                       steer_tcp=steer_tcp)
     typer.echo(json.dumps(summary))
 
 

@@ -19,11 +19,19 @@ _BACKEND = "auto (a package's runtime for an exported package, else torch), torc
 @app.command("eval")
 def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint), a checkpoints/step_* "
                                                       "folder, a `vlaforge quantize` folder or an exported package"),
+          benchmark: Optional[str] = typer.Option(None, help="a LIBERO suite (libero_spatial, libero_object, "
+                                                             "libero_goal, libero_10) under LIBERO's protocol: all "
+                                                             "its tasks, 50 episodes each from the fixed initial "
+                                                             "states, the suite's step limit (docs/libero.md)"),
           tasks: Optional[str] = typer.Option(None, help="comma-separated Meta-World tasks; default: eval.tasks of "
-                                                         "the checkpoint's config, else the dataset's tasks"),
-          episodes: Optional[int] = typer.Option(None, min=1, help="held-out episodes per task" + _DEFAULT),
+                                                         "the checkpoint's config, else the dataset's tasks. With "
+                                                         "--benchmark: the first N tasks, or task indices / names "
+                                                         "(a reduced protocol)"),
+          episodes: Optional[int] = typer.Option(None, min=1, help="held-out episodes per task" + _DEFAULT +
+                                                 "; with --benchmark: 50 (fewer is a reduced protocol)"),
           execute: Optional[int] = typer.Option(None, min=1, help="actions executed per predicted chunk" + _DEFAULT),
-          max_steps: Optional[int] = typer.Option(None, min=1, help="steps before failure" + _DEFAULT),
+          max_steps: Optional[int] = typer.Option(None, min=1, help="steps before failure" + _DEFAULT +
+                                                  "; with --benchmark: the suite's"),
           workers: Optional[int] = typer.Option(None, min=1, help="rollout processes" + _DEFAULT),
           seed: Optional[int] = typer.Option(None, min=0, max=MAX_ENV_SEED, help="base seed of held-out positions"
                                                                                   + _DEFAULT),
@@ -52,11 +60,13 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                                                           "(of this checkpoint) instead of in this process"),
           api_key: Optional[str] = typer.Option(None, envvar="VLAFORGE_API_KEY", help="the server's API key"),
           progress: bool = typer.Option(True, help="show a progress bar")):
-    """Closed-loop success rate per task in Meta-World, with Wilson 95% intervals; writes report.json with the
-    inference options and figures (latency p50/p99 per prediction, cache hit rates, robot idle fraction)."""
+    """Closed-loop success rate per task in Meta-World or on a LIBERO suite (--benchmark), with Wilson 95% intervals;
+    writes report.json with the inference options and figures (latency p50/p99 per prediction, cache hit rates, robot
+    idle fraction)."""
     from vlaforge.config import load_config
+    from vlaforge.data import libero
     from vlaforge.data.metaworld import parse_tasks
-    from vlaforge.evaluation.closed_loop import InferenceOptions, eval_tasks, evaluate, render_table
+    from vlaforge.evaluation.closed_loop import InferenceOptions, eval_tasks, evaluate, libero_protocol, render_table
     from vlaforge.inference.runtime import resolve_policy
     from vlaforge.training.checkpoint import CONFIG_FILE
 
@@ -66,8 +76,13 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     scenes = {"auto": None, "shown": False, "hidden": True}
     if distractors not in scenes:
         raise VlaforgeError(f"--distractors {distractors!r} is not one of auto, shown, hidden")
-    names = parse_tasks(tasks) if tasks else eval_tasks(cfg)
     pick = lambda v, d: d if v is None else v  # noqa: E731
+    protocol = None
+    names = parse_tasks(tasks) if tasks and benchmark is None else eval_tasks(cfg) if benchmark is None else []
+    if benchmark is None and names and all(libero.is_libero_task(t) for t in names):
+        benchmark = names[0].partition("/")[0]  # a run trained on `data generate --suite`: its suite's protocol
+    if benchmark is not None:
+        names, episodes, max_steps, protocol = libero_protocol(benchmark, tasks, episodes, max_steps)
     options = InferenceOptions(cache=cache, compile=compile, dtype=dtype, device=device,
                                execute=pick(execute, e.execute), asynchronous=asynchronous, merge=merge,
                                latency_ms=latency_ms, cache_options=_cache_threshold(cache, cache_threshold),
@@ -75,7 +90,7 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     report = evaluate(ckpt, names, pick(episodes, e.episodes), options=options,
                       max_steps=pick(max_steps, e.max_steps), workers=pick(workers, e.workers),
                       seed=pick(seed, e.seed), out=out, video=pick(video, e.video), progress=progress,
-                      hide_distractors=scenes[distractors])
+                      hide_distractors=scenes[distractors], protocol=protocol)
     typer.echo(render_table(report))
     typer.echo(f"report: {report['report']}")
 

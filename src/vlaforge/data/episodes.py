@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vlaforge.data.batch import Batch
+from vlaforge.data.lerobot_features import frame_size
 from vlaforge.data.lerobot_v3 import LeRobotDataset
 from vlaforge.data.tokenizer import TextTokenizer
 from vlaforge.data.lerobot_writer import ENV_STATE
@@ -48,7 +49,7 @@ class FrameStore:
 
     def __init__(self, reader: LeRobotDataset, cameras: list[str], cache_mb: float, threads: int = 2):
         self.reader, self.cameras = reader, cameras
-        h, w = reader.info["features"][cameras[0]]["shape"][:2]
+        h, w = frame_size(reader.info["features"][cameras[0]])
         total_mb = reader.num_frames * len(cameras) * h * w * 3 / 2**20
         self.preloaded = total_mb <= cache_mb
         self.cache_bytes, self.cache, self.cached = int(cache_mb * 2**20), OrderedDict(), 0

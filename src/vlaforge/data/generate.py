@@ -1,4 +1,5 @@
-"""`vlaforge data generate`: scripted-expert demonstrations from Meta-World, written as a LeRobotDataset v3.
+"""`vlaforge data generate`: scripted-expert demonstrations from Meta-World or LIBERO-Object, written as a
+LeRobotDataset v3 (LIBERO: the layout of the LeRobot / openpi LIBERO datasets, `data.libero`).
 
 Episodes are recorded in worker processes (rendering dominates) and written in a fixed order by the main
 process, so the dataset depends only on (tasks, episodes, cameras, image size, seed) - not on the number of
@@ -17,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from vlaforge.data import libero
 from vlaforge.data.lerobot_writer import DatasetWriter, partial_folder
-from vlaforge.data.metaworld import (ACTION_NAMES, ENV_STATE_NAMES, FPS, STATE_NAMES, TASKS, cached_env, episode_seed,
-                                     expert_action, make_expert)
+from vlaforge.data import metaworld
+from vlaforge.data.metaworld import TASKS, cached_env, episode_seed, expert_action, make_expert
 from vlaforge.errors import VlaforgeError
 from vlaforge.progress import progress_bar
 
@@ -41,6 +43,8 @@ class Attempt:
 
 def record(a: Attempt) -> dict[str, Any] | None:
     """Run the expert for one seeded episode; the recording if it succeeded, else None."""
+    if libero.is_libero_task(a.task):
+        return _record_libero(a)
     env, expert = cached_env(a.task, list(a.cameras), a.image_size, a.hide_distractors), make_expert(a.task)
     obs = env.reset(episode_seed("train", a.task_index, a.attempt, a.seed))
     images: dict[str, list] = {c: [] for c in a.cameras}
@@ -65,6 +69,32 @@ def record(a: Attempt) -> dict[str, Any] | None:
             "images": {c: np.stack(v) for c, v in images.items()}, "state": np.stack(states),
             "env_state": np.stack(env_states),
             "action": np.stack(actions), "phase": phases}
+
+
+def _record_libero(a: Attempt) -> dict[str, Any] | None:
+    """One LIBERO-Object episode from LIBERO's placement sampler (seeded; the benchmark's fixed initial states are
+    for evaluation only), driven by `libero.ObjectExpert`."""
+    env = libero.cached_env(a.task, list(a.cameras), a.image_size)
+    obs = env.reset(episode_seed("train", a.task_index, a.attempt, a.seed))
+    expert = libero.ObjectExpert(env)
+    frames: dict[str, list] = {"images": [], "state": [], "env_state": [], "action": [], "phase": []}
+    success = False
+    for _ in range(min(a.max_steps, env.max_steps)):
+        frames["images"].append(env.views())
+        frames["state"].append(env.state(obs))
+        frames["env_state"].append(env.env_state(obs))
+        action = expert.act()
+        frames["phase"].append(expert.describe())
+        frames["action"].append(action)
+        obs, success = env.step(action)
+        if success:
+            break
+    if not success:
+        return None
+    return {"task": a.task, "attempt": a.attempt, "instruction": env.task.instruction,
+            "images": {c: np.stack([v[c] for v in frames["images"]]) for c in a.cameras},
+            "state": np.stack(frames["state"]), "env_state": np.stack(frames["env_state"]),
+            "action": np.stack(frames["action"]), "phase": frames["phase"]}
 
 
 def recorded_tasks(info: dict[str, Any]) -> list[str]:
@@ -151,17 +181,18 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
                 kept[a.task].append(rec)
                 steps += len(rec["state"])
                 advance(f"{steps / (time.perf_counter() - t0):.0f} env steps/s")
-    with DatasetWriter(out, fps=FPS, cameras=list(cameras), image_size=image_size, state_names=STATE_NAMES,
-                       action_names=ACTION_NAMES, text_features=[PHASE_COLUMN],
-                       env_state_names=ENV_STATE_NAMES) as writer:
+    sim = libero if libero.is_libero_task(tasks[0]) else metaworld
+    with DatasetWriter(out, fps=sim.FPS, cameras=list(cameras), image_size=image_size, state_names=sim.STATE_NAMES,
+                       action_names=sim.ACTION_NAMES, text_features=[PHASE_COLUMN],
+                       env_state_names=sim.ENV_STATE_NAMES, robot_type="panda" if sim is libero else "sawyer") as writer:
         for t in tasks:
             for rec in sorted(kept[t], key=lambda r: r["attempt"]):
                 writer.add_episode(rec["instruction"], rec["images"], rec["state"], rec["action"],
                                    {PHASE_COLUMN: rec["phase"]}, rec["env_state"])
-        writer.finish({"vlaforge": {"generator": "metaworld", "tasks": tasks, "seed": seed,
+        writer.finish({"vlaforge": {"generator": sim.__name__.rpartition(".")[2], "tasks": tasks, "seed": seed,
                                     "hide_distractors": hide_distractors,
                                     "expert_steers_tcp": [t for t in tasks
-                                                          if steer_tcp and TASKS.get(t).success_at_tcp],
+                                                          if steer_tcp and t in TASKS and TASKS.get(t).success_at_tcp],
                                     "episode_tasks": [t for t in tasks for _ in kept[t]]}})
     seconds = time.perf_counter() - t0
     return {"out": str(out), "episodes": {t: len(kept[t]) for t in tasks},

@@ -24,7 +24,7 @@ LANGUAGE_EVENTS = "language_events"
 LANGUAGE_COLUMNS = (LANGUAGE_PERSISTENT, LANGUAGE_EVENTS)
 PHASE_COLUMN = "annotation.phase"  # the per-frame text `vlaforge data generate` writes
 # feature dtypes LeRobot writes that vlaforge reads (video cameras, vector/scalar columns, text, language)
-READ_DTYPES = {"video", "float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool",
+READ_DTYPES = {"video", "image", "float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool",
                "string", "language"}
 TIME_TOLERANCE_S = 1e-4  # LeRobot's own tolerance_s default
 
@@ -36,8 +36,17 @@ def is_depth(spec: dict[str, Any]) -> bool:
 
 
 def rgb_cameras(features: dict[str, Any]) -> list[str]:
-    """The video keys that are RGB cameras, in info.json's order (depth maps are not)."""
-    return [k for k, v in features.items() if v.get("dtype") == "video" and not is_depth(v)]
+    """The RGB cameras, in info.json's order: video features (depth maps are not cameras) and image features (PNG /
+    JPEG bytes in the data files, as the openpi / LeRobot LIBERO datasets store them)."""
+    return [k for k, v in features.items() if v.get("dtype") in ("video", "image") and not is_depth(v)]
+
+
+def frame_size(spec: dict[str, Any]) -> tuple[int, int]:
+    """(height, width) of a camera feature: its shape is (H, W, C), or (C, H, W) where its names say so."""
+    shape, names = list(spec.get("shape") or ()), spec.get("names") or []
+    if len(shape) == 3 and isinstance(names, list) and names and str(names[0]).startswith("channel"):
+        return int(shape[1]), int(shape[2])
+    return int(shape[0]), int(shape[1])
 
 
 def depth_cameras(features: dict[str, Any]) -> list[str]:

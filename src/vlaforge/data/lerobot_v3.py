@@ -9,6 +9,9 @@
     data/chunk-XXX/file-YYY.parquet                  one row per frame, many episodes per file
     videos/{key}/chunk-XXX/file-YYY.mp4              many episodes per file; a frame is at from_timestamp + timestamp
 
+A camera of dtype "image" (the openpi / LeRobot LIBERO datasets) is a data-file column of {bytes, path} structs
+(PNG or JPEG); it is read from its file per episode when frames are asked for, not held in memory.
+
 Every error about a damaged or missing file is a `VlaforgeError` naming the file.
 """
 
@@ -22,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from vlaforge.data.lerobot_features import (LANGUAGE_COLUMNS, LANGUAGE_PERSISTENT, READ_DTYPES, feature_notices,
-                                            persistent_columns, rgb_cameras)
+                                            frame_size, persistent_columns, rgb_cameras)
 from vlaforge.data.video import decode_frames
 from vlaforge.errors import VlaforgeError
 
@@ -65,6 +68,7 @@ class LeRobotDataset:
                                 "info.json or regenerate the dataset")
         self.cameras = rgb_cameras(feats)
         self.videos = [k for k, v in feats.items() if v.get("dtype") == "video"]  # RGB and depth
+        self.images = [k for k, v in feats.items() if v.get("dtype") == "image"]  # frames in the data files
         self.notices = feature_notices(feats)
         self.stats = _read_json(self.root / "meta" / "stats.json")
         if self.version == "v3.0":
@@ -124,7 +128,11 @@ class LeRobotDataset:
     def _read_columns(self, files: list[Path]) -> dict[str, np.ndarray]:
         import pyarrow as pa
 
-        tables = [_read_parquet(f) for f in files]
+        tables = [_read_parquet(f, skip=self.images) for f in files]
+        # where each row's image cells are: (data file, row in it), reordered with the rows below
+        self._files = files
+        self._image_rows = (np.repeat(np.arange(len(files)), [len(t) for t in tables]),
+                            np.concatenate([np.arange(len(t)) for t in tables]))
         try:
             table = pa.concat_tables(tables, promote_options="default")
         except pa.ArrowInvalid as exc:
@@ -160,6 +168,7 @@ class LeRobotDataset:
         else:  # v2.x: per-episode files may restart `index`; order by episode, then frame
             order = np.lexsort((cols["frame_index"], cols["episode_index"]))
         cols = {k: v[order] for k, v in cols.items()}
+        self._image_rows = tuple(a[order] for a in self._image_rows)
         if LANGUAGE_PERSISTENT in language:
             rows = [language[LANGUAGE_PERSISTENT][i] for i in order]
             times = cols["timestamp"] if "timestamp" in cols else cols["frame_index"] / self.fps
@@ -256,11 +265,35 @@ class LeRobotDataset:
 
     def decode(self, key: str, episode: Episode) -> np.ndarray:
         """All frames of `episode` from camera `key`: (T, H, W, 3) uint8."""
+        if key in self.images:
+            return self._decode_images(key, episode)
         path, start = episode.videos[key]
         return self._check_frame_size(key, path, decode_frames(path, start, episode.length, self.fps))
 
+    def _decode_images(self, key: str, episode: Episode) -> np.ndarray:
+        """An image camera's frames of `episode`: its cells read from the data files, PNG / JPEG decoded."""
+        import io
+
+        from PIL import Image, UnidentifiedImageError
+
+        rows = slice(episode.start, episode.start + episode.length)
+        files, within = self._image_rows[0][rows], self._image_rows[1][rows]
+        frames = []
+        for f in np.unique(files):
+            path = self._files[int(f)]
+            column = _read_parquet(path, only=[key]).column(key).combine_chunks()
+            cells = column.field("bytes") if hasattr(column.type, "get_field_index") else column
+            for r in within[files == f]:
+                data = cells[int(r)].as_py()
+                try:
+                    frames.append(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+                except (UnidentifiedImageError, OSError, TypeError):
+                    raise VlaforgeError(f"data file {path}: row {int(r)} of {key!r} is not a PNG / JPEG image; the "
+                                        "file is damaged - regenerate the dataset") from None
+        return self._check_frame_size(key, self._files[int(files[0])], np.stack(frames))
+
     def _check_frame_size(self, key: str, path: Path, frames: np.ndarray) -> np.ndarray:
-        declared = tuple(self.info["features"][key].get("shape", ()))[:2]
+        declared = frame_size(self.info["features"][key]) if self.info["features"][key].get("shape") else ()
         if declared and frames.shape[1:3] != declared:
             raise VlaforgeError(f"video file {path} is {frames.shape[1]}x{frames.shape[2]} px but meta/info.json "
                                 f"declares {key} as {declared[0]}x{declared[1]}; fix info.json or regenerate the "
@@ -290,12 +323,15 @@ def read_info(root: Path) -> dict[str, Any]:
     return _read_json(Path(root) / "meta" / "info.json")
 
 
-def _read_parquet(path: Path):
+def _read_parquet(path: Path, skip: list[str] = (), only: list[str] | None = None):
+    """A parquet table: all columns, those but `skip`, or `only` these."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        return pq.read_table(path)
+        if skip:
+            only = [c for c in pq.read_schema(path).names if c not in skip]
+        return pq.read_table(path, columns=only)
     except (pa.ArrowInvalid, OSError) as exc:
         raise VlaforgeError(f"parquet file {path} cannot be read ({str(exc).splitlines()[0][:120]}); it is "
                             "corrupt or truncated - regenerate the dataset") from None

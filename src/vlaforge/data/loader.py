@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from vlaforge.data.batch import Batch
+from vlaforge.data.lerobot_features import frame_size
 from vlaforge.data.tokenizer import TextTokenizer
 from vlaforge.data.transforms import ObservationSpec
 from vlaforge.errors import VlaforgeError
@@ -110,7 +111,7 @@ def _lerobot_data(cfg, model) -> Data:
     cameras = resolve_cameras(reader, m.cameras)
     spec = ObservationSpec(cameras=cameras, frames=m.frames, frame_stride=d.frame_stride,
                            image_size=model.layout.image_size,
-                           render_size=int(reader.info["features"][cameras[0]]["shape"][0]),
+                           render_size=frame_size(reader.info["features"][cameras[0]])[0],
                            instruction_tokens=d.max_instruction_tokens,
                            text_tokens=d.max_text_tokens, chunk=m.action_chunk,
                            **normalization_from_stats(reader.stats))

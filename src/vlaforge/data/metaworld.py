@@ -177,6 +177,8 @@ class MetaWorldEnv:
         self.obs: np.ndarray | None = None
         atexit.register(self.close)  # NOTE: a GL context freed during interpreter teardown prints EGL errors
 
+    fps = FPS
+
     def reset(self, seed: int) -> np.ndarray:
         import mujoco
 
@@ -186,6 +188,15 @@ class MetaWorldEnv:
         # without a forward pass the first frame shows the previous episode's goal.
         mujoco.mj_forward(self.env.model, self.env.data)
         return self.obs
+
+    def eval_reset(self, task_index: int, episode: int, seed: int) -> np.ndarray:
+        """Evaluation episode `episode`: an initial position from the evaluation seed range."""
+        return self.reset(episode_seed("eval", task_index, episode, seed))
+
+    def instruction(self, episode: int) -> str:
+        """The instruction of evaluation episode `episode` (the task's paraphrases in turn)."""
+        instructions = TASKS.get(self.name).instructions
+        return instructions[episode % len(instructions)]
 
     def step(self, action: np.ndarray) -> tuple[np.ndarray, bool]:
         """Apply one action (clipped to [-1, 1]); returns (observation, success)."""

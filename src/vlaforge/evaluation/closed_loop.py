@@ -1,10 +1,12 @@
-"""`vlaforge eval`: closed-loop success rate of a trained policy in Meta-World.
+"""`vlaforge eval`: closed-loop success rate of a trained policy in Meta-World or on a LIBERO benchmark suite.
 
 The policy runs through `inference.PolicyRuntime` (it sees exactly what training showed it: the checkpoint's
 `policy.json` and `tokenizer.json`) and `inference.ChunkExecutor` (receding horizon by default: predict T actions,
 execute the first K, predict again; or asynchronous, with simulated latency, ensembling or RTC), so every inference
-option is judged by closed-loop success next to its speed. Initial positions come from the evaluation seed range,
-disjoint from the generation seeds. Episodes run in parallel worker processes (rendering dominates).
+option is judged by closed-loop success next to its speed. Meta-World's initial positions come from the evaluation
+seed range, disjoint from the generation seeds; LIBERO's are the benchmark's fixed initial states (episode i starts
+from state i, after LIBERO's settle steps; `libero_protocol`). Episodes run in parallel worker processes (rendering
+dominates).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import numpy as np
 import torch
 
 from vlaforge.config.loading import write_atomic
-from vlaforge.data.metaworld import FPS, TASKS, cached_env, episode_seed, parse_tasks
+from vlaforge.data import libero
+from vlaforge.data.metaworld import cached_env, parse_tasks
 from vlaforge.errors import VlaforgeError
 from vlaforge.inference.chunking import ChunkExecutor
 from vlaforge.inference.feature_cache import CacheConfig, CacheStats
@@ -40,7 +43,7 @@ def eval_tasks(cfg) -> list[str]:
     tasks = recorded_tasks(read_info(Path(cfg.data.path))) if cfg.data.path else []
     if not tasks:
         raise VlaforgeError(f"dataset {cfg.data.path} names no Meta-World tasks to evaluate on; set eval.tasks "
-                            "(or pass --tasks)")
+                            "(or pass --tasks), or pass --benchmark for a LIBERO suite")
     return tasks
 
 
@@ -87,8 +90,8 @@ class InferenceOptions:
         return PolicyRuntime.load(ckpt, device=self.device, dtype=self.dtype, compile=self.compile,
                                   cache=CacheConfig(mode=self.cache, **self.cache_options), backend=self.backend)
 
-    def executor(self, runtime: PolicyRuntime, session: str) -> ChunkExecutor:
-        return ChunkExecutor(runtime, session, execute=self.execute, period_s=1 / FPS, merge=self.merge,
+    def executor(self, runtime: PolicyRuntime, session: str, fps: float = 80) -> ChunkExecutor:
+        return ChunkExecutor(runtime, session, execute=self.execute, period_s=1 / fps, merge=self.merge,
                              asynchronous=self.asynchronous, latency_ms=self.latency_ms)
 
 
@@ -111,16 +114,23 @@ def _init_worker(ckpt: str, options: InferenceOptions, threads: int) -> None:
     _WORKER["runtime"], _WORKER["options"] = options.runtime(Path(ckpt)), options
 
 
+def simulator_env(task: str, cameras: list[str], image_size: int, hide_distractors: bool = False):
+    """This process's environment of a Meta-World task or a LIBERO task (`suite/name`): both have `eval_reset`,
+    `instruction`, `step`, `views`, `state`, `max_steps` and `fps`."""
+    if libero.is_libero_task(task):
+        return libero.cached_env(task, cameras, image_size)
+    return cached_env(task, cameras, image_size, hide_distractors)
+
+
 def run_episode(job: Job) -> dict[str, Any]:
     """One held-out episode; returns success, length, the inference figures and (if `record`) the frames."""
     runtime: PolicyRuntime = _WORKER["runtime"]
-    env = cached_env(job.task, runtime.cameras, runtime.spec.render_size, job.hide_distractors)
+    env = simulator_env(job.task, runtime.cameras, runtime.spec.render_size, job.hide_distractors)
     torch.manual_seed(job.seed)  # flow-matching heads sample noise
-    obs = env.reset(episode_seed("eval", job.task_index, job.episode, job.seed))
-    instructions = TASKS.get(job.task).instructions
-    instruction = instructions[job.episode % len(instructions)]
+    obs = env.eval_reset(job.task_index, job.episode, job.seed)
+    instruction = env.instruction(job.episode)
     runtime.reset("episode")
-    executor = _WORKER["options"].executor(runtime, "episode")
+    executor = _WORKER["options"].executor(runtime, "episode", env.fps)
     success, frames, steps = False, [], 0
     try:
         for steps in range(1, job.max_steps + 1):
@@ -134,25 +144,70 @@ def run_episode(job: Job) -> dict[str, Any]:
                 break
     finally:
         executor.close()
-    return {"task": job.task, "episode": job.episode, "success": success, "length": steps,
+    return {"task": job.task, "episode": job.episode, "success": success, "length": steps, "fps": env.fps,
+            "initial_state_sha256": getattr(env, "start_digest", None),
             "frames": np.stack(frames) if frames else None, "execution": executor.stats,
             "cache": runtime.session("episode").cache.stats}
 
 
+def libero_protocol(benchmark: str, tasks: str | None, episodes: int | None,
+                    max_steps: int | None) -> tuple[list[str], int, int, dict[str, Any]]:
+    """LIBERO's evaluation protocol for a suite: every task, 50 episodes each from the fixed initial states, the
+    suite's episode limit (openpi's values, `libero.MAX_STEPS`). `tasks` (the first N tasks, or names / indices
+    separated by commas) and `episodes` reduce it, and the returned protocol record says so.
+
+    Returns:
+        (task ids, episodes per task, max steps, the protocol record for report.json)
+    """
+    suite = libero.suite_tasks(benchmark)
+    if tasks is None:
+        chosen = list(suite)
+    elif tasks.strip().isdigit():
+        n = int(tasks)
+        if not 1 <= n <= len(suite):
+            raise VlaforgeError(f"--tasks {n}: {benchmark} has {len(suite)} tasks; ask for 1 to {len(suite)}")
+        chosen = list(suite[:n])
+    else:
+        by_name = {t.name: t for t in suite} | {str(t.index): t for t in suite}
+        names = [x.strip().removeprefix(f"{benchmark}/") for x in tasks.split(",") if x.strip()]
+        bad = [x for x in names if x not in by_name]
+        if bad or not names:
+            raise VlaforgeError(f"--tasks: {bad[0] if bad else '(none)'!r} is not a task of {benchmark}; give a "
+                                f"count, task indices 0-{len(suite) - 1} or names ({suite[0].name}, ...)")
+        chosen = [by_name[x] for x in names]
+    episodes = libero.EPISODES_PER_TASK if episodes is None else episodes
+    if episodes > libero.EPISODES_PER_TASK:
+        raise VlaforgeError(f"--episodes {episodes}: LIBERO has {libero.EPISODES_PER_TASK} fixed initial states per "
+                            f"task; ask for at most {libero.EPISODES_PER_TASK}")
+    limit = libero.MAX_STEPS[benchmark] if max_steps is None else max_steps
+    full = (len(chosen) == len(suite) and episodes == libero.EPISODES_PER_TASK
+            and limit == libero.MAX_STEPS[benchmark])
+    record = {"benchmark": benchmark, "protocol": "full" if full else "reduced",
+              "initial_states": "the benchmark's fixed initial states: episode i starts from state i",
+              "settle_steps": libero.SETTLE_STEPS, "suite_tasks": len(suite),
+              "suite_max_steps": libero.MAX_STEPS[benchmark],
+              "instructions": {t.id: t.instruction for t in chosen}}
+    return [t.id for t in chosen], episodes, limit, record
+
+
 def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, options: InferenceOptions, max_steps: int,
              workers: int, seed: int = 0, out: str | Path | None = None, video: bool = True,
-             progress: bool = True, hide_distractors: bool | None = None) -> dict[str, Any]:
+             progress: bool = True, hide_distractors: bool | None = None,
+             protocol: dict[str, Any] | None = None) -> dict[str, Any]:
     """Evaluate a checkpoint; writes `report.json` (and `videos/<task>.mp4`) to `out` (default CKPT/eval).
     `hide_distractors`: render the tasks' distractors invisible; None: as the checkpoint's training dataset was
-    rendered (`recorded_scene`)."""
+    rendered (`recorded_scene`). `protocol`: a LIBERO benchmark's record (`libero_protocol`; `tasks` are then its
+    task ids), copied into the report."""
     ckpt = Path(ckpt)
-    tasks = parse_tasks(tasks)
+    tasks = list(tasks) if protocol else parse_tasks(tasks)
     # fail fast, in this process, with a clear message (a bad checkpoint, execute, merge or cache option)
     runtime = options.runtime(ckpt)
     options.executor(runtime, "check").close()
     if isinstance(runtime, RemoteRuntime):
         runtime.client.close()
     out = Path(out) if out else ckpt / "eval"
+    if protocol:
+        hide_distractors = False
     if hide_distractors is None:
         from vlaforge.config.loading import load_config
 
@@ -171,6 +226,7 @@ def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, options: Infe
             succeeded += res["success"]
             advance(f"success {succeeded}/{len(results)}")
     report = summarize(results, tasks)
+    report |= protocol or {}
     report |= {"checkpoint": str(ckpt), "episodes_per_task": episodes, "execute": options.execute,
                "distractors": "hidden" if hide_distractors else "shown",
                "max_steps": max_steps, "seed": seed, "seconds": round(time.perf_counter() - t0, 1),
@@ -195,7 +251,10 @@ def summarize(results: list[dict], tasks: list[str]) -> dict[str, Any]:
                        "mean_length": float(np.mean([r["length"] for r in rs])) if rs else 0.0,
                        "mean_length_success": float(np.mean(ok)) if ok else None}
     mean = float(np.mean([v["success_rate"] for v in per_task.values()])) if per_task else 0.0
-    return {"tasks": per_task, "mean_success_rate": mean}
+    keys = ("task", "episode", "success", "length", "initial_state_sha256")
+    episodes = [{k: r[k] for k in keys if r.get(k) is not None}
+                for r in sorted(results, key=lambda r: (tasks.index(r["task"]), r["episode"]))]
+    return {"tasks": per_task, "mean_success_rate": mean, "episodes": episodes}
 
 
 def inference_summary(results: list[dict]) -> dict[str, Any]:
@@ -224,21 +283,29 @@ def _write_videos(results: list[dict], folder: Path) -> dict[str, str]:
             continue
         frames = r["frames"]
         h, w = frames.shape[1] // 2 * 2, frames.shape[2] // 2 * 2
-        tmp = folder / f".{r['task']}.mp4.tmp"
-        writer = VideoWriter(tmp, FPS // 4, (h, w))  # NOTE: played at 20 fps, 4x slower than real time
+        path = folder / f"{r['task']}.mp4"  # a LIBERO task (suite/name) gets a folder per suite
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        # NOTE: at most 20 fps: Meta-World's 80 Hz steps play 4x slower than real time, LIBERO's in real time
+        writer = VideoWriter(tmp, min(r["fps"], 20), (h, w))
         writer.add(frames[:, :h, :w])
         writer.close()
-        tmp.replace(folder / f"{r['task']}.mp4")
-        written[r["task"]] = str(folder / f"{r['task']}.mp4")
+        tmp.replace(path)
+        written[r["task"]] = str(path)
     return written
 
 
 def render_table(report: dict[str, Any]) -> str:
-    lines = [f"{'task':<28} {'success':>8} {'95% CI':>12} {'mean len':>9}"]
+    width = max([28, *(len(t) for t in report["tasks"])])
+    lines = [f"{'task':<{width}} {'success':>8} {'95% CI':>12} {'mean len':>9}"]
     for t, v in report["tasks"].items():
         lo, hi = v["ci95"]
-        lines.append(f"{t:<28} {v['success_rate']:>8.0%} {f'[{lo:.0%}, {hi:.0%}]':>12} {v['mean_length']:>9.1f}")
-    lines.append(f"{'mean':<28} {report['mean_success_rate']:>8.0%}")
+        lines.append(f"{t:<{width}} {v['success_rate']:>8.0%} {f'[{lo:.0%}, {hi:.0%}]':>12} {v['mean_length']:>9.1f}")
+    lines.append(f"{'mean':<{width}} {report['mean_success_rate']:>8.0%}")
+    if report.get("benchmark"):
+        lines.append(f"{report['benchmark']}: {report['protocol']} protocol ({report['episodes_per_task']} fixed "
+                     f"initial states per task, {report['max_steps']} steps after {report['settle_steps']} settle "
+                     "steps)")
     if report.get("distractors") == "hidden":
         lines.append("scene: the tasks' distractor bodies hidden, as the training dataset was rendered")
     inf = report.get("inference")
@@ -255,10 +322,15 @@ def during_training(cfg) -> Callable[[Path], dict[str, float]]:
     training, and each call scores a just-saved checkpoint (eval.train_episodes per task) as metrics
     (eval/success/<task>, eval/success)."""
     tasks, e = eval_tasks(cfg), cfg.eval
+    episodes, max_steps, protocol = e.train_episodes, e.max_steps, None
+    if all(libero.is_libero_task(t) for t in tasks):  # a LIBERO dataset's tasks: the first initial states of each
+        suite = tasks[0].partition("/")[0]
+        tasks, episodes, max_steps, protocol = libero_protocol(
+            suite, ",".join(t.partition("/")[2] for t in tasks), min(episodes, libero.EPISODES_PER_TASK), None)
 
     def score(path: Path) -> dict[str, float]:
-        report = evaluate(path, tasks, e.train_episodes, options=InferenceOptions(execute=e.execute),
-                          max_steps=e.max_steps, workers=e.workers, seed=e.seed, video=False, progress=False)
+        report = evaluate(path, tasks, episodes, options=InferenceOptions(execute=e.execute), max_steps=max_steps,
+                          workers=e.workers, seed=e.seed, video=False, progress=False, protocol=protocol)
         out = {f"eval/success/{t}": v["success_rate"] for t, v in report["tasks"].items()}
         out["eval/success"] = report["mean_success_rate"]
         return out

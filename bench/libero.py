@@ -1,0 +1,183 @@
+"""LIBERO figures (issue 44; docs/libero.md). Prints one JSON per stage and writes OUT/<stage>.json.
+
+    python bench/libero.py expert [--states 50] [--placements 20] [--render SIZE]
+        the scripted LIBERO-Object expert, physics only: every task from its first --states fixed initial states
+        (50: all 500 official ones) and from --placements of LIBERO's own placement sampler (training seeds);
+        success per task with Wilson intervals, mean steps, seconds; --render SIZE also renders both cameras at
+        every step, as a policy's evaluation does (bench/gpu/libero.sh: the full protocol on a GPU's EGL)
+    python bench/libero.py speed
+        env steps per second on this machine per camera set and resolution (the expert driving, a task of
+        LIBERO-Object), and one reset
+    python bench/libero.py policy [--episodes 20] [--steps 6000] [--eval-states 5] [--image-size 128]
+        generate LIBERO-Object demonstrations (`data generate --suite libero_object`), train recipes/libero.toml on
+        them, evaluate on a reduced protocol (all 10 tasks, the first --eval-states fixed initial states each,
+        image + wrist_image); the time of each stage. Stages whose output exists are skipped (a cut run goes on).
+
+The expert and speed stages run in worker processes (--workers, default 2: this machine's cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = "libero_object"
+# NOTE: this file's folder comes first on sys.path, and this file would shadow LIBERO's `libero` package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+
+def _expert_episode(job: tuple[str, int, str, int, int]) -> dict:
+    """One expert episode: (task id, task index, 'official' | 'sampler', number, render size or 0) -> success,
+    steps."""
+    from vlaforge.data import libero
+    from vlaforge.data.metaworld import episode_seed
+
+    task, index, kind, k, render = job
+    cameras = list(libero.CAMERAS) if render else []
+    env = libero.cached_env(task, cameras, render or libero.RENDER_SIZE, render=bool(render))
+    if kind == "official":
+        env.eval_reset(index, k, seed=7)
+    else:
+        env.reset(episode_seed("train", index, k))
+    expert, success, steps = libero.ObjectExpert(env), False, 0
+    for steps in range(1, env.max_steps + 1):
+        _, success = env.step(expert.act())
+        if render:
+            env.views()
+        if success:
+            break
+    return {"task": task, "kind": kind, "k": k, "success": success, "steps": steps, "phase": expert.phase}
+
+
+def expert(args) -> dict:
+    from vlaforge.data import libero
+    from vlaforge.evaluation.closed_loop import wilson_interval
+
+    tasks = libero.suite_tasks(SUITE)
+    jobs = [(t.id, t.index, "official", k, args.render) for t in tasks for k in range(args.states)]
+    jobs += [(t.id, t.index, "sampler", k, args.render) for t in tasks for k in range(args.placements)]
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        results = list(pool.imap_unordered(_expert_episode, jobs, chunksize=5))
+    seconds = time.perf_counter() - t0
+    out = {"stage": "expert", "suite": SUITE, "official_states_per_task": args.states,
+           "sampler_placements_per_task": args.placements, "render": args.render, "workers": args.workers,
+           "seconds": round(seconds, 1), "env_steps_per_s": round(sum(r["steps"] for r in results) / seconds, 1)}
+    for kind in ("official", "sampler"):
+        rows = [r for r in results if r["kind"] == kind]
+        if not rows:
+            continue
+        per_task = {}
+        for t in tasks:
+            mine = [r for r in rows if r["task"] == t.id]
+            k = sum(r["success"] for r in mine)
+            per_task[t.name] = {"successes": k, "episodes": len(mine),
+                                "ci95": [round(x, 3) for x in wilson_interval(k, len(mine))],
+                                "mean_steps": round(sum(r["steps"] for r in mine) / len(mine), 1),
+                                "failures": [(r["k"], r["phase"]) for r in mine if not r["success"]]}
+        k = sum(r["success"] for r in rows)
+        out[kind] = {"success_rate": round(k / len(rows), 4), "successes": k, "episodes": len(rows),
+                     "ci95": [round(x, 4) for x in wilson_interval(k, len(rows))], "tasks": per_task}
+    return out
+
+
+def _speed_case(case: tuple[tuple[str, ...], int]) -> dict:
+    from vlaforge.data import libero
+
+    cameras, size = case
+    task = libero.suite_tasks(SUITE)[0]
+    t0 = time.perf_counter()
+    env = libero.LiberoEnv(task.id, list(cameras), size, render=bool(cameras))
+    build = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    env.eval_reset(0, 0, seed=7)
+    reset = time.perf_counter() - t0
+    expert, n = libero.ObjectExpert(env), 60
+    t0 = time.perf_counter()
+    for _ in range(n):
+        env.step(expert.act())
+        if cameras:
+            env.views()
+    seconds = time.perf_counter() - t0
+    env.close()
+    return {"cameras": list(cameras), "image_size": size, "env_build_s": round(build, 2),
+            "reset_s": round(reset, 2), "steps_per_s": round(n / seconds, 1),
+            "episode_s_at_120_steps": round(120 * seconds / n + reset, 1)}
+
+
+def speed(args) -> dict:
+    cases = [((), 256), (("image",), 128), (("image", "wrist_image"), 128), (("image",), 256),
+             (("image", "wrist_image"), 256)]
+    rows = []
+    for case in cases:  # NOTE: one process at a time: the figures are per core, undisturbed
+        with mp.get_context("spawn").Pool(1) as pool:
+            rows.append(pool.apply(_speed_case, (case,)))
+        print(json.dumps(rows[-1]), flush=True)
+    return {"stage": "speed", "suite": SUITE, "cases": rows, "cpu": os.cpu_count()}
+
+
+def _vlaforge(*args: str, log: Path) -> float:
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        done = subprocess.run([sys.executable, "-m", "vlaforge", *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if done.returncode:
+        sys.exit(f"vlaforge {' '.join(args[:2])} failed (exit {done.returncode}): {log.read_text()[-2000:]}")
+    return time.perf_counter() - t0
+
+
+def policy(args) -> dict:
+    out = Path(args.out)
+    data, run, evald = out / "data", out / "run", out / "eval"
+    times = {}
+    if not (data / "meta" / "info.json").is_file():
+        times["generate_s"] = round(_vlaforge("data", "generate", "--suite", SUITE, "--out", str(data),
+                                              "--episodes", str(args.episodes), "--image-size", str(args.image_size),
+                                              "--workers", str(args.workers), "--overwrite", "--no-progress",
+                                              log=out / "generate.log"), 1)
+    if not (run / "checkpoints" / "latest").exists():
+        times["train_s"] = round(_vlaforge("train", str(ROOT / "recipes" / "libero.toml"), f"--data.path={data}",
+                                           f"--train.output_dir={run}", f"--train.steps={args.steps}",
+                                           f"--train.checkpoint_every={args.steps}", log=out / "train.log"), 1)
+    if not (evald / "report.json").is_file():
+        times["eval_s"] = round(_vlaforge("eval", str(run), "--benchmark", SUITE, "--episodes",
+                                          str(args.eval_states), "--workers", str(args.workers), "--out", str(evald),
+                                          "--no-progress", log=out / "eval.log"), 1)
+    report = json.loads((evald / "report.json").read_text())
+    summary = json.loads((data / "meta" / "info.json").read_text())
+    return {"stage": "policy", "suite": SUITE, "episodes_per_task": args.episodes, "train_steps": args.steps,
+            "image_size": args.image_size, "frames": summary.get("total_frames"), "times": times,
+            "protocol": report["protocol"], "eval_states_per_task": report["episodes_per_task"],
+            "mean_success_rate": report["mean_success_rate"],
+            "tasks": {t: {"success_rate": v["success_rate"], "ci95": v["ci95"]} for t, v in report["tasks"].items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage", choices=["expert", "speed", "policy"])
+    parser.add_argument("--out", default="bench-out/libero")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--states", type=int, default=50)
+    parser.add_argument("--placements", type=int, default=20)
+    parser.add_argument("--render", type=int, default=0)
+    parser.add_argument("--episodes", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument("--eval-states", type=int, default=5)
+    parser.add_argument("--image-size", type=int, default=128)
+    args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    result = {"expert": expert, "speed": speed, "policy": policy}[args.stage](args)
+    result["date"] = time.strftime("%Y-%m-%d")
+    (Path(args.out) / f"{args.stage}.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
