@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlaforge.config.loading import write_atomic
 from vlaforge.errors import VlaforgeError
 
 FPS = 20  # LIBERO's control rate (robosuite control_freq)
@@ -92,10 +94,7 @@ def check_assets(root: Path, manifest: Path = ASSET_MANIFEST, stamp: Path | None
             raise VlaforgeError(f"LIBERO asset {root / rel} differs from the upstream file (SHA-256): it was "
                                 f"altered; reinstall the assets ({INSTALL_HINT})")
     if stamp is not None:
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        tmp = stamp.with_suffix(".tmp")
-        tmp.write_text(key)
-        tmp.replace(stamp)
+        write_atomic(stamp, key)
 
 
 @cache
@@ -103,11 +102,7 @@ def libero():
     """hf-libero's `libero.libero` package, configured: its config file written by us (no prompt), its assets the
     checked asset packages'. One line when LIBERO is not installed or an asset is missing or altered."""
     os.environ.setdefault("MUJOCO_GL", "egl")
-    try:
-        import importlib.util
-        spec = importlib.util.find_spec("libero")
-    except ImportError:
-        spec = None
+    spec = importlib.util.find_spec("libero")
     if spec is None or not spec.submodule_search_locations:
         raise VlaforgeError(f"LIBERO (hf-libero) is not installed; {INSTALL_HINT}")
     package = Path(list(spec.submodule_search_locations)[0]) / "libero"
@@ -121,9 +116,7 @@ def libero():
     path = folder / "config.yaml"
     text = "".join(f"{k}: {json.dumps(v)}\n" for k, v in config.items())  # NOTE: JSON strings are YAML strings
     if not path.is_file() or path.read_text() != text:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        write_atomic(path, text)
     os.environ["LIBERO_CONFIG_PATH"] = str(folder)
     _quiet_robosuite()
     import libero.libero as lib
@@ -197,12 +190,31 @@ def initial_states(task: LiberoTask) -> np.ndarray:
     import torch
 
     # NOTE: the files are torch pickles of one numpy array; numpy's reconstruction is all they need
-    from numpy._core.multiarray import _reconstruct
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1.x
+        from numpy.core.multiarray import _reconstruct
 
     allowed = [(_reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.float64))]
     with torch.serialization.safe_globals(allowed):
         states = torch.load(task.init_states, weights_only=True)
     return np.asarray(states, dtype=np.float64)
+
+
+def check_policy(cameras: list[str], state_dim: int, action_dim: int) -> None:
+    """A policy LIBERO can run: its cameras among LIBERO's, the LIBERO datasets' 8-D state and 7-D actions.
+
+    Raises:
+        VlaforgeError: naming what does not fit.
+    """
+    bad = [c for c in cameras if c not in CAMERAS]
+    if bad:
+        raise VlaforgeError(f"the policy takes camera {bad[0]!r}; LIBERO renders {', '.join(CAMERAS)} - evaluate a "
+                            "policy trained on LIBERO data (recipes/libero.toml)")
+    if (state_dim, action_dim) != (len(STATE_NAMES), len(ACTION_NAMES)):
+        raise VlaforgeError(f"the policy takes a {state_dim}-D state and predicts {action_dim}-D actions; LIBERO's "
+                            f"are {len(STATE_NAMES)}-D and {len(ACTION_NAMES)}-D - evaluate a policy trained on LIBERO "
+                            "data (recipes/libero.toml)")
 
 
 def quat_to_axis_angle(quat: np.ndarray) -> np.ndarray:

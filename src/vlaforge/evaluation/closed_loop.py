@@ -203,6 +203,9 @@ def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, options: Infe
     # fail fast, in this process, with a clear message (a bad checkpoint, execute, merge or cache option)
     runtime = options.runtime(ckpt)
     options.executor(runtime, "check").close()
+    if protocol:
+        shapes = runtime.client.metadata if isinstance(runtime, RemoteRuntime) else runtime.describe()
+        libero.check_policy(runtime.cameras, int(shapes["state_dim"]), int(shapes["action_dim"]))
     if isinstance(runtime, RemoteRuntime):
         runtime.client.close()
     out = Path(out) if out else ckpt / "eval"
