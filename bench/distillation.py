@@ -27,10 +27,11 @@ sys.path.insert(0, str(ROOT / "src"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from vlaforge.config.loading import load_config, write_atomic  # noqa: E402
+from vlaforge.config.loading import load_config  # noqa: E402
 from vlaforge.evaluation.closed_loop import InferenceOptions, eval_tasks, evaluate  # noqa: E402
 from vlaforge.evaluation.quantization import action_error, dataset_frames, side_by_side  # noqa: E402
 from vlaforge.inference.runtime import PolicyRuntime  # noqa: E402
+from vlaforge.outputs import write_atomic  # noqa: E402
 from vlaforge.models.build import parameter_counts  # noqa: E402
 from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint  # noqa: E402
 

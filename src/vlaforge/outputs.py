@@ -10,12 +10,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from vlaforge.errors import VlaforgeError
 
 OWNER_FILE = ".vlaforge-owner.json"
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Write to a temporary file beside `path`, then rename: readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def file_sha256(path: Path) -> str:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -154,17 +152,3 @@ def to_dict(cfg: VLAConfig) -> dict[str, Any]:
 
 def dump_toml(cfg: VLAConfig) -> str:
     return tomli_w.dumps(to_dict(cfg))
-
-
-def write_atomic(path: str | Path, data: str | bytes) -> None:
-    """Write to a temporary file beside `path`, then rename: readers never see a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vlaforge.config.loading import write_atomic
 from vlaforge.errors import VlaforgeError
+from vlaforge.outputs import file_sha256, write_atomic
 
 FPS = 20  # LIBERO's control rate (robosuite control_freq)
 # each suite's episode limit, as openpi's LIBERO example sets it (examples/libero/main.py: "longest training demo"
@@ -90,7 +90,7 @@ def check_assets(root: Path, manifest: Path = ASSET_MANIFEST, stamp: Path | None
     if stamp is not None and stamp.is_file() and stamp.read_text() == key:
         return
     for digest, _, rel in entries:
-        if hashlib.sha256((root / rel).read_bytes()).hexdigest() != digest:
+        if file_sha256(root / rel) != digest:
             raise VlaforgeError(f"LIBERO asset {root / rel} differs from the upstream file (SHA-256): it was "
                                 f"altered; reinstall the assets ({INSTALL_HINT})")
     if stamp is not None:

@@ -72,7 +72,7 @@ def _panel(title: str, prefix: str, log: bool, runs: list[RunSignals], findings:
 
 def write_html(report: dict[str, Any], runs: list[RunSignals], path: str | Path) -> Path:
     """Write the report; returns its path (written to a temporary name and renamed)."""
-    from vlaforge.config.loading import write_atomic
+    from vlaforge.outputs import write_atomic
 
     e = html.escape
     parts = [f"<h1>vlaforge diagnose: {e(report['run'])}</h1>",
@@ -112,7 +112,7 @@ def write_reports(report: dict[str, Any], runs: list[RunSignals], run: Path, htm
     Raises:
         VlaforgeError: a file cannot be written (one line naming it).
     """
-    from vlaforge.config.loading import write_atomic
+    from vlaforge.outputs import write_atomic
     from vlaforge.errors import VlaforgeError
 
     try:

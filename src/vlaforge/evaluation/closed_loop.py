@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from vlaforge.config.loading import write_atomic
+from vlaforge.outputs import write_atomic
 from vlaforge.data import libero
 from vlaforge.data.metaworld import cached_env, parse_tasks
 from vlaforge.errors import VlaforgeError

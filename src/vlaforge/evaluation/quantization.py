@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from vlaforge import COMPONENTS
-from vlaforge.config.loading import write_atomic
+from vlaforge.outputs import write_atomic
 from vlaforge.errors import VlaforgeError
 from vlaforge.outputs import check_replaceable, replace_folder, stamp
 from vlaforge.inference.runtime import Observation, PolicyRuntime

@@ -152,7 +152,7 @@ def checkpoint_digest(ckpt: Path) -> str:
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    from vlaforge.config.loading import write_atomic
+    from vlaforge.outputs import write_atomic
 
     write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
@@ -295,7 +295,7 @@ def _write_package(ckpt: Path, tmp: Path, source, format: str, dtype: str, int8:
     package = PolicyRuntime.load(tmp, cache="none")
     report |= measure(source, package, picked)
     report["data"] = str(dataset) if dataset else None
-    from vlaforge.config.loading import write_atomic
+    from vlaforge.outputs import write_atomic
 
     write_atomic(tmp / REPORT, json.dumps(report, indent=1) + "\n")
     return report

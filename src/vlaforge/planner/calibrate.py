@@ -167,7 +167,7 @@ def _compare(measured: list[MeasuredRun], rows: list[np.ndarray], base: Assumpti
 def write_calibration(path: str | Path, gpu: str, report: dict[str, Any]) -> None:
     import tomli_w
 
-    from vlaforge.config.loading import write_atomic
+    from vlaforge.outputs import write_atomic
 
     path = Path(path)
     data = _read(path) if path.exists() else {}

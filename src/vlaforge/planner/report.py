@@ -116,7 +116,7 @@ def plot(e: Estimate, path: str | Path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from vlaforge.config.loading import write_atomic
+    from vlaforge.outputs import write_atomic
 
     names = [*COMPONENTS, "buffers"]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
@@ -153,7 +153,8 @@ def whitepaper(path: str | Path, global_batch: int = 256, assume: Assumptions = 
                models=WHITEPAPER_MODELS, frames=WHITEPAPER_FRAMES, clusters: list[Cluster] | None = None) -> Path:
     """`docs/whitepaper.md`: the planner's recommended configuration for each model x input x cluster, with the
     per-GPU memory chart of each recommendation (PNG files in a folder beside it)."""
-    from vlaforge.config.loading import load_config, write_atomic
+    from vlaforge.config.loading import load_config
+    from vlaforge.outputs import write_atomic
     from vlaforge.planner.search import needed_nodes, search
 
     path = Path(path)

@@ -321,7 +321,8 @@ def needed_nodes(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict
 
 def write_config(e: Estimate, path: str | Path, cluster: Cluster) -> Path:
     """The candidate as a `vlaforge train` recipe (written to a temporary name, then renamed)."""
-    from vlaforge.config.loading import dump_toml, write_atomic
+    from vlaforge.config.loading import dump_toml
+    from vlaforge.outputs import write_atomic
 
     head = (f"# vlaforge plan: {cluster.describe()}, estimated {e.tokens_per_s:,.0f} tokens/s, "
             f"{e.memory['total']:.1f} GB per GPU, MFU {100 * e.mfu:.0f}%\n"

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from vlaforge import COMPONENTS
-from vlaforge.config.loading import write_atomic
+from vlaforge.outputs import write_atomic
 from vlaforge.errors import VlaforgeError, first_line
 from vlaforge.techniques.quantize import INTX_BITS, QuantReport, apply_quantization
 

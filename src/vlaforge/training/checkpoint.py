@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
-from vlaforge.config.loading import write_atomic
+from vlaforge.outputs import write_atomic
 from vlaforge.errors import VlaforgeError, first_line, load_refusal
 
 MODEL_FILE, STATE_FILE, CONFIG_FILE, DCP_DIR = "model.safetensors", "trainer_state.pt", "config.toml", "dcp"

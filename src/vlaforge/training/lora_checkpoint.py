@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlaforge.config.loading import write_atomic
+from vlaforge.outputs import write_atomic
 from vlaforge.errors import VlaforgeError
 from vlaforge.techniques.lora import (adapter_state, apply_lora, base_digest, is_adapter, is_base, lora_components,
                                       merge_lora)

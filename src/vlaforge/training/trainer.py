@@ -14,11 +14,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from vlaforge.config.loading import dump_toml, write_atomic
+from vlaforge.config.loading import dump_toml
 from vlaforge.config.schema import VLAConfig
 from vlaforge.data.loader import Data, build_data, build_loader
 from vlaforge.config.shapes import describe as describe_shapes, resolve_shapes, resolve_terms
 from vlaforge.errors import VlaforgeError
+from vlaforge.outputs import write_atomic
 from vlaforge.models.build import BACKBONES_FILE, backbone_configs, build_vla, tokens_per_sample
 from vlaforge.progress import progress_bar
 from vlaforge.techniques.freezing import apply_freezing, schedule_changes
