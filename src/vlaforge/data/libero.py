@@ -107,7 +107,9 @@ def libero():
         raise VlaforgeError(f"LIBERO (hf-libero) is not installed; {INSTALL_HINT}")
     package = Path(list(spec.submodule_search_locations)[0]) / "libero"
     assets = _assets_root()
-    folder = _cache_dir()
+    # one folder per installation: two environments (a clean clone's beside a checkout's) never rewrite each
+    # other's config, which LIBERO reads again at every path lookup
+    folder = _cache_dir() / hashlib.sha256(f"{package}\n{assets}".encode()).hexdigest()[:12]
     check_assets(assets, stamp=folder / "assets.ok")
     config = {"benchmark_root": str(package), "bddl_files": str(package / "bddl_files"),
               "init_states": str(package / "init_files"), "datasets": str(folder / "datasets"),
