@@ -6,6 +6,7 @@ the stats and rewrites info.json) and normalizes again. Prints JSON.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,7 +37,11 @@ def main() -> None:
     ds = LeRobotDataset("vlaforge/test", root=root)
     out = {"original": normalized(ds)}
     out["edited"] = normalized(delete_episodes(ds, [0], output_dir=edited, repo_id="vlaforge/test_edited"))
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
+    # NOTE: the result is out; the interpreter's teardown is skipped. A clean-clone CI run (2026-12-05) once aborted
+    # with "terminate called without an active exception", the usual sign of a native thread still joinable at
+    # exit (delete_episodes re-encodes videos); where it aborted is not known, and five runs here passed
+    os._exit(0)
 
 
 if __name__ == "__main__":
