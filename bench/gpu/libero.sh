@@ -10,7 +10,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 py="${PYTHON:-python3}"
-export PYTHONPATH="$PWD/src:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}" MUJOCO_GL=egl PYTHONUNBUFFERED=1
+# NOTE: not bench/ on the path, as run_all.sh has it: bench/libero.py would shadow LIBERO's `libero` package
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" MUJOCO_GL=egl PYTHONUNBUFFERED=1
 out="${OUT:-bench-out}"
 mkdir -p "$out"
 if ! missing=$("$py" -c "from vlaforge.data import libero; libero.libero()" 2>&1 >/dev/null); then

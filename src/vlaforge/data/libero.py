@@ -103,8 +103,11 @@ def libero():
     checked asset packages'. One line when LIBERO is not installed or an asset is missing or altered."""
     os.environ.setdefault("MUJOCO_GL", "egl")
     spec = importlib.util.find_spec("libero")
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None:
         raise VlaforgeError(f"LIBERO (hf-libero) is not installed; {INSTALL_HINT}")
+    if not spec.submodule_search_locations:
+        raise VlaforgeError(f"`import libero` finds {spec.origin}, not hf-libero's package: that file shadows it; run "
+                            "from another folder or take its folder off the Python path")
     package = Path(list(spec.submodule_search_locations)[0]) / "libero"
     assets = _assets_root()
     # one folder per installation: two environments (a clean clone's beside a checkout's) never rewrite each
