@@ -22,15 +22,18 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = "libero_object"
-# NOTE: this file's folder comes first on sys.path, and this file would shadow LIBERO's `libero` package
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# NOTE: this file's folder comes first on sys.path, where this file would shadow LIBERO's `libero` package: it goes
+# last (bench/lora.py's helper is still found there)
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
+
+from lora import vlaforge  # noqa: E402
 
 
 def _expert_episode(job: tuple[str, int, str, int, int]) -> dict:
@@ -123,33 +126,23 @@ def speed(args) -> dict:
     return {"stage": "speed", "suite": SUITE, "cases": rows, "cpu": os.cpu_count()}
 
 
-def _vlaforge(*args: str, log: Path) -> float:
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        done = subprocess.run([sys.executable, "-m", "vlaforge", *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    if done.returncode:
-        sys.exit(f"vlaforge {' '.join(args[:2])} failed (exit {done.returncode}): {log.read_text()[-2000:]}")
-    return time.perf_counter() - t0
-
-
 def policy(args) -> dict:
     out = Path(args.out)
     data, run, evald = out / "data", out / "run", out / "eval"
     times = {}
     if not (data / "meta" / "info.json").is_file():
-        times["generate_s"] = round(_vlaforge("data", "generate", "--suite", SUITE, "--out", str(data),
-                                              "--episodes", str(args.episodes), "--image-size", str(args.image_size),
-                                              "--workers", str(args.workers), "--overwrite", "--no-progress",
-                                              log=out / "generate.log"), 1)
+        times["generate_s"] = round(vlaforge("data", "generate", "--suite", SUITE, "--out", str(data),
+                                             "--episodes", str(args.episodes), "--image-size", str(args.image_size),
+                                             "--workers", str(args.workers), "--overwrite", "--no-progress",
+                                             log=out / "generate.log"), 1)
     if not (run / "checkpoints" / "latest").exists():
-        times["train_s"] = round(_vlaforge("train", str(ROOT / "recipes" / "libero.toml"), f"--data.path={data}",
-                                           f"--train.output_dir={run}", f"--train.steps={args.steps}",
-                                           f"--train.checkpoint_every={args.steps}", log=out / "train.log"), 1)
+        times["train_s"] = round(vlaforge("train", str(ROOT / "recipes" / "libero.toml"), f"--data.path={data}",
+                                          f"--train.output_dir={run}", f"--train.steps={args.steps}",
+                                          f"--train.checkpoint_every={args.steps}", log=out / "train.log"), 1)
     if not (evald / "report.json").is_file():
-        times["eval_s"] = round(_vlaforge("eval", str(run), "--benchmark", SUITE, "--episodes",
-                                          str(args.eval_states), "--workers", str(args.workers), "--out", str(evald),
-                                          "--no-progress", log=out / "eval.log"), 1)
+        times["eval_s"] = round(vlaforge("eval", str(run), "--benchmark", SUITE, "--episodes",
+                                         str(args.eval_states), "--workers", str(args.workers), "--out", str(evald),
+                                         "--no-progress", log=out / "eval.log"), 1)
     report = json.loads((evald / "report.json").read_text())
     summary = json.loads((data / "meta" / "info.json").read_text())
     return {"stage": "policy", "suite": SUITE, "episodes_per_task": args.episodes, "train_steps": args.steps,

@@ -299,12 +299,8 @@ def data_generate(
         if tasks is not None:
             raise VlaforgeError("--tasks and --suite exclude each other: --suite records all of the suite's tasks")
         counts = {t.id: episodes for t in libero.suite_tasks(suite)}
-        cams = [c.strip() for c in (cameras or ",".join(libero.CAMERAS)).split(",") if c.strip()]
-        size = 256 if image_size is None else image_size
-        bad = [c for c in cams if c not in libero.CAMERAS]
-        if bad or not cams:
-            raise VlaforgeError(f"unknown LIBERO camera {bad[0] if bad else '(none)'!r}; choose from "
-                                f"{', '.join(libero.CAMERAS)}")
+        cams = libero.parse_cameras(cameras or list(libero.CAMERAS))
+        size = libero.RENDER_SIZE if image_size is None else image_size
     else:
         counts = parse_task_counts(tasks or ",".join(DEMO_TASKS), episodes)
         cams, size = parse_cameras(cameras or "corner,behindGripper"), 96 if image_size is None else image_size

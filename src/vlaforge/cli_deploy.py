@@ -78,9 +78,10 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
         raise VlaforgeError(f"--distractors {distractors!r} is not one of auto, shown, hidden")
     pick = lambda v, d: d if v is None else v  # noqa: E731
     protocol = None
-    names = parse_tasks(tasks) if tasks and benchmark is None else eval_tasks(cfg) if benchmark is None else []
-    if benchmark is None and names and all(libero.is_libero_task(t) for t in names):
-        benchmark = names[0].partition("/")[0]  # a run trained on `data generate --suite`: its suite's protocol
+    if benchmark is None:
+        names = parse_tasks(tasks) if tasks else eval_tasks(cfg)
+        if all(libero.is_libero_task(t) for t in names):
+            benchmark = names[0].partition("/")[0]  # a run trained on `data generate --suite`: its suite's protocol
     if benchmark is not None:
         names, episodes, max_steps, protocol = libero_protocol(benchmark, tasks, episodes, max_steps)
     options = InferenceOptions(cache=cache, compile=compile, dtype=dtype, device=device,

@@ -14,7 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -42,59 +42,47 @@ class Attempt:
 
 
 def record(a: Attempt) -> dict[str, Any] | None:
-    """Run the expert for one seeded episode; the recording if it succeeded, else None."""
+    """Run the expert for one seeded episode; the recording if it succeeded, else None. A LIBERO-Object episode
+    starts from LIBERO's placement sampler (seeded; the benchmark's fixed initial states are for evaluation only)."""
     if libero.is_libero_task(a.task):
-        return _record_libero(a)
+        env = libero.cached_env(a.task, list(a.cameras), a.image_size)
+        obs = env.reset(episode_seed("train", a.task_index, a.attempt, a.seed))
+        expert = libero.ObjectExpert(env)
+        rec = _rollout(env, obs, a, lambda _: (expert.act(), expert.describe()))
+        if rec is not None:
+            rec["instruction"] = env.task.instruction
+        return rec
     env, expert = cached_env(a.task, list(a.cameras), a.image_size, a.hide_distractors), make_expert(a.task)
     obs = env.reset(episode_seed("train", a.task_index, a.attempt, a.seed))
+    describe = TASKS.get(a.task).phase
+    rec = _rollout(env, obs, a, lambda o: (expert_action(expert, env.expert_input(o, a.steer_tcp)), describe(o)))
+    if rec is not None:
+        rec["instruction"] = random.Random(f"{a.seed}/{a.task}/{a.attempt}").choice(TASKS.get(a.task).instructions)
+    return rec
+
+
+def _rollout(env, obs, a: Attempt, act: Callable[[Any], tuple[np.ndarray, str]]) -> dict[str, Any] | None:
+    """Record the views, state, env state, action and phase of every step while `act(observation) -> (action,
+    phase)` drives `env` (a `MetaWorldEnv` or a `LiberoEnv`); the recording if the episode succeeded, else None."""
     images: dict[str, list] = {c: [] for c in a.cameras}
     states, env_states, actions, phases = [], [], [], []
-    describe = TASKS.get(a.task).phase
     success = False
     for _ in range(min(a.max_steps, env.max_steps)):
         for cam, img in env.views().items():
             images[cam].append(img)
         states.append(env.state(obs))
         env_states.append(env.env_state(obs))
-        phases.append(describe(obs))
-        action = expert_action(expert, env.expert_input(obs, a.steer_tcp))
+        action, phase = act(obs)
         actions.append(action)
+        phases.append(phase)
         obs, success = env.step(action)
         if success:
             break
     if not success:
         return None
-    rng = random.Random(f"{a.seed}/{a.task}/{a.attempt}")
-    return {"task": a.task, "attempt": a.attempt, "instruction": rng.choice(TASKS.get(a.task).instructions),
-            "images": {c: np.stack(v) for c, v in images.items()}, "state": np.stack(states),
-            "env_state": np.stack(env_states),
-            "action": np.stack(actions), "phase": phases}
-
-
-def _record_libero(a: Attempt) -> dict[str, Any] | None:
-    """One LIBERO-Object episode from LIBERO's placement sampler (seeded; the benchmark's fixed initial states are
-    for evaluation only), driven by `libero.ObjectExpert`."""
-    env = libero.cached_env(a.task, list(a.cameras), a.image_size)
-    obs = env.reset(episode_seed("train", a.task_index, a.attempt, a.seed))
-    expert = libero.ObjectExpert(env)
-    frames: dict[str, list] = {"images": [], "state": [], "env_state": [], "action": [], "phase": []}
-    success = False
-    for _ in range(min(a.max_steps, env.max_steps)):
-        frames["images"].append(env.views())
-        frames["state"].append(env.state(obs))
-        frames["env_state"].append(env.env_state(obs))
-        action = expert.act()
-        frames["phase"].append(expert.describe())
-        frames["action"].append(action)
-        obs, success = env.step(action)
-        if success:
-            break
-    if not success:
-        return None
-    return {"task": a.task, "attempt": a.attempt, "instruction": env.task.instruction,
-            "images": {c: np.stack([v[c] for v in frames["images"]]) for c in a.cameras},
-            "state": np.stack(frames["state"]), "env_state": np.stack(frames["env_state"]),
-            "action": np.stack(frames["action"]), "phase": frames["phase"]}
+    return {"task": a.task, "attempt": a.attempt, "images": {c: np.stack(v) for c, v in images.items()},
+            "state": np.stack(states), "env_state": np.stack(env_states), "action": np.stack(actions),
+            "phase": phases}
 
 
 def recorded_tasks(info: dict[str, Any]) -> list[str]:
@@ -184,7 +172,7 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
     sim = libero if libero.is_libero_task(tasks[0]) else metaworld
     with DatasetWriter(out, fps=sim.FPS, cameras=list(cameras), image_size=image_size, state_names=sim.STATE_NAMES,
                        action_names=sim.ACTION_NAMES, text_features=[PHASE_COLUMN],
-                       env_state_names=sim.ENV_STATE_NAMES, robot_type="panda" if sim is libero else "sawyer") as writer:
+                       env_state_names=sim.ENV_STATE_NAMES, robot_type=sim.ROBOT_TYPE) as writer:
         for t in tasks:
             for rec in sorted(kept[t], key=lambda r: r["attempt"]):
                 writer.add_episode(rec["instruction"], rec["images"], rec["state"], rec["action"],

@@ -31,6 +31,7 @@ from vlaforge.errors import VlaforgeError
 from vlaforge.outputs import file_sha256, write_atomic
 
 FPS = 20  # LIBERO's control rate (robosuite control_freq)
+ROBOT_TYPE = "panda"
 # each suite's episode limit, as openpi's LIBERO example sets it (examples/libero/main.py: "longest training demo"
 # of the suite plus a margin), and the settle steps it runs first with the dummy action (objects fall into place)
 MAX_STEPS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300, "libero_10": 520}
@@ -206,6 +207,15 @@ def initial_states(task: LiberoTask) -> np.ndarray:
     return np.asarray(states, dtype=np.float64)
 
 
+def parse_cameras(text: str | list[str]) -> list[str]:
+    """'image,wrist_image' or a list -> validated LIBERO camera names (data.metaworld.parse_cameras' twin)."""
+    names = [c.strip() for c in (text.split(",") if isinstance(text, str) else text) if c.strip()]
+    bad = [c for c in names if c not in CAMERAS]
+    if bad or not names:
+        raise VlaforgeError(f"unknown LIBERO camera {bad[0] if bad else '(none)'!r}; choose from {', '.join(CAMERAS)}")
+    return names
+
+
 def check_policy(cameras: list[str], state_dim: int, action_dim: int) -> None:
     """A policy LIBERO can run: its cameras among LIBERO's, the LIBERO datasets' 8-D state and 7-D actions.
 
@@ -239,9 +249,8 @@ class LiberoEnv:
     reset reloads the MJCF: 5-6 s a reset here) and runs LIBERO's settle steps."""
 
     def __init__(self, task_id: str, cameras: list[str], image_size: int = RENDER_SIZE, render: bool = True):
-        bad = [c for c in cameras if c not in CAMERAS]
-        if bad:
-            raise VlaforgeError(f"unknown LIBERO camera {bad[0]!r}; choose from {', '.join(CAMERAS)}")
+        if cameras:  # none: physics only
+            parse_cameras(cameras)
         self.task = task_by_id(task_id)
         self.name, self.cameras, self.image_size = task_id, list(cameras), image_size
         self.max_steps, self.fps = MAX_STEPS[self.task.suite], FPS

@@ -47,6 +47,7 @@ class FreeView:
 FREE_VIEWS = {"side": FreeView((0.0, 0.75, 0.17), 0.7, 0.0, -15.0)}
 CAMERAS = ("corner", "corner2", "corner3", "corner4", "topview", "behindGripper", "gripperPOV", *FREE_VIEWS)
 FPS = 80  # Meta-World's control rate: frame_skip 5 x timestep 2.5 ms
+ROBOT_TYPE = "sawyer"
 SPLIT_OFFSET = {"train": 0, "eval": 1_000_000}  # generation and evaluation never share an initial position
 
 

@@ -24,7 +24,7 @@ import torch
 
 from vlaforge.outputs import write_atomic
 from vlaforge.data import libero
-from vlaforge.data.metaworld import cached_env, parse_tasks
+from vlaforge.data.metaworld import FPS, cached_env, parse_tasks
 from vlaforge.errors import VlaforgeError
 from vlaforge.inference.chunking import ChunkExecutor
 from vlaforge.inference.feature_cache import CacheConfig, CacheStats
@@ -90,7 +90,7 @@ class InferenceOptions:
         return PolicyRuntime.load(ckpt, device=self.device, dtype=self.dtype, compile=self.compile,
                                   cache=CacheConfig(mode=self.cache, **self.cache_options), backend=self.backend)
 
-    def executor(self, runtime: PolicyRuntime, session: str, fps: float = 80) -> ChunkExecutor:
+    def executor(self, runtime: PolicyRuntime, session: str, fps: float = FPS) -> ChunkExecutor:
         return ChunkExecutor(runtime, session, execute=self.execute, period_s=1 / fps, merge=self.merge,
                              asynchronous=self.asynchronous, latency_ms=self.latency_ms)
 
