@@ -16,6 +16,19 @@ def did_you_mean(name: str, choices: list[str] | tuple[str, ...]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def parse_names(text: str | list[str], allowed: list[str] | tuple[str, ...], what: str) -> list[str]:
+    """'a,b' or a list -> its names, each one of `allowed`.
+
+    Raises:
+        VlaforgeError: "unknown WHAT 'x'; choose from ..." for the first name not allowed, or for none at all.
+    """
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise VlaforgeError(f"unknown {what} {bad[0] if bad else '(none)'!r}; choose from {', '.join(allowed)}")
+    return names
+
+
 class Registry(Generic[T]):
     """A named collection looked up by key; unknown keys fail with the choices and a suggestion."""
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from vlaforge.errors import VlaforgeError
 from vlaforge.outputs import file_sha256, write_atomic
+from vlaforge.registry import parse_names
 
 FPS = 20  # LIBERO's control rate (robosuite control_freq)
 ROBOT_TYPE = "panda"
@@ -208,12 +209,8 @@ def initial_states(task: LiberoTask) -> np.ndarray:
 
 
 def parse_cameras(text: str | list[str]) -> list[str]:
-    """'image,wrist_image' or a list -> validated LIBERO camera names (data.metaworld.parse_cameras' twin)."""
-    names = [c.strip() for c in (text.split(",") if isinstance(text, str) else text) if c.strip()]
-    bad = [c for c in names if c not in CAMERAS]
-    if bad or not names:
-        raise VlaforgeError(f"unknown LIBERO camera {bad[0] if bad else '(none)'!r}; choose from {', '.join(CAMERAS)}")
-    return names
+    """'image,wrist_image' or a list -> validated LIBERO camera names."""
+    return parse_names(text, list(CAMERAS), "LIBERO camera")
 
 
 def check_policy(cameras: list[str], state_dim: int, action_dim: int) -> None:

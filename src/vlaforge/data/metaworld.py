@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from vlaforge.errors import VlaforgeError
-from vlaforge.registry import Registry
+from vlaforge.registry import Registry, parse_names
 
 STATE_NAMES = ["hand_x", "hand_y", "hand_z", "gripper"]
 ACTION_NAMES = ["dx", "dy", "dz", "grip"]
@@ -130,11 +130,7 @@ def parse_task_counts(text: str | list[str], default: int) -> dict[str, int]:
 
 
 def parse_cameras(text: str | list[str]) -> list[str]:
-    names = [c.strip() for c in (text.split(",") if isinstance(text, str) else text) if c.strip()]
-    bad = [c for c in names if c not in CAMERAS]
-    if bad or not names:
-        raise VlaforgeError(f"unknown camera {bad[0] if bad else '(none)'!r}; choose from {', '.join(CAMERAS)}")
-    return names
+    return parse_names(text, CAMERAS, "camera")
 
 
 def episode_seed(split: str, task_index: int, attempt: int, seed: int = 0) -> int:
