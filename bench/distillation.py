@@ -33,7 +33,7 @@ from vlaforge.evaluation.quantization import action_error, dataset_frames, side_
 from vlaforge.inference.runtime import PolicyRuntime  # noqa: E402
 from vlaforge.outputs import write_atomic  # noqa: E402
 from vlaforge.models.build import parameter_counts  # noqa: E402
-from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint  # noqa: E402
+from vlaforge.checkpoints.layout import CONFIG_FILE, resolve_checkpoint  # noqa: E402
 
 # variant -> the [distill] overrides of the student (None: no teacher)
 VARIANTS = {

@@ -41,7 +41,7 @@ def write_checkpoint(name: str, folder: Path):
     from vlaforge.models.build import build_vla
     from safetensors.torch import save_model
 
-    from vlaforge.training.checkpoint import CONFIG_FILE, MODEL_FILE
+    from vlaforge.checkpoints.layout import CONFIG_FILE, MODEL_FILE
 
     cfg = _config(name, 1)
     torch.manual_seed(0)
@@ -62,7 +62,7 @@ def write_checkpoint(name: str, folder: Path):
 
 def bench_model(name: str, data: str | None, steps: int, warm: int, rounds: int, calibrate: int, compile_mode: str,
                 formats: list[str]) -> dict:
-    from vlaforge.export.onnx import export_package
+    from vlaforge.export.package import export_package
     from vlaforge.inference.runtime import Observation, PolicyRuntime
 
     tmp = Path(tempfile.mkdtemp(prefix=f"bench_export_{name}_"))

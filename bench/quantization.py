@@ -88,7 +88,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from vlaforge.config import load_config
-    from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint
+    from vlaforge.checkpoints.layout import CONFIG_FILE, resolve_checkpoint
 
     run, work = resolve_checkpoint(args.run, ".", what="--run"), Path(args.work)
     shutil.rmtree(work, ignore_errors=True)

@@ -14,9 +14,9 @@ from conftest import ROOT, tiny_config
 
 PACKAGE = ROOT / "src" / "vlaforge"
 # Lowest first. A module may import its own floor and any floor below it, never one above.
-LAYERS = [("errors", "registry", "progress", "outputs"), ("data",), ("config",), ("models",), ("techniques",),
-          ("distributed",), ("training",), ("inference",), ("serving",), ("evaluation",), ("planner", "export"),
-          ("diagnostics",), ("cli", "cli_deploy", "__main__")]
+LAYERS = [("errors", "registry", "progress", "outputs", "seeding"), ("data",), ("config",), ("models",),
+          ("techniques",), ("distributed",), ("checkpoints",), ("training", "inference"), ("serving",), ("evaluation",),
+          ("planner", "export"), ("diagnostics",), ("cli", "cli_deploy", "__main__")]
 FLOOR = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
@@ -51,6 +51,91 @@ def test_folders_import_only_downwards():
     assert not upward, "imports that point up a floor (move the code to the floor it belongs on):\n" + "\n".join(upward)
     same = {(a, b) for a, b, _ in folder_imports() if FLOOR[a] == FLOOR[b]}
     assert not {(a, b) for a, b in same if (b, a) in same}, "two modules of one floor import each other"
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the vlaforge modules it imports (module level or inside a function; `from pkg import mod` names the
+    submodule), by dotted name."""
+    def name_of(path: Path) -> str:
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    paths = {name_of(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                module = (".".join(base[:len(base) - node.level + 1] + [node.module or ""]).rstrip(".")
+                          if node.level else node.module or "")
+                deps |= {module, *(f"{module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in paths and d != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while not part or part[-1] != v:
+                part.append(stack.pop())
+                on.discard(part[-1])
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_circle_inside_a_folder():
+    """Modules of one folder import one way too: a circle means no file of it can be read, tested or changed alone
+    (a package's `__init__` aside: it only names the folder)."""
+    graph = module_graph()
+    inside = {m: {d for d in deps if d.rsplit(".", 1)[0] == m.rsplit(".", 1)[0] and d in graph
+                  and not PACKAGE.joinpath(*d.split(".")[1:], "__init__.py").is_file()}
+              for m, deps in graph.items()}
+    found = circles(inside)
+    assert not found, "modules of one folder that import each other (move what both need to a leaf module):\n" + \
+        "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_circle_check_finds_a_circle():
+    assert circles({"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": {"a.x"}}) == [["a.x", "a.y", "a.z"]]
+    assert circles({"a.x": {"a.y"}, "a.y": set()}) == []
+
+
+def test_the_runtime_export_and_serving_never_import_the_trainer():
+    """Checkpoints sit a floor below `training` so that what runs a trained policy loads it without the trainer."""
+    bad = [f"{a} -> training ({where})" for a, b, where in folder_imports()
+           if b == "training" and a in ("inference", "serving", "evaluation", "export")]
+    assert not bad, "\n".join(bad)
+
+
+MAX_LINES = 500
+
+
+def test_no_source_file_over_500_lines():
+    """One concern a file (STYLE.md 7): a file past 500 lines holds more than one; split it along its concerns."""
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these along their concerns: {long}"
 
 
 def test_the_vla_knows_nothing_of_parallelism_or_memory_techniques():

@@ -78,7 +78,7 @@ def test_impossible_context_parallel_layouts_are_one_line(args, message):
     from vlaforge.config.loading import load_config
     from vlaforge.distributed.parallel_dims import World
     from vlaforge.errors import VlaforgeError
-    from vlaforge.training.trainer import check_layout
+    from vlaforge.distributed.parallel_dims import check_layout
 
     cfg = load_config(TINY_RECIPE, [*args])
     with pytest.raises(VlaforgeError, match=message):

@@ -244,7 +244,8 @@ def test_a_quantized_teacher_distils(tmp_path, teacher_run):
 
     from vlaforge.techniques.quantize import apply_quantization
     from vlaforge.techniques.quantized_format import save_quantized
-    from vlaforge.training.checkpoint import CONFIG_FILE, load_policy_model
+    from vlaforge.checkpoints.layout import CONFIG_FILE
+    from vlaforge.checkpoints.load import load_policy_model
 
     model, _, ckpt = load_policy_model(teacher_run)
     apply_quantization(model, {"llm": "int8"})

@@ -127,7 +127,7 @@ def test_another_base_is_refused_in_one_line(runs, tmp_path):
     """Resuming over, and loading with, another base (the base run's step 1): one line naming both digests."""
     import shutil
 
-    from vlaforge.training.checkpoint import load_policy_model
+    from vlaforge.checkpoints.load import load_policy_model
 
     tmp, base, lora = runs
     moved = tmp_path / "moved"
@@ -148,8 +148,10 @@ def test_merged_policy_equals_the_unmerged_model(runs):
     LoRA model predicts (fp32, within 1e-5); `vlaforge export --format safetensors` writes those merged weights."""
     from vlaforge.distributed.apply import apply_techniques
     from vlaforge.inference.runtime import PolicyRuntime
-    from vlaforge.training.checkpoint import MODEL_FILE, load_policy_model
-    from vlaforge.training.lora_checkpoint import load_lora_weights, rebuild_base
+    from vlaforge.checkpoints.layout import MODEL_FILE
+    from vlaforge.checkpoints.load import load_policy_model
+    from vlaforge.checkpoints.load import rebuild_base
+    from vlaforge.checkpoints.lora import load_lora_weights
 
     tmp, base, lora = runs
     ckpt = _step(lora, 4)

@@ -10,7 +10,8 @@ from launch import OFF, assert_same_weights, metrics, train_distributed, train_s
 
 def fake_model(flavor: str):
     from vlaforge.config.schema import ModelConfig
-    from vlaforge.models.build import build_vla, fake_build
+    from vlaforge.models.build import build_vla
+    from vlaforge.models.fake import fake_build
 
     with fake_build():
         return build_vla(ModelConfig(flavor=flavor))

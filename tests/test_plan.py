@@ -12,7 +12,7 @@ from vlaforge.planner.estimate import GB, Cluster, PlanModel, estimate
 from vlaforge.planner.hardware import get_gpu
 from vlaforge.planner.memory import per_gpu
 from vlaforge.planner.search import config_fields, needed_nodes, search
-from vlaforge.training.trainer import check_layout
+from vlaforge.distributed.parallel_dims import check_layout
 
 
 @pytest.fixture(scope="module")

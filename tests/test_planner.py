@@ -111,7 +111,8 @@ def test_per_gpu_shares_match_fsdp2_and_tp_shards_on_eight_fake_ranks():
 def _measured_blocks(flavor: str, seq: int | None, precision: str, strategy: str, frames: int = 1):
     from vlaforge.techniques import accounting as memory
     from vlaforge.models.build import synthetic_batch, with_seq_len
-    from vlaforge.models.build import fake_build, tokens_per_sample
+    from vlaforge.models.build import tokens_per_sample
+    from vlaforge.models.fake import fake_build
     from vlaforge.training.trainer import build_model
 
     comps = {c: {"precision": precision} for c in COMPONENTS}
@@ -154,7 +155,8 @@ def test_a_conv_stem_s_activation_bytes_equal_the_accounting(precision):
     on the real modules (fake tensors), byte for byte."""
     from vlaforge.planner.activations import model_activation_bytes
     from vlaforge.techniques import accounting as memory
-    from vlaforge.models.build import fake_build, synthetic_batch
+    from vlaforge.models.build import synthetic_batch
+    from vlaforge.models.fake import fake_build
     from vlaforge.training.trainer import build_model
 
     comps = {c: {"precision": precision} for c in COMPONENTS}
@@ -199,7 +201,7 @@ def _counted_flops(flavor: str, seq: int | None, components: dict):
     from torch.utils.flop_counter import FlopCounterMode
 
     from vlaforge.models.build import synthetic_batch, with_seq_len
-    from vlaforge.models.build import fake_build
+    from vlaforge.models.fake import fake_build
     from vlaforge.techniques.freezing import apply_freezing
     from vlaforge.training.trainer import build_model
 

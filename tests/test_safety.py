@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from vlaforge.errors import VlaforgeError
-from vlaforge.training import checkpoint as ck
 
 from conftest import ROOT, TINY_RECIPE, run_cli
 from fake_lerobot import write_dataset

@@ -138,16 +138,16 @@ def test_causes_are_named_not_symptoms(tmp_path, run, dataset):
 SAVER = """
 import sys, time, torch
 from pathlib import Path
-from vlaforge.training import checkpoint as ck
+from vlaforge.checkpoints import layout, save
 
 def pause(stage):
     if stage == sys.argv[2]:
         print(stage, flush=True)
         time.sleep(120)
 
-ck._pause = pause
+layout._pause = pause
 torch.manual_seed(int(sys.argv[3]))
-ck.save_checkpoint(Path(sys.argv[1]), 2, torch.nn.Linear(3, 3), {"step": 2}, "", keep=3)
+save.save_checkpoint(Path(sys.argv[1]), 2, torch.nn.Linear(3, 3), {"step": 2}, "", keep=3)
 print("done", flush=True)
 """
 
@@ -159,7 +159,7 @@ def test_a_kill_while_a_checkpoint_is_replaced_leaves_a_loadable_latest(tmp_path
     next save after another such kill."""
     from safetensors.torch import load_file
 
-    from vlaforge.training import checkpoint as ck
+    from vlaforge.checkpoints import layout as ck
 
     def save(seed: int, wait: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path), wait, str(seed)], cwd=ROOT,

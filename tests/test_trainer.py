@@ -108,7 +108,7 @@ def test_checkpoint_with_a_scalar_logit_scale_still_loads(tmp_path):
     from safetensors.torch import save_file
 
     from vlaforge.models.build import build_vla
-    from vlaforge.training.checkpoint import load_weights
+    from vlaforge.checkpoints.load import load_weights
 
     cfg = tiny_config(tmp_path)
     model = build_vla(cfg.model, cfg.loss)

@@ -36,16 +36,17 @@ OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 def _load(config: Optional[Path], ctx: typer.Context, resume: Optional[str] = None, first: list[str] = ()):
     """The config from a recipe (or a resumed checkpoint's), then `first` overrides, then the command line's."""
     from vlaforge.config import load_config
-    from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint, run_folder_of
+    from vlaforge.checkpoints.layout import CONFIG_FILE, resolve_checkpoint, run_folder_of
 
     overrides = [*first, *ctx.args]
     if config is not None and str(config).startswith("--"):  # an override, not a recipe path
         overrides.insert(0, str(config))
         config = None
     if resume is not None:
-        overrides.append(f"--train.resume={json.dumps(resume)}")
-        if resume != "latest":
-            ckpt = resolve_checkpoint(resume, ".")
+        ckpt = None if resume == "latest" else resolve_checkpoint(resume, ".")  # "latest": the output_dir's, below
+        # NOTE: the resolved folder, so the trainer resumes what was resolved here (its own resolution is then a no-op)
+        overrides.append(f"--train.resume={json.dumps(resume if ckpt is None else str(ckpt))}")
+        if ckpt is not None:
             if config is None:  # resume a run with the config saved in its checkpoint
                 config = ckpt / CONFIG_FILE
             if not any(a.startswith("--train.output_dir=") for a in overrides):  # NOTE: not the saved output_dir,

@@ -63,15 +63,14 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     """Closed-loop success rate per task in Meta-World or on a LIBERO suite (--benchmark), with Wilson 95% intervals;
     writes report.json with the inference options and figures (latency p50/p99 per prediction, cache hit rates, robot
     idle fraction)."""
-    from vlaforge.config import load_config
     from vlaforge.data import libero
     from vlaforge.data.metaworld import parse_tasks
     from vlaforge.evaluation.closed_loop import InferenceOptions, eval_tasks, evaluate, libero_protocol, render_table
     from vlaforge.inference.runtime import resolve_policy
-    from vlaforge.training.checkpoint import CONFIG_FILE
+    from vlaforge.checkpoints.layout import saved_config
 
     ckpt = resolve_policy(checkpoint)
-    cfg = load_config(ckpt / CONFIG_FILE)
+    cfg = saved_config(ckpt)
     e = cfg.eval
     scenes = {"auto": None, "shown": False, "hidden": True}
     if distractors not in scenes:
@@ -161,13 +160,11 @@ def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
 def _serve_metadata(runtime) -> dict:
     """What a client is told on connect beyond the runtime's description: an instruction example, versions."""
     from vlaforge import __version__
-    from vlaforge.config import load_config
-    from vlaforge.training.checkpoint import CONFIG_FILE
-
+    from vlaforge.checkpoints.layout import saved_config
     from vlaforge.data.metaworld import TASKS
     from vlaforge.evaluation.closed_loop import eval_tasks
 
-    cfg = load_config(Path(runtime.source) / CONFIG_FILE)
+    cfg = saved_config(Path(runtime.source))
     try:
         tasks = eval_tasks(cfg)  # the config's eval.tasks, else its dataset's (when that is on this machine)
     except VlaforgeError:
@@ -208,7 +205,8 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
     (encoder.onnx + denoise.onnx for a flow-matching head; .pte programs for executorch), checked against the
     checkpoint on dataset frames (export.json: action error, latency of both). `vlaforge eval` and `vlaforge serve`
     run a package like a checkpoint."""
-    from vlaforge.training.checkpoint import export_weights, resolve_checkpoint
+    from vlaforge.checkpoints.export import export_weights
+    from vlaforge.checkpoints.layout import resolve_checkpoint
 
     if format == "safetensors":
         onnx_only = [name for name, given in (("--dtype", dtype != "fp32"), ("--quantized", quantized),
@@ -220,7 +218,7 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
         return
     if out is None:
         raise VlaforgeError(f"--format {format} needs --out DIR (the package folder to write)")
-    from vlaforge.export.onnx import export_package, render
+    from vlaforge.export.package import export_package, render
 
     report = export_package(checkpoint, out, format=format, dtype=dtype, int8=quantized, calibrate=calibrate,
                             frames=frames, data=data)

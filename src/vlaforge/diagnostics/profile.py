@@ -57,7 +57,8 @@ def real_batch(cfg: VLAConfig, model: torch.nn.Module, size: int) -> Batch:
 
 def profile_one(cfg: VLAConfig, device: torch.device, batch_size: int, fake: bool, repeats: int) -> dict:
     """Activation bytes, state bytes, peak and step time of one configured model."""
-    from vlaforge.models.build import fake_build, tokens_per_sample
+    from vlaforge.models.build import tokens_per_sample
+    from vlaforge.models.fake import fake_build
     from vlaforge.planner.memory import model_state
     from vlaforge.training.trainer import build_model
 

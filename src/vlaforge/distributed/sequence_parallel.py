@@ -248,7 +248,8 @@ def apply_sequence_parallel(model, dims, mesh, cfg, tokens: int) -> SequencePara
 def token_summary(cfg) -> str:
     """TOML comment lines: the LLM sequence of one sample, part by part, and each context-parallel rank's share
     (built under fake tensors: seconds even for 70B flavors)."""
-    from vlaforge.models.build import build_vla, fake_build, tokens_per_sample
+    from vlaforge.models.build import build_vla, tokens_per_sample
+    from vlaforge.models.fake import fake_build
 
     if not cfg.model.shapes_known():
         return "# tokens per sample: known once the dataset's cameras are read (model.cameras = 'auto'; no dataset " \

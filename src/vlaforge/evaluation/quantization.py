@@ -158,13 +158,11 @@ def calibrate(float_rt: PolicyRuntime, policies: dict[str, QuantPolicy], frames:
 
 def quantize_run(checkpoint: str | Path, out: str | Path, options: QuantizeOptions) -> dict[str, Any]:
     """Write the quantized checkpoint folder `out` and its `quantize.json`; returns the report."""
-    from vlaforge.config.loading import load_config
-    from vlaforge.training.checkpoint import CONFIG_FILE, resolve_checkpoint
+    from vlaforge.checkpoints.layout import resolve_run
 
-    ckpt = resolve_checkpoint(str(checkpoint), ".", what="RUN")
+    ckpt, cfg = resolve_run(checkpoint, "RUN")
     out = Path(out)
     _check_out(out, ckpt)
-    cfg = load_config(ckpt / CONFIG_FILE)
     policies = choose_policies(cfg, options)
     trained = {c for c in COMPONENTS if getattr(getattr(cfg.components, c), "qat", "none") == policies[c].mode
                and policies[c].mode != "none"}

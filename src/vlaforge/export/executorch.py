@@ -34,7 +34,7 @@ def lower(region: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path, m
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    from vlaforge.export.onnx import exporter_cause
+    from vlaforge.export.common import exporter_cause
 
     batch = torch.export.Dim("batch", min=1, max=max_batch)
     try:

@@ -85,17 +85,18 @@ def load_adapter_set(runs: dict[str, str | Path], device: torch.device) -> tuple
     """The model of the first run's base with every run's adapters, unmerged: (model, the first run's config, the
     adapter set). Raises VlaforgeError (one line) for a run that is not LoRA or does not share the base or
     layouts."""
-    from vlaforge.config.loading import load_config
     from vlaforge.data.tokenizer import load_tokenizer
     from vlaforge.data.transforms import ObservationSpec
     from vlaforge.techniques.lora import (add_adapter, apply_lora, base_digest, is_adapter, lora_components,
                                           set_adapter)
     from vlaforge.techniques.precision import master_dtype
-    from vlaforge.training.checkpoint import CONFIG_FILE, MODEL_FILE, resolve_checkpoint
-    from vlaforge.training.lora_checkpoint import check_base, is_lora, load_lora_weights, read_record, rebuild_base
+    from vlaforge.checkpoints.layout import MODEL_FILE, resolve_run
+    from vlaforge.checkpoints.load import rebuild_base
+    from vlaforge.checkpoints.lora import check_base, is_lora, load_lora_weights, read_record
 
     names = [check_name(n) for n in runs]
-    ckpts = {n: resolve_checkpoint(str(p), ".", what=f"adapter {n}") for n, p in runs.items()}
+    resolved = {n: resolve_run(p, f"adapter {n}") for n, p in runs.items()}
+    ckpts = {n: ckpt for n, (ckpt, _) in resolved.items()}
     for n, ckpt in ckpts.items():
         if not is_lora(ckpt):
             raise VlaforgeError(f"adapter {n}: {ckpt} is not a LoRA run (no lora.json); --keep-adapters serves LoRA "
@@ -104,7 +105,7 @@ def load_adapter_set(runs: dict[str, str | Path], device: torch.device) -> tuple
     if "default" in names[1:]:
         raise VlaforgeError("adapter name 'default' is peft's name for the first run's adapters; name the others "
                             "otherwise")
-    cfg = load_config(ckpts[first] / CONFIG_FILE)
+    cfg = resolved[first][1]
     policies = dict(cfg.components.items())
     components = lora_components(policies)
     model = rebuild_base(cfg)
@@ -115,7 +116,7 @@ def load_adapter_set(runs: dict[str, str | Path], device: torch.device) -> tuple
     adapters = {}
     for n in names:
         ckpt = ckpts[n]
-        other = load_config(ckpt / CONFIG_FILE)
+        other = resolved[n][1]
         _check_compatible(n, ckpt, cfg, other, first)
         check_base(ckpt, read_record(ckpt), digest)
         own = "default" if n == first else n  # peft's name for apply_lora's adapters
@@ -158,7 +159,7 @@ def _load_renamed(ckpt: Path, model: nn.Module, name: str) -> None:
     from safetensors.torch import load_file
 
     from vlaforge.techniques.lora import is_adapter
-    from vlaforge.training.checkpoint import MODEL_FILE
+    from vlaforge.checkpoints.layout import MODEL_FILE
 
     state = load_file(str(ckpt / MODEL_FILE))
     renamed = {k.replace(".default.", f".{name}.") if is_adapter(k) else k: v for k, v in state.items()}

@@ -180,7 +180,7 @@ class PolicyRuntime:
             raise VlaforgeError(f"{checkpoint} is an exported package, not a checkpoint; drop --backend torch (auto "
                                 "runs it in its runtime)")
         from vlaforge.data.tokenizer import load_tokenizer
-        from vlaforge.training.checkpoint import load_policy_model
+        from vlaforge.checkpoints.load import load_policy_model
 
         model, cfg, ckpt = load_policy_model(checkpoint, pick_device(device))
         spec = ObservationSpec.load(ckpt)
@@ -191,7 +191,7 @@ class PolicyRuntime:
     @classmethod
     def _load_adapters(cls, checkpoint, adapters, device, dtype, compile, cache, backend) -> "PolicyRuntime":
         from vlaforge.inference.adapters import load_adapter_set
-        from vlaforge.training.checkpoint import resolve_checkpoint
+        from vlaforge.checkpoints.layout import resolve_checkpoint
 
         if backend not in ("auto", "torch") or compile != "off":
             raise VlaforgeError("--keep-adapters runs the PyTorch model (peft layers switch adapters): drop --backend "
@@ -418,7 +418,7 @@ class PolicyRuntime:
 def resolve_policy(path: str | Path) -> Path:
     """A policy folder: an exported package as it is, else the checkpoint folder of a run (`resolve_checkpoint`)."""
     from vlaforge.inference.packages import is_package
-    from vlaforge.training.checkpoint import resolve_checkpoint
+    from vlaforge.checkpoints.layout import resolve_checkpoint
 
     return Path(path) if is_package(path) else resolve_checkpoint(str(path), ".", what="CHECKPOINT")
 

@@ -1,20 +1,32 @@
-"""Model structure the techniques and the planner share: which modules are a component's transformer blocks."""
+"""Model structure the techniques and the planner share: which modules are a component's transformer blocks, and
+which components have any. Code that asks "which components have blocks" asks here, never a literal list: the
+answer changes the day an action head grows a decoder stack (the pretrained policies' action expert)."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from vlaforge import COMPONENTS
+
 
 def blocks_of(model: nn.Module, component: str) -> nn.ModuleList | None:
-    """The transformer blocks of `component` (None for the projector and the action head, and for a component
-    another pipeline stage holds)."""
+    """The transformer blocks of `component` (None for a component without blocks - the projector, an MLP action
+    head - and for a component another pipeline stage holds). A component other than the tower and the LLM declares
+    its blocks as a `blocks` ModuleList attribute."""
     from vlaforge.models.llm import llm_blocks
     from vlaforge.models.vision import vision_blocks
 
-    if getattr(getattr(model, component), "removed", False):
+    child = getattr(model, component)
+    if getattr(child, "removed", False):
         return None
     if component == "vision":
         return vision_blocks(model.vision)
     if component == "llm":
         return llm_blocks(model.llm)
-    return None
+    blocks = getattr(child, "blocks", None)
+    return blocks if isinstance(blocks, nn.ModuleList) and len(blocks) else None
+
+
+def components_with_blocks(model: nn.Module) -> tuple[str, ...]:
+    """The components whose transformer blocks the techniques wrap and the planner counts, in COMPONENTS order."""
+    return tuple(c for c in COMPONENTS if blocks_of(model, c) is not None)

@@ -13,6 +13,7 @@ from vlaforge.config.schema import LossConfig, ModelConfig, VLAConfig
 from vlaforge.data.batch import Batch
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.action_heads import ACTION_HEADS
+from vlaforge.models.fake import fake_build, fake_mode_active
 from vlaforge.models.hf_loading import read_config
 from vlaforge.models.llm import build_llm
 from vlaforge.models.families import mrope_section
@@ -117,23 +118,6 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
                     interpolate_pos=native is not None and image_size != native,
                     mrope=mrope_section(llm.config) is not None)
     return VLA(vision, projector, llm, action_head, layout, objective_from(loss_cfg or LossConfig()))
-
-
-def fake_mode_active() -> bool:
-    """Whether a fake-tensor mode is active (a caller's `fake_build`, or torch's own)."""
-    from torch._guards import detect_fake_mode
-
-    return detect_fake_mode() is not None
-
-
-@contextlib.contextmanager
-def fake_build():
-    """FakeTensorMode plus transformers' no_init_weights (random inits read data, which fake tensors lack)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers.initialization import no_init_weights
-
-    with FakeTensorMode(allow_non_fake_inputs=True), no_init_weights():
-        yield
 
 
 def tokens_per_sample(model: VLA, instruction_tokens: int, text_tokens: int = 0) -> int:

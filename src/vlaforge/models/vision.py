@@ -359,7 +359,7 @@ def tower_features(vision: nn.Module, pixels: torch.Tensor, resize: bool) -> tor
         return torch.cat([tower_features(t, pixels, pixels.shape[-1] != native_size(t)) for t in vision.towers], -1)
     pixels = normalize_pixels(vision, pixels)
     if not fam.static_shapes:
-        from vlaforge.models.build import fake_mode_active
+        from vlaforge.models.fake import fake_mode_active
 
         if fake_mode_active():
             raise VlaforgeError(f"the {fam.name} vision tower computes its attention windows and sequence bounds from "

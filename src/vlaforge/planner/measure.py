@@ -22,7 +22,7 @@ def side_by_side(cfg, batch_size: int) -> dict:
     (exact by construction: both count the real shapes)."""
     from vlaforge.techniques import accounting as memory
     from vlaforge.models.build import synthetic_batch
-    from vlaforge.models.build import fake_build
+    from vlaforge.models.fake import fake_build
     from vlaforge.techniques.freezing import apply_freezing
     from vlaforge.training.trainer import build_bare, build_model
 

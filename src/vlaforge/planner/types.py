@@ -78,7 +78,8 @@ class PlanModel:
 
     def __init__(self, cfg):
         from vlaforge.models.build import synthetic_batch
-        from vlaforge.models.build import build_vla, fake_build
+        from vlaforge.models.build import build_vla
+        from vlaforge.models.fake import fake_build
         from vlaforge.distributed.parallel_dims import model_facts
         from vlaforge.models.families import family, unlike_llama
         from vlaforge.models.vision import vision_family

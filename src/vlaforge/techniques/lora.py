@@ -112,7 +112,7 @@ def _inject(model: nn.Module, name: str, cfg, shards: int) -> LoraReport:
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=pattern,
                               init_lora_weights=True if cfg.init == "kaiming" else "gaussian",
                               use_rslora=cfg.rslora, bias="none")
-    from vlaforge.models.build import fake_mode_active
+    from vlaforge.models.fake import fake_mode_active
 
     with _fake_safe_moves() if fake_mode_active() else contextlib.nullcontext():
         inject_adapter_in_model(peft_cfg, module)

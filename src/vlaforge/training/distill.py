@@ -34,7 +34,7 @@ from vlaforge.models import losses as L
 from vlaforge.models.llm import llm_blocks
 from vlaforge.progress import progress_bar
 from vlaforge.techniques.quantized_format import place
-from vlaforge.training.checkpoint import load_policy_model, weights_digest
+from vlaforge.checkpoints.load import load_policy_model, weights_digest
 
 TERM_PREFIX = "distill_"
 

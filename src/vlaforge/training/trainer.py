@@ -3,45 +3,45 @@
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from vlaforge.checkpoints import lora as lora_checkpoint
+from vlaforge.checkpoints.layout import resolve_checkpoint
+from vlaforge.checkpoints.load import load_weights
+from vlaforge.checkpoints.run_folder import check_run_folder, stopped_before_first_checkpoint
 from vlaforge.config.loading import dump_toml
 from vlaforge.config.schema import VLAConfig
-from vlaforge.data.loader import Data, build_data, build_loader
 from vlaforge.config.shapes import describe as describe_shapes, resolve_shapes, resolve_terms
-from vlaforge.errors import VlaforgeError
-from vlaforge.outputs import write_atomic
-from vlaforge.models.build import BACKBONES_FILE, backbone_configs, build_vla, tokens_per_sample
-from vlaforge.progress import progress_bar
-from vlaforge.techniques.freezing import apply_freezing, schedule_changes
-from vlaforge.training.numerics import NumericsMonitor
-from vlaforge.distributed.parallel_dims import ParallelDims, World, check_layout, init_distributed, world_from_env
-from vlaforge.distributed.deepspeed_backend import build_engine, full_weights, load_engine, save_engine
+from vlaforge.data.loader import build_data, build_loader
 from vlaforge.distributed.apply import Applied, apply_techniques
+from vlaforge.distributed.deepspeed_backend import build_engine
+from vlaforge.distributed.parallel_dims import ParallelDims, check_layout, init_distributed, world_from_env
 from vlaforge.distributed.parallelize import GradReducer
 from vlaforge.distributed.pipeline import Pipeline
-from vlaforge.distributed.state import (full_model_state, full_optimizer_state, load_full_optimizer_state,
-                                        load_sharded, save_sharded)
-from vlaforge.techniques.freezing import ever_trains
+from vlaforge.errors import VlaforgeError
+from vlaforge.models.build import build_vla, tokens_per_sample
+from vlaforge.outputs import write_atomic
+from vlaforge.progress import progress_bar
+from vlaforge.seeding import seed_everything
+from vlaforge.techniques.freezing import apply_freezing, ever_trains, schedule_changes
 from vlaforge.techniques.lora import lora_components
 from vlaforge.techniques.precision import PrecisionSetup
-from vlaforge.training import checkpoint as ckpt
 from vlaforge.training.distill import Distiller, Teacher, build_teacher, split_parameters
-from vlaforge.training import lora_checkpoint
-from vlaforge.training.metrics import MetricsLogger, to_floats
-from vlaforge.training.optim import build_optimizer, build_param_groups, build_scheduler
-from vlaforge.training.recorder import oom_snapshot, recorded_step
 from vlaforge.training.loss_scale import LossScaler
 from vlaforge.training.memory_check import check_memory, memory_errors
+from vlaforge.training.metrics import MetricsLogger, to_floats
+from vlaforge.training.numerics import NumericsMonitor
+from vlaforge.training.optim import build_optimizer, build_param_groups, build_scheduler
+from vlaforge.training.recorder import oom_snapshot, recorded_step
+from vlaforge.training.run import Evaluator, Run, global_batch
+from vlaforge.training.saving import restore, save
 from vlaforge.training.step import DeepSpeedExecutor, Executor, LocalExecutor, StepGuards, train_step
 from vlaforge.training.weighting import build_weighting
 
@@ -52,11 +52,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def build_model(cfg: VLAConfig, device: torch.device) -> tuple[nn.Module, PrecisionSetup]:
@@ -97,35 +92,6 @@ def build_loss_weighting(cfg: VLAConfig, model: nn.Module, device: torch.device,
     return weighting.to(device)
 
 
-# A saved checkpoint -> metrics (eval/success/<task>, eval/success). NOTE: evaluation sits on a floor above training
-# (it loads what training writes), so the trainer is handed the evaluator instead of importing it.
-Evaluator = Callable[[Path], dict[str, float]]
-
-
-@dataclass
-class Run:
-    """Everything the loop touches, built once."""
-
-    cfg: VLAConfig
-    run_dir: Path
-    device: torch.device
-    world: World
-    dims: ParallelDims
-    model: nn.Module
-    precision: PrecisionSetup
-    guards: StepGuards
-    executor: Executor
-    weighting: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    start_step: int
-    start_sample: int  # global samples consumed before start_step (the batch may have changed with the world size)
-    tokens_per_sample: int
-    data: Data
-    evaluate: Evaluator | None
-    lora_base: dict[str, Any] | None = None  # what names a LoRA run's frozen base (training/lora_checkpoint.py)
-
-
 def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
     if cfg.eval.every and evaluate is None:
         raise VlaforgeError(f"eval.every = {cfg.eval.every} evaluates in the simulator during training, and no "
@@ -138,8 +104,8 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
             print(line, flush=True)
     dims = check_layout(cfg, world)
     run_dir = Path(cfg.train.output_dir)
-    resume_from = ckpt.resolve_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
-    ckpt.check_run_folder(run_dir, resume_from)
+    resume_from = resolve_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
+    check_run_folder(run_dir, resume_from)
     device = init_distributed(world, resolve_device(cfg.train.device), single=dims.backend == "deepspeed")
     if dims.distributed:
         torch.distributed.barrier()  # NOTE: every rank has checked the folder before rank 0 writes into it
@@ -147,7 +113,7 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
     model = build_bare(cfg, device)
     lora = lora_components(dict(cfg.components.items()))
     if cfg.train.init_from and (resume_from is None or lora):  # a LoRA checkpoint holds no base: rebuilt here
-        ckpt.load_weights(ckpt.resolve_checkpoint(cfg.train.init_from, ".", what="train.init_from"), model)
+        load_weights(resolve_checkpoint(cfg.train.init_from, ".", what="train.init_from"), model)
     lora_base = lora_checkpoint.base_record(cfg, model)
     if resume_from is not None and lora_base is not None and lora_checkpoint.is_lora(resume_from):
         lora_checkpoint.check_base(resume_from, lora_checkpoint.read_record(resume_from), lora_base["digest"])
@@ -178,7 +144,7 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
     if world.is_main:
         for line in data.notices:
             print(line, flush=True)
-        if resume_from is None and (stale := ckpt.stopped_before_first_checkpoint(run_dir)):
+        if resume_from is None and (stale := stopped_before_first_checkpoint(run_dir)):
             print(f"{run_dir}: replacing the files of a run that stopped before its first checkpoint", flush=True)
             for path in stale:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -221,106 +187,6 @@ def build_executor(cfg: VLAConfig, dims: ParallelDims, model: nn.Module, weighti
         pipeline = Pipeline(model, applied.stage, dims.pp, cfg.train.grad_accum, cfg.parallel.pp_schedule, mesh,
                             device)
     return LocalExecutor(pipeline), optimizer, build_scheduler(optimizer, cfg.train)
-
-
-def trainer_state(run: Run, step: int, optimizer: bool = True) -> dict[str, Any]:
-    """Optimizer (full, keyed by parameter name; left out for sharded checkpoints, which hold it in their shards),
-    schedule, loss weighting, scaler, RNG."""
-    samples = run.start_sample + (step - run.start_step) * global_batch(run.cfg, run.dims)
-    state = {"step": step, "samples": samples, "scheduler": run.scheduler.state_dict(),
-             "weighting": run.weighting.state_dict(), "loss_scale": run.guards.scaler.state_dict(),
-             "rng": ckpt.rng_state(), "world_size": run.dims.world_size}
-    if optimizer:  # by name: loads at any layout
-        state["optimizer"] = full_optimizer_state(run.model, run.weighting, run.optimizer, run.dims.pp)
-    return state
-
-
-def global_batch(cfg: VLAConfig, dims: ParallelDims) -> int:
-    """Samples per optimizer step over all ranks."""
-    return cfg.train.batch_size * cfg.train.grad_accum * dims.dp
-
-
-def restore(path: Path, model, weighting, optimizer, scheduler, scaler: LossScaler, distributed: bool,
-            step_samples: int, engine=None) -> tuple[int, int]:
-    """Load a checkpoint into the run's pieces; returns (step, global samples consumed). `step_samples`: this
-    run's samples per step, for checkpoints written before the count was kept (all single-process). `engine`: a
-    DeepSpeed run's engine, which restores its own partitions."""
-    if engine is not None:
-        state = ckpt.load_trainer_state(path)
-        load_engine(engine, path, state.get("world_size"), torch.distributed.get_world_size())
-    elif ckpt.is_sharded(path):
-        state = ckpt.load_trainer_state(path)
-        load_sharded(path / ckpt.DCP_DIR, model, weighting, optimizer)  # resharded to this run's layout
-    else:
-        state = ckpt.load_checkpoint(path, model, sharded=distributed)
-        if "optimizer" not in state:
-            raise VlaforgeError(f"checkpoint {path} holds DeepSpeed's optimizer partitions; resume it with "
-                                "parallel.backend = 'deepspeed' at the world size that wrote it")
-        if isinstance(state["optimizer"]["param_groups"][0]["params"][0], int):
-            optimizer.load_state_dict(state["optimizer"])  # written before optimizer state was keyed by name
-        else:
-            load_full_optimizer_state(model, weighting, optimizer, state["optimizer"])
-    # the position only: base learning rates come from the config, one per parameter group of this run (a
-    # pipeline stage has fewer groups than the run that saved)
-    position = {k: state["scheduler"][k] for k in ("last_epoch", "_step_count")}
-    scheduler.load_state_dict({**scheduler.state_dict(), **position})
-    weighting.load_state_dict(state["weighting"])
-    if "loss_scale" in state:
-        scaler.load_state_dict(state["loss_scale"])
-    ckpt.set_rng_state(state["rng"])
-    step = int(state["step"])
-    return step, int(state.get("samples", step * step_samples))
-
-
-def save(run: Run, step: int) -> Path | None:
-    """Write a checkpoint. Rank 0 writes the files; with a sharded model every rank takes part: gathering the full
-    state, or writing its own shards (`checkpoint_format = "sharded"`, and DeepSpeed's optimizer partitions)."""
-    t, distributed, engine = run.cfg.train, run.dims.distributed, getattr(run.executor, "engine", None)
-    sharded = t.checkpoint_format == "sharded"
-    prepared = sharded or engine is not None  # every rank writes into the temporary folder first
-    if prepared:
-        tmp = ckpt.temporary_folder(run.run_dir, step)
-        if run.world.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        if distributed:
-            torch.distributed.barrier()  # the folder exists before any rank writes into it
-    weights = None
-    if engine is not None:
-        weights = full_weights(engine)
-        save_engine(engine, tmp)
-    elif sharded:
-        save_sharded(tmp / ckpt.DCP_DIR, run.model, run.weighting, run.optimizer)
-    elif distributed:
-        weights = full_model_state(run.model, run.dims.pp)
-    if run.lora_base is not None:  # the adapters (and the components trained in full), not the frozen base
-        weights = lora_checkpoint.checkpoint_weights(run.lora_base, run.model.state_dict() if weights is None
-                                                     else weights)
-    state = trainer_state(run, step, optimizer=not prepared)
-    path = None
-    if run.world.is_main:
-        path = ckpt.save_checkpoint(run.run_dir, step, run.model, state, dump_toml(run.cfg), t.keep_checkpoints,
-                                    extra=lambda folder: save_policy_files(run, folder, weights), weights=weights,
-                                    prepared=prepared)
-    if distributed:
-        torch.distributed.barrier()  # no rank runs ahead of a checkpoint it may need to resume from
-    return path
-
-
-def save_policy_files(run: Run, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
-    """What a checkpoint needs beyond its weights to load and predict on its own: the observation spec and the
-    tokenizer (training's, or the pretrained LLM's), and the pretrained components' configs (backbones.json), so
-    it loads after the pretrained folders it started from are gone."""
-    if run.data.tokenizer is None and run.cfg.model.text_folder:  # synthetic data: the LLM's own tokenizer,
-        from vlaforge.data.tokenizer import pretrained_tokenizer  # read at the first save and held after it
-
-        run.data.tokenizer = pretrained_tokenizer(run.cfg.model.text_folder)
-    run.data.save_policy_files(folder)
-    if run.lora_base is not None:
-        lora_checkpoint.write_record(folder, run.lora_base, weights)
-    backbones = backbone_configs(run.model, run.cfg.model)
-    if backbones:
-        write_atomic(folder / BACKBONES_FILE, json.dumps(backbones, indent=1, default=str))
 
 
 def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:

@@ -18,9 +18,7 @@ from torch import nn
 
 from vlaforge.outputs import write_atomic
 from vlaforge.errors import VlaforgeError
-from vlaforge.techniques.lora import (adapter_state, apply_lora, base_digest, is_adapter, is_base, lora_components,
-                                      merge_lora)
-from vlaforge.techniques.precision import master_dtype
+from vlaforge.techniques.lora import adapter_state, base_digest, is_adapter, is_base, lora_components
 
 LORA_FILE = "lora.json"
 
@@ -32,7 +30,7 @@ def is_lora(ckpt: Path) -> bool:
 def base_record(cfg, model: nn.Module) -> dict[str, Any] | None:
     """What names a LoRA run's base, from the bare model (built and `init_from`-loaded, no technique yet); None
     without LoRA. Under a fake-tensor mode (planning) there are no weights to digest."""
-    from vlaforge.models.build import fake_mode_active
+    from vlaforge.models.fake import fake_mode_active
 
     components = lora_components(dict(cfg.components.items()))
     if not components:
@@ -117,41 +115,3 @@ def load_lora_weights(ckpt: Path, model: nn.Module, path: Path) -> None:
     except RuntimeError as exc:
         raise VlaforgeError(f"checkpoint {ckpt} does not match the model ({first_line(exc, 160)}); use the config "
                             "saved in that checkpoint") from None
-
-
-def rebuild_base(cfg) -> nn.Module:
-    """The bare model a run started from: built under the run's seed as the trainer seeds it (a randomly
-    initialised base comes out the same), the pretrained folders read, `train.init_from` loaded; the caller's
-    random state is left as it was."""
-    import random
-
-    from vlaforge.models.build import build_vla
-    from vlaforge.training.checkpoint import load_weights, resolve_checkpoint
-    from vlaforge.training.trainer import seed_everything
-
-    state = random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        seed_everything(cfg.train.seed)
-        model = build_vla(cfg.model, cfg.loss)
-    random.setstate(state)
-    if cfg.train.init_from:
-        load_weights(resolve_checkpoint(cfg.train.init_from, ".", what="train.init_from"), model)
-    return model
-
-
-def load_merged(ckpt: Path, cfg) -> nn.Module:
-    """A LoRA checkpoint as a plain VLA for inference: the base rebuilt and checked against the digest, stored as in
-    training (master dtype, quantized base), the adapters loaded and merged into fp32 linears."""
-    from vlaforge.training.checkpoint import MODEL_FILE
-
-    record = read_record(ckpt)
-    model = rebuild_base(cfg)
-    policies = dict(cfg.components.items())
-    components = lora_components(policies)
-    check_base(ckpt, record, base_digest(model, components))
-    for c in components:  # the dtype apply_precision gave the base before the adapters were injected
-        getattr(model, c).to(master_dtype(policies[c].precision, cfg.train.precision_master))
-    apply_lora(model, policies)
-    load_lora_weights(ckpt, model, ckpt / MODEL_FILE)
-    merge_lora(model)
-    return model.float()

@@ -1,0 +1,149 @@
+"""A checkpoint folder's layout and the one resolver every verb calls: which folder a path names (a run folder, its
+`checkpoints/latest`, a `checkpoints/step_*` folder), which run a checkpoint belongs to, and `latest` kept on a
+complete checkpoint at every instant while a save replaces one (also after a save was killed).
+
+Layout: RUN_DIR/checkpoints/step_00000010/{model.safetensors, trainer_state.pt, config.toml[, policy.json,
+tokenizer.json, backbones.json, lora.json]}, RUN_DIR/checkpoints/latest. A sharded checkpoint
+(`train.checkpoint_format = "sharded"`) has `dcp/` (torch.distributed.checkpoint: every rank's shards of model and
+optimizer) instead of model.safetensors, and no optimizer in trainer_state.pt; `vlaforge export` writes its
+model.safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from vlaforge.errors import VlaforgeError
+from vlaforge.outputs import write_atomic
+
+MODEL_FILE, STATE_FILE, CONFIG_FILE, DCP_DIR = "model.safetensors", "trainer_state.pt", "config.toml", "dcp"
+
+
+def is_sharded(ckpt: Path) -> bool:
+    """A sharded (DCP) checkpoint: training resumes from its shards (model.safetensors, once exported, is for
+    inference)."""
+    return (ckpt / DCP_DIR / ".metadata").is_file()
+
+
+def has_weights(ckpt: Path) -> bool:
+    return (ckpt / MODEL_FILE).is_file() or is_sharded(ckpt)
+
+
+def temporary_folder(run_dir: Path, step: int) -> Path:
+    """Where checkpoint `step` is written before the rename (the same path on every rank)."""
+    return run_dir / "checkpoints" / f".step_{step:08d}.tmp"
+
+
+def finish_interrupted_saves(root: Path, keep: Path | None = None) -> None:
+    """What killed saves left in `root` (a run's checkpoints/), put right, keeping `latest` on a complete checkpoint
+    at every instant. A save killed after `latest` moved to the aside copy .step_X.old (so its .step_X.tmp is
+    complete) is finished: the new folder renamed into place, `latest` pointed at it, the aside copy removed. A
+    .step_X.tmp saved no further is removed (but `keep`, the folder the current save's ranks are writing)."""
+    latest = root / "latest"
+    named = lambda: latest.read_text().strip() if latest.is_file() else ""  # noqa: E731
+    for tmp in sorted(root.glob(".step_*.tmp")):
+        name = tmp.name[1:-len(".tmp")]
+        if tmp == keep or not tmp.is_dir():
+            continue
+        if named() == f".{name}.old":  # past the commit point: `latest` holds the old copy meanwhile
+            shutil.rmtree(root / name, ignore_errors=True)
+            tmp.rename(root / name)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    for aside in sorted(root.glob(".step_*.old")):
+        name, holds = aside.name[1:-len(".old")], named() == aside.name
+        if holds and not (root / name).exists():
+            aside.rename(root / name)  # the only copy left
+        if holds:
+            write_atomic(latest, name + "\n")
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _pause(stage: str) -> None:
+    """Between the steps of replacing a checkpoint; tests make it wait, to kill the process there."""
+
+
+def move_into_place(tmp: Path, final: Path) -> None:
+    """Rename the complete checkpoint `tmp` to `final` and point `latest` at it. `latest` names a complete
+    checkpoint at every instant, also when `final` already exists (the same step saved again): the old one is first
+    linked aside (hard links: no bytes copied) and `latest` moved there, before it is removed."""
+    latest, aside = final.parent / "latest", final.parent / f".{final.name}.old"
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        shutil.copytree(final, aside, copy_function=os.link)
+        write_atomic(latest, aside.name + "\n")
+        _pause("aside")
+        shutil.rmtree(final)
+        _pause("removed")
+    tmp.rename(final)
+    _pause("renamed")
+    write_atomic(latest, final.name + "\n")
+    for stale in final.parent.glob(".step_*.old"):  # this one, and any a killed save left
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def resolve_checkpoint(resume: str, output_dir: str | Path, what: str = "train.resume") -> Path:
+    """'latest' (in output_dir), a run folder or a checkpoint folder -> the checkpoint folder.
+
+    Raises:
+        VlaforgeError: nothing to resume from there.
+    """
+    path = Path(output_dir) if resume == "latest" else Path(resume)
+    if has_weights(path):
+        return path
+    latest = path / "checkpoints" / "latest"
+    if what == "train.resume" and os.environ.get("WORLD_SIZE", "1") == "1" and latest.is_file():
+        finish_interrupted_saves(latest.parent)  # NOTE: one process only: ranks resolve at once (their next save
+        # finishes it then)
+    if latest.is_file():
+        name = _read_latest(latest)
+        ckpt = path / "checkpoints" / name
+        if has_weights(ckpt):
+            return ckpt
+    fix = ", or drop --train.resume" if what == "train.resume" else ""
+    raise VlaforgeError(f"{what}: no checkpoint at {path} (expected {MODEL_FILE}, {DCP_DIR}/ or checkpoints/latest); "
+                        f"give a run folder or a checkpoints/step_* folder{fix}")
+
+
+def _read_latest(latest: Path) -> str:
+    """The checkpoint name in a `latest` file: one folder name, nothing else."""
+    try:
+        name = latest.read_bytes().decode("utf-8").strip()
+    except (UnicodeDecodeError, OSError):
+        name = ""
+    if not name or "/" in name or "\\" in name or name in (".", "..") or len(name) > 255:
+        raise VlaforgeError(f"{latest} does not name a checkpoint folder; write the name of a step_* folder "
+                            "into it, or give the checkpoints/step_* folder itself")
+    return name
+
+
+def run_folder_of(ckpt: Path) -> Path:
+    """The run a checkpoint belongs to: RUN for RUN/checkpoints/step_*, else the checkpoint's own parent."""
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+
+
+def resolve_run(path: str | Path, what: str = "CHECKPOINT"):
+    """A run folder, a checkpoints/step_* folder or `latest` -> (checkpoint folder, its saved config): the pair
+    every verb that reads a trained run starts from; `what` names the option in errors.
+
+    Raises:
+        VlaforgeError: nothing to load there, or its config.toml is missing or invalid.
+    """
+    ckpt = resolve_checkpoint(str(path), ".", what=what)
+    return ckpt, saved_config(ckpt, what)
+
+
+def saved_config(folder: Path, what: str = "CHECKPOINT"):
+    """The resolved config a checkpoint (or an exported package) carries in its config.toml.
+
+    Raises:
+        VlaforgeError: the file is missing or not a valid vlaforge config.
+    """
+    from vlaforge.config.loading import load_config
+
+    if not (Path(folder) / CONFIG_FILE).is_file():
+        raise VlaforgeError(f"{what} {folder} has no {CONFIG_FILE}; the checkpoint is incomplete: use another "
+                            "checkpoint of the run")
+    return load_config(Path(folder) / CONFIG_FILE)
