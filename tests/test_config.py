@@ -19,7 +19,8 @@ def test_recipe_loads_and_overrides_apply():
 
 def test_fixed_key_names_exist():
     cfg = load_config(None, ["--model.flavor=tiny", "--model.vision.pretrained=/a", "--model.llm.pretrained=/b",
-                             "--data.path=/d", "--train.steps=3", "--train.output_dir=o", "--train.resume=latest"])
+                             "--data.source=lerobot", "--data.path=/d", "--train.steps=3", "--train.output_dir=o",
+                             "--train.resume=latest"])
     assert (cfg.model.vision.pretrained, cfg.model.llm.pretrained, cfg.data.path) == ("/a", "/b", "/d")
     assert cfg.train.resume == "latest"
 

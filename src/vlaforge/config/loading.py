@@ -10,6 +10,7 @@ import tomli_w
 from pydantic import BaseModel, ValidationError
 
 from vlaforge.config.schema import VLAConfig
+from vlaforge.config.unused import check_unread, without
 from vlaforge.errors import ConfigError
 from vlaforge.registry import did_you_mean
 
@@ -61,14 +62,15 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 MAX_BASE_DEPTH = 16  # recipes in one base chain (a deeper one is a mistake, and would exhaust Python's stack)
 
 
-def read_recipe(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A recipe's TOML with its `base = "other.toml"` (a path next to the recipe) merged under it: a recipe can be
-    another recipe plus the keys it changes, so the two cannot drift apart."""
+def recipe_layers(path: str | Path, _chain: tuple[Path, ...] = ()) -> list[dict[str, Any]]:
+    """The TOML of a recipe and of its `base = "other.toml"` chain (a path next to the recipe), the deepest base
+    first; `load_config` merges them in order, so a recipe can be another recipe plus the keys it changes and the two
+    cannot drift apart."""
     p = Path(path)
     raw = read_toml(p)
     base = raw.pop("base", None)
     if base is None:
-        return raw
+        return [raw]
     if not isinstance(base, str):
         raise ConfigError(f"{p}: base must be the path of another recipe as a string, e.g. base = "
                           f"\"tiny_metaworld.toml\"; got {base!r}")
@@ -82,21 +84,30 @@ def read_recipe(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, An
                           "a recipe cannot be its own base")
     if not target.is_file():
         raise ConfigError(f"{p}: base = {base!r} does not exist ({target}); the path is relative to {p.parent}")
-    return deep_merge(read_recipe(target, chain), raw)
+    return [*recipe_layers(target, chain), raw]
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> VLAConfig:
-    """Recipe file (optional) + overrides -> validated VLAConfig.
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None,
+                saved: bool = False) -> VLAConfig:
+    """Recipe file (optional) + overrides -> validated VLAConfig, in which nothing set goes unread
+    (`config/unused.py`: a setting the chosen configuration does not read is refused, or dropped where a later
+    layer switched away from the option that reads it). `saved`: `path` is a run's saved config.toml, whose unread
+    values (a run saved before a rule existed) are dropped, not refused; the overrides are checked all the same.
 
     Raises:
         ConfigError: one line naming the field path, the problem and the allowed values.
     """
-    raw = read_recipe(path) if path is not None else {}
+    layers = recipe_layers(path) if path is not None else []
     if overrides:
-        update = parse_overrides(overrides) if isinstance(overrides, list) else overrides
-        raw = deep_merge(raw, update)
-        raw = _require_explicit_terms(raw, update)
-    return validate(raw)
+        layers.append(parse_overrides(overrides) if isinstance(overrides, list) else overrides)
+    raw: dict[str, Any] = {}
+    for layer in layers:
+        raw = deep_merge(raw, layer)
+    if overrides:
+        raw = _require_explicit_terms(raw, layers[-1])
+    cfg = validate(raw)
+    left = check_unread(cfg, layers, saved=len(layers) - bool(overrides) if saved else 0)
+    return validate(without(raw, left)) if left else cfg
 
 
 def _require_explicit_terms(raw: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:

@@ -45,3 +45,35 @@ class LoraConfig(Section):
     @property
     def scaling(self) -> float:
         return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+
+
+# The folders that give each component pretrained weights (the action head has none: only train.init_from).
+PRETRAINED_FIELDS = {"vision": ("vision", "vlm"), "projector": ("vlm",), "llm": ("llm", "vlm"), "action_head": ()}
+
+
+def random_bases(cfg) -> list[str]:
+    """The components whose LoRA adapters would train over a randomly initialised base: no train.init_from and none
+    of the component's pretrained folders (`model.<source>.pretrained`)."""
+    if cfg.train.init_from:
+        return []
+    return [c for c, fields in PRETRAINED_FIELDS.items() if getattr(cfg.components, c).lora is not None
+            and not any(getattr(cfg.model, f).pretrained for f in fields)]
+
+
+def check_pretrained_base(cfg) -> None:
+    """Before training: adapters over a random frozen base learn nothing worth keeping, so a LoRA component needs a
+    pretrained base unless train.lora_random_base asks for a random one on purpose.
+
+    Raises:
+        VlaforgeError: naming the component and the ways to give it a base.
+    """
+    from vlaforge.errors import VlaforgeError
+
+    random = random_bases(cfg)
+    if random and not cfg.train.lora_random_base:
+        c = random[0]
+        ways = ["train.init_from = RUN (a trained run or checkpoint)", *(f"model.{f}.pretrained"
+                                                                        for f in PRETRAINED_FIELDS[c])]
+        raise VlaforgeError(f"components.{c}.lora trains adapters over a frozen {c} that would be random: give it a "
+                            f"pretrained base with {' or '.join(ways)}, or set train.lora_random_base = true to "
+                            "train over a random base on purpose")

@@ -31,9 +31,9 @@ class NumericsConfig(Section):
                                                           "rises this much above its lowest value")
     norm_ratio: float = Field(1e-3, gt=0, description="warn when an fp16 component's gradient norm falls below "
                                                       "this fraction of the llm's")
-    check_finite: bool = Field(True, description="without loss scaling: stop at the first non-finite gradient, "
-                                                 "before the optimizer step, naming the parameters (one host "
-                                                 "sync per step)")
+    check_finite: bool = Field(True, description="without loss scaling: a step with a non-finite gradient is "
+                                                 "skipped on the device (no host read), and training stops at "
+                                                 "the next logging or checkpoint step, naming the components")
 
 
 class DiagnosticsConfig(Section):

@@ -14,11 +14,21 @@ from vlaforge.config.schema import ComponentConfig, VLAConfig
 
 HEADER = """# Configuration reference
 
-Generated from `src/vlaforge/config/schema.py` by `python -m vlaforge.config.reference`; a test keeps it in sync.
-Recipes are TOML; every field can be overridden on the command line as `--section.key=value`. Unknown keys and bad
-values stop the run before any model is built, with the field path and the allowed values. A recipe's top-level
-`base = "other.toml"` (a path relative to the recipe) reads that recipe first and merges this one's keys over it,
-table by table, so a variant holds only what it changes (`recipes/tiny_metaworld_long.toml`).
+Generated from the config classes (`src/vlaforge/config/`, `VLAConfig` in `schema.py`) by `python -m
+vlaforge.config.reference`; a test keeps it in sync. Recipes are TOML; every field can be overridden on the command
+line as `--section.key=value`. Unknown keys and bad values stop the run before any model is built, with the field
+path and the allowed values. A recipe's top-level `base = "other.toml"` (a path relative to the recipe) reads that
+recipe first and merges this one's keys over it, table by table, so a variant holds only what it changes
+(`recipes/tiny_metaworld_long.toml`).
+
+Nothing set is silently ignored (`config/unused.py`): a value that differs from its default and that the chosen
+configuration does not read stops the run too, in one line naming what would read it (`data.path` with
+`data.source = "synthetic"`, `parallel.nvme_path` under fsdp2, `flow_steps` on a regression head, an offload setting
+of a component that offloads nothing, ...). Where a later layer switches an option - the command line over the
+recipe (`--data.source=lerobot` on `recipes/tiny_synthetic.toml`), a recipe over its `base` - the earlier layers'
+settings of the option it left return to their defaults, so the resolved config (`vlaforge config show`, a run's
+`config.toml`) holds what the run reads. LoRA components train over a pretrained base (`train.init_from`, or the
+component's `model.*.pretrained` folder); `train.lora_random_base = true` allows a random one on purpose.
 """
 
 
