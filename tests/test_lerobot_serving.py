@@ -1,7 +1,8 @@
 """`vlaforge serve --protocol lerobot` (LeRobot's AsyncInference gRPC service): the real LeRobot 0.4.4 robot client
 (its own classes and pickling, in its own environment) gets the runtime's action chunks and drives a simulated robot;
 a corpus of malicious or broken payloads is refused without running anything, one logged line each, while a
-well-behaved robot interleaved with them keeps getting actions; the API key, the call order and the CLI."""
+well-behaved robot interleaved with them keeps getting actions; too many actions a chunk refused at the handshake
+and a spoiled observation when it arrives (the real client told both); the API key, the call order and the CLI."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 
 import grpc
 import numpy as np
@@ -83,6 +85,94 @@ def test_the_real_lerobot_robot_client_gets_the_runtime_actions(tmp_path, lerobo
     assert live.server.metrics.text().count('vlaforge_requests_total{transport="grpc"}') == 1
 
 
+@pytest.mark.slow
+def test_the_real_client_is_told_its_refusals_when_it_calls(tmp_path, lerobot_server):
+    """LeRobot's own client: asking for more actions a chunk than the policy predicts fails its handshake (start()),
+    and a spoiled observation fails its SendObservations (send_observation), each with the server's one line."""
+    address, logs, _ = lerobot_server
+    np.savez(tmp_path / "frames.npz", **_frames(2))
+    done = subprocess.run([sys.executable, str(SCRIPTS / "robot_client_refusals.py"), address,
+                           str(tmp_path / "frames.npz"), ",".join(CAMS), TASK, "12"], env=lerobot_env(),
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["too_many_started"] is False
+    assert any("actions_per_chunk 12: this policy predicts 4 actions a chunk" in e for e in out["too_many_errors"])
+    assert out["started"] is True
+    assert out["sent"] == {"image without colour axis": False, "NaN joint": False, "missing camera": False,
+                           "unspoiled": True}
+    for says in ("camera 'front': shape (32, 32); send H x W x 3", "joint 'j1.pos' of the robot's state is nan",
+                 "no camera 'top'"):
+        assert any(says in e for e in out["errors"]), (says, out["errors"])
+    assert any("2 actions a chunk of the policy's 4" in line for line in logs), logs  # what it is served
+
+
+def test_actions_per_chunk_is_served_as_asked_or_refused_at_the_handshake(lerobot_server):
+    address, logs, _ = lerobot_server
+    robot = Robot(address)
+    with pytest.raises(grpc.RpcError) as refused:
+        robot.ready(chunk=12)  # the tiny policy predicts 4
+    assert refused.value.code().name == "INVALID_ARGUMENT"
+    assert refused.value.details() == ("actions_per_chunk 12: this policy predicts 4 actions a chunk (its "
+                                       "action_chunk); ask for 1-4")
+    with pytest.raises(grpc.RpcError) as refused:  # a refused handshake configures nothing
+        robot.send(_observation(_frames(1), 0, step=0))
+    assert refused.value.code().name == "FAILED_PRECONDITION"
+    frames = _frames(1)
+    for asked in (3, 4):
+        robot.ready(chunk=asked)
+        robot.send(_observation(frames, 0, step=asked))
+        chunk = lp.decode(robot.actions(), list)
+        assert [a.timestep for a in chunk] == [asked + k for k in range(asked)]
+        np.testing.assert_allclose(np.stack([a.action.numpy() for a in chunk]), _predict(frames, 0)[:asked],
+                                   atol=1e-6)
+        assert f"{asked} actions a chunk of the policy's 4" in [x for x in logs if "asks for" in x][-1]
+
+
+def test_a_spoiled_observation_is_refused_when_it_arrives(lerobot_server):
+    """A wrong-shaped image, a NaN joint or a missing camera fails SendObservations with a line naming it; nothing
+    is queued, so GetActions answers the robot's last good observation (or nothing), never an error."""
+    address, logs, live = lerobot_server
+    robot = Robot(address)
+    robot.ready()
+    frames = _frames(1, seed=3)
+    raw = {f"j{k}.pos": float(v) for k, v in enumerate(frames["state"][0])} | {c: frames[c][0] for c in CAMS}
+    spoiled = {"camera 'front': shape (3, 32, 32); send H x W x 3 RGB images": {"front": frames["front"][0].T},
+               "camera 'top': dtype float32; send uint8 RGB images": {"top": frames["top"][0].astype(np.float32)},
+               "joint 'j2.pos' of the robot's state is nan; send finite numbers": {"j2.pos": float("nan")},
+               "joint 'j0.pos' of the robot's state is inf": {"j0.pos": float("inf")},
+               "the observation has no camera 'top'": {"top": None}}
+    for says, change in spoiled.items():
+        observation = {k: v for k, v in (raw | change | {"task": TASK}).items() if v is not None}
+        with pytest.raises(grpc.RpcError) as refused:
+            robot.send(lp.dumps(lp.TimedObservation(timestamp=1.0, timestep=1, observation=observation,
+                                                    must_go=True)))
+        assert refused.value.code().name == "INVALID_ARGUMENT" and says in refused.value.details(), says
+        assert "\n" not in refused.value.details()
+    assert robot.actions() == b""  # nothing was queued: LeRobot's empty reply, the client asks again
+    robot.send(_observation(frames, 0, step=2))
+    np.testing.assert_allclose(np.stack([a.action.numpy() for a in lp.decode(robot.actions(), list)]),
+                               _predict(frames, 0), atol=1e-6)
+    assert len([x for x in logs if x.startswith("lerobot: refused")]) == len(spoiled)
+    assert 'vlaforge_errors_total{kind="bad_observation"} 4.0' in live.server.metrics.text()
+
+
+def test_a_pickled_tensor_is_rebuilt_without_typed_storage_warnings(monkeypatch):
+    """torch's pickle of a tensor carries a TypedStorage, whose own methods warn that it is deprecated (once a
+    process: re-armed here); the unpickler rebuilds views on its untyped bytes: the same values, strides and offset,
+    and no warning."""
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    tensors = {"view": base[:, 1:3], "bool": torch.tensor([True, False]), "bf16": torch.ones(3, dtype=torch.bfloat16)}
+    payload = pickle.dumps(tensors)  # as LeRobot's client pickles a tensor in its observation
+    monkeypatch.setattr(torch.storage._warn_typed_storage_removal, "has_warned", False, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        got = lp.decode(payload, dict)
+    for k, v in tensors.items():
+        assert torch.equal(got[k], v) and got[k].stride() == v.stride(), k
+        assert got[k].storage_offset() == v.storage_offset(), k
+
+
 class Robot:
     """A robot speaking LeRobot's gRPC protocol from this process (stubs from serving.lerobot_grpc), sending
     whatever bytes a test gives it. Closed at the end of the test (`robots` fixture): gRPC's threads live while a
@@ -149,7 +239,9 @@ def _corpus(marker: str) -> dict[str, tuple[bytes, str] | tuple[bytes, str, int]
     touch = f"touch {marker}"
     evil_storage = io.BytesIO()
     torch.save(Reduce(os.system, touch), evil_storage, _use_new_zipfile_serialization=False)
-    small = torch.zeros(2).storage()
+    with warnings.catch_warnings():  # a TypedStorage (what torch's tensor pickles carry) warns it is deprecated
+        warnings.simplefilter("ignore", UserWarning)
+        small = torch.zeros(2).storage()
     ok = {"j0.pos": 0.0}
     return {
         "reduce os.system": (pickle.dumps(Reduce(os.system, touch)), "INVALID_ARGUMENT"),

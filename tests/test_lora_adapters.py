@@ -1,6 +1,7 @@
 """Several LoRA runs over one base served unmerged (`--keep-adapters`, inference/adapters.py): a session runs with the
 adapter it names and gets what that run's merged policy predicts; one batch mixes adapters; a run over another base,
-a run that is not LoRA, an unknown adapter name are one line each; the server takes the adapter per connection."""
+a run that is not LoRA, an unknown adapter name, `serve --adapter` naming the served run or one name twice are one
+line each; the server takes the adapter per connection."""
 
 from __future__ import annotations
 
@@ -81,9 +82,24 @@ def test_what_cannot_share_a_base_is_one_line(runs):
     assert done.returncode == 2 and "add --keep-adapters" in done.stderr
 
 
+def test_serve_refuses_an_adapter_name_taken_or_given_twice(runs):
+    """`--adapter A=B` where A is the served run's own name would serve B to requests for A and to requests naming
+    no adapter; a name given twice would drop the first run silently. Both are one line, before anything loads."""
+    from test_safety import one_line
+
+    _, a, b, c = runs
+    taken = run_cli("serve", str(a), "--keep-adapters", "--adapter", f"a={b}", "--port=0", "--http-port=0",
+                    timeout=60)
+    one_line(taken, "--adapter a=", "'a' is the served run's own name", "name the other adapter otherwise")
+    twice = run_cli("serve", str(a), "--keep-adapters", "--adapter", f"x={b}", "--adapter", f"x={c}", "--port=0",
+                    "--http-port=0", timeout=60)
+    one_line(twice, "--adapter x given twice", f"x={b}", f"x={c}")
+
+
 def test_the_server_takes_the_adapter_per_request(runs):
-    from test_serving import Live
     from vlaforge.serving.client import PolicyClient, wire_observation
+
+    from test_serving import Live
 
     _, a, b, _ = runs
     live = Live(PolicyRuntime.load(a, device="cpu", adapters={"b": b}))

@@ -249,7 +249,9 @@ def test_a_stalled_client_times_out_and_blocks_no_one(live):
     good = PolicyClient(server.uri)
     assert good.infer(_good())["actions"].shape == (4, 4)
     time.sleep(1.5)
-    with pytest.raises(Exception):
+    from websockets.exceptions import ConnectionClosed
+
+    with pytest.raises(ConnectionClosed):
         stalled.infer(_good())  # closed by the server
     fresh = PolicyClient(server.uri)
     assert fresh.infer(_good())["actions"].shape == (4, 4)

@@ -11,13 +11,12 @@
 """
 
 import json
-import pickle  # noqa: S403 - the client's own way of reading replies, which is what is tested
+import pickle
 import sys
 import threading
 import time
 
 import bootstrap  # noqa: F401 - first
-
 from lerobot.async_inference.configs import RobotClientConfig
 from lerobot.async_inference.helpers import TimedObservation
 from lerobot.async_inference.robot_client import RobotClient
@@ -41,7 +40,7 @@ def main() -> None:
         obs = TimedObservation(timestamp=time.time(), observation=raw, timestep=100 * i, must_go=True)
         assert client.send_observation(obs)
         reply = client.stub.GetActions(services_pb2.Empty())
-        timed = pickle.loads(reply.data)  # noqa: S301
+        timed = pickle.loads(reply.data)
         chunks.append({"timesteps": [a.get_timestep() for a in timed], "type": type(timed[0]).__module__ + "."
                        + type(timed[0]).__name__, "actions": [a.get_action().tolist() for a in timed]})
     client.robot.shown.clear()

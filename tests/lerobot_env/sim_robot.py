@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from lerobot.robots.config import RobotConfig
 from lerobot.robots.robot import Robot
 

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import bootstrap  # noqa: F401 - first
-
 from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
 from lerobot.datasets.dataset_tools import delete_episodes
 from lerobot.datasets.lerobot_dataset import LeRobotDataset
@@ -19,8 +18,9 @@ from lerobot.processor.normalize_processor import NormalizerProcessorStep
 
 
 def normalized(ds: LeRobotDataset) -> dict:
-    feats = {"observation.state": PolicyFeature(FeatureType.STATE, tuple(ds.meta.features["observation.state"]["shape"])),
-             "action": PolicyFeature(FeatureType.ACTION, tuple(ds.meta.features["action"]["shape"]))}
+    shape = lambda key: tuple(ds.meta.features[key]["shape"])
+    feats = {"observation.state": PolicyFeature(FeatureType.STATE, shape("observation.state")),
+             "action": PolicyFeature(FeatureType.ACTION, shape("action"))}
     step = NormalizerProcessorStep(features=feats, stats=ds.meta.stats,
                                    norm_map={FeatureType.STATE: NormalizationMode.QUANTILE10,
                                              FeatureType.ACTION: NormalizationMode.QUANTILES})

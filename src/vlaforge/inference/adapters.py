@@ -81,18 +81,41 @@ def check_name(name: str) -> str:
     return name
 
 
+def run_name(ckpt: Path) -> str:
+    """The adapter name a served run goes by: its run folder's (for a checkpoints/step_* folder, the run's)."""
+    return ckpt.parent.parent.name if ckpt.parent.name == "checkpoints" else ckpt.name
+
+
+def parse_adapters(items: list[str], first: str) -> dict[str, str]:
+    """`--adapter NAME=RUN` options -> {NAME: RUN}, beside the served run named `first`. One line for an item that
+    is not NAME=RUN, for `first`'s own name (that run would be replaced: its requests, and those naming no adapter,
+    would get the other run's actions) and for a name given twice (one run would be dropped)."""
+    named: dict[str, str] = {}
+    for item in items:
+        name, sep, run = item.partition("=")
+        if not sep or not name or not run:
+            raise VlaforgeError(f"--adapter {item!r}: write NAME=RUN (a LoRA run over the same base)")
+        if name == first:
+            raise VlaforgeError(f"--adapter {item}: {name!r} is the served run's own name (its requests and those "
+                                "naming no adapter run it); name the other adapter otherwise")
+        if name in named:
+            raise VlaforgeError(f"--adapter {name} given twice ({name}={named[name]} and {item}); give each run its "
+                                "own name")
+        named[name] = run
+    return named
+
+
 def load_adapter_set(runs: dict[str, str | Path], device: torch.device) -> tuple[nn.Module, Any, AdapterSet]:
     """The model of the first run's base with every run's adapters, unmerged: (model, the first run's config, the
     adapter set). Raises VlaforgeError (one line) for a run that is not LoRA or does not share the base or
     layouts."""
-    from vlaforge.data.tokenizer import load_tokenizer
-    from vlaforge.data.transforms import ObservationSpec
-    from vlaforge.techniques.lora import (add_adapter, apply_lora, base_digest, is_adapter, lora_components,
-                                          set_adapter)
-    from vlaforge.techniques.precision import master_dtype
     from vlaforge.checkpoints.layout import MODEL_FILE, resolve_run
     from vlaforge.checkpoints.load import rebuild_base
     from vlaforge.checkpoints.lora import check_base, is_lora, load_lora_weights, read_record
+    from vlaforge.data.tokenizer import load_tokenizer
+    from vlaforge.data.transforms import ObservationSpec
+    from vlaforge.techniques.lora import add_adapter, apply_lora, base_digest, is_adapter, lora_components, set_adapter
+    from vlaforge.techniques.precision import master_dtype
 
     names = [check_name(n) for n in runs]
     resolved = {n: resolve_run(p, f"adapter {n}") for n, p in runs.items()}
@@ -158,8 +181,8 @@ def _load_renamed(ckpt: Path, model: nn.Module, name: str) -> None:
     """A LoRA checkpoint's tensors loaded under adapter `name` (its file names them `default`)."""
     from safetensors.torch import load_file
 
-    from vlaforge.techniques.lora import is_adapter
     from vlaforge.checkpoints.layout import MODEL_FILE
+    from vlaforge.techniques.lora import is_adapter
 
     state = load_file(str(ckpt / MODEL_FILE))
     renamed = {k.replace(".default.", f".{name}.") if is_adapter(k) else k: v for k, v in state.items()}

@@ -114,7 +114,7 @@ class Batcher:
                 continue
             try:
                 preds = self.runtime.run([r for _, r in group])
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - each request of the group is answered with the failure
                 for i, _ in group:
                     out[i] = (None, exc)
                 continue

@@ -11,8 +11,10 @@ The service as LeRobot's `lerobot/transport/services.proto` defines it (package 
                                                 list[TimedAction]; empty `data` when none arrived in time
 The messages are built here from their layout in a private descriptor pool (no generated code, no clash with
 LeRobot's own `transport` package in one process). Each peer is a session of the shared `PolicyRuntime`, and
-GetActions of all robots are batched by the server's `Batcher`, as the openpi transport's requests are. An
-observation is queued as LeRobot's server queues it: the latest only, and only if it must go, or its timestep was
+GetActions of all robots are batched by the server's `Batcher`, as the openpi transport's requests are. A chunk
+is the first `actions_per_chunk` of the policy's; more than the policy predicts is refused at the handshake. An
+observation is checked as the runtime will take it when it arrives (its SendObservations fails otherwise), and is
+queued as LeRobot's server queues it: the latest only, and only if it must go, or its timestep was
 not predicted yet and its state moved (L2 >= 1) since the last predicted one. Payloads are read by
 `serving.lerobot_pickle` (a restricted unpickler); a refused one is one logged line and the robot's RPC fails,
 other robots are untouched. A robot is told apart by its connection (the gRPC peer address), as LeRobot's server
@@ -30,8 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from vlaforge.errors import first_line
+from vlaforge.errors import VlaforgeError, first_line
+from vlaforge.inference.runtime import ObservationError, check_image
 from vlaforge.serving import lerobot_pickle, protocol
+from vlaforge.serving.common import authorized, error_kind
 
 SERVICE = "transport.AsyncInference"
 TRANSFER = ("TRANSFER_UNKNOWN", "TRANSFER_BEGIN", "TRANSFER_MIDDLE", "TRANSFER_END")
@@ -75,7 +79,7 @@ class RobotSession:
     cameras: dict[str, str] = field(default_factory=dict)  # policy camera -> the robot's observation key
     actions_per_chunk: int = 0
     adapter: str | None = None  # with --keep-adapters: the LoRA run its pretrained_name_or_path names
-    queued: Any = None  # the latest TimedObservation waiting for GetActions
+    queued: Any = None  # the latest (TimedObservation, its checked runtime Observation) waiting for GetActions
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     predicted: set[int] = field(default_factory=set)
     last_state: np.ndarray | None = None
@@ -123,7 +127,7 @@ class LeRobotService:
     async def _guard(self, context) -> None:
         """The API key (metadata `authorization: Api-Key KEY`, compared in constant time)."""
         header = dict(context.invocation_metadata() or ()).get("authorization")
-        if not self.server._authorized(header):
+        if not authorized(self.options.api_key, header):
             await self._refuse(context, "UNAUTHENTICATED", "auth", "missing or wrong API key (send the metadata "
                                                                     "'authorization: Api-Key KEY')")
 
@@ -158,17 +162,16 @@ class LeRobotService:
             config = self._decode(request.data, lerobot_pickle.RemotePolicyConfig)
             names, cameras = robot_features(config, self.server.runtime.cameras,
                                             len(self.server.runtime.spec.state_mean))
-            chunk = config.get("actions_per_chunk")
-            if not isinstance(chunk, int) or chunk < 1:
-                raise protocol.RequestError(f"actions_per_chunk {chunk!r} is not a count >= 1")
+            chunk = actions_per_chunk(config.get("actions_per_chunk"), self.server.runtime.spec.chunk)
             adapter = self._adapter(config.get("pretrained_name_or_path"))
         except protocol.RequestError as exc:
             await self._refuse(context, "INVALID_ARGUMENT", _kind(exc), first_line(exc))
         # NOTE: all checked before any is set: a refused instruction leaves the robot unconfigured
         robot.state_names, robot.cameras, robot.actions_per_chunk, robot.adapter = names, cameras, chunk, adapter
         self.server.log(f"lerobot: robot {robot.name} asks for {config.get('policy_type')!r} "
-                        f"{config.get('pretrained_name_or_path')!r}, served {self.server.runtime.source or 'this policy'}"
-                        f" ({len(robot.state_names)} joints, cameras {robot.cameras}, {chunk} actions a chunk)")
+                        f"{config.get('pretrained_name_or_path')!r}, served "
+                        f"{self.server.runtime.source or 'this policy'} ({len(robot.state_names)} joints, cameras "
+                        f"{robot.cameras}, {chunk} actions a chunk of the policy's {self.server.runtime.spec.chunk})")
         return self.msg["Empty"]()
 
     def _adapter(self, asked) -> str | None:
@@ -190,14 +193,18 @@ class LeRobotService:
             obs = self._decode(data, lerobot_pickle.TimedObservation)
             check_timed(obs)
             state = robot_state(obs.observation, robot.state_names)
-        except protocol.RequestError as exc:
+            # checked now, as the runtime will check it, so that the robot's SendObservations fails (not a later
+            # GetActions, which LeRobot's client answers by waiting for actions that never come)
+            checked = to_observation(obs.observation, robot)
+            self.server.runtime.check(checked)
+        except VlaforgeError as exc:  # a RequestError (the payload) or an ObservationError (what the policy takes)
             code = "RESOURCE_EXHAUSTED" if _kind(exc) == "too_large" else "INVALID_ARGUMENT"
             await self._refuse(context, code, _kind(exc), first_line(exc))
         fresh = obs.timestep not in robot.predicted and (
             robot.last_state is None or state.shape != robot.last_state.shape
             or float(np.linalg.norm(state - robot.last_state)) >= SIMILAR_STATE)
         if obs.get("must_go") or robot.last_state is None or fresh:
-            robot.queued = obs  # replaces an older one: the latest only
+            robot.queued = (obs, checked)  # replaces an older one: the latest only
             robot.arrived.set()
         return self.msg["Empty"]()
 
@@ -205,16 +212,15 @@ class LeRobotService:
         await self._guard(context)
         robot = await self._robot(context)
         t0 = time.perf_counter()
-        obs = await next_observation(robot, self.options.observation_wait_s)
-        if obs is None:
+        queued = await next_observation(robot, self.options.observation_wait_s)
+        if queued is None:
             return self.msg["Actions"]()  # LeRobot's server answers so too: the client asks again
+        obs, checked = queued
         robot.predicted.add(int(obs.timestep))
         robot.last_state = robot_state(obs.observation, robot.state_names)
         try:
-            actions, _ = await self.server.batcher.predict(robot.name, to_observation(obs.observation, robot))
+            actions, _ = await self.server.batcher.predict(robot.name, checked)
         except Exception as exc:  # noqa: BLE001 - answered as an error; the robot's session stays usable
-            from vlaforge.serving.server import error_kind
-
             await self._refuse(context, "INVALID_ARGUMENT" if error_kind(exc) != "internal" else "INTERNAL",
                                error_kind(exc), first_line(exc))
         data = lerobot_pickle.dumps_actions(actions[:robot.actions_per_chunk], obs.timestamp, obs.timestep,
@@ -248,11 +254,11 @@ class TooLarge(protocol.RequestError):
 def _kind(exc: BaseException) -> str:
     if isinstance(exc, lerobot_pickle.UnsafePickle):
         return "unsafe_pickle"
-    return "too_large" if isinstance(exc, TooLarge) else "bad_message"
+    return "too_large" if isinstance(exc, TooLarge) else error_kind(exc)
 
 
 async def next_observation(robot: RobotSession, wait_s: float):
-    """The robot's queued observation, taken (waiting up to `wait_s` for one), or None."""
+    """The robot's queued (TimedObservation, Observation), taken (waiting up to `wait_s` for one), or None."""
     loop = asyncio.get_running_loop()
     end = loop.time() + wait_s
     while robot.queued is None:
@@ -311,6 +317,17 @@ def robot_features(config, cameras: list[str], state_dim: int) -> tuple[list[str
     return list(names), {c: robot_cams[c] for c in cameras}
 
 
+def actions_per_chunk(asked: Any, policy_chunk: int) -> int:
+    """The client's actions_per_chunk, served as asked: a chunk is the first `asked` of the `policy_chunk` actions
+    the policy predicts at once, so more than those is refused (not silently cut to them)."""
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
+        raise protocol.RequestError(f"actions_per_chunk {asked!r} is not a count >= 1")
+    if asked > policy_chunk:
+        raise protocol.RequestError(f"actions_per_chunk {asked}: this policy predicts {policy_chunk} actions a chunk "
+                                    f"(its action_chunk); ask for 1-{policy_chunk}")
+    return asked
+
+
 def _feature_field(feature: Any, name: str) -> Any:
     if isinstance(feature, dict):
         return feature.get(name)
@@ -327,11 +344,15 @@ def check_timed(obs) -> None:
 def robot_state(raw: dict, names: list[str]) -> np.ndarray:
     """The joint values in `names` order (LeRobot's build_dataset_frame), float64."""
     try:
-        return np.asarray([float(np.asarray(raw[n]).reshape(())) for n in names], dtype=np.float64)
+        state = np.asarray([float(np.asarray(raw[n]).reshape(())) for n in names], dtype=np.float64)
     except KeyError as exc:
         raise protocol.RequestError(f"the observation has no joint {exc.args[0]!r} of the robot's state") from None
     except (TypeError, ValueError):
         raise protocol.RequestError("a joint value that is not one number") from None
+    for name, value in zip(names, state):
+        if not np.isfinite(value):
+            raise ObservationError(f"joint {name!r} of the robot's state is {value}; send finite numbers")
+    return state
 
 
 def to_observation(raw: dict, robot: RobotSession):
@@ -340,8 +361,9 @@ def to_observation(raw: dict, robot: RobotSession):
     for cam, key in robot.cameras.items():
         image = raw.get(key)
         if image is None:
-            raise protocol.RequestError(f"the observation has no camera {key!r}")
-        msg[f"{IMAGE_PREFIX}{cam}"] = image.numpy() if hasattr(image, "numpy") else image
+            raise protocol.RequestError(f"the observation has no camera {key!r} (the policy's camera {cam!r}); "
+                                        "send every camera the policy instructions named")
+        msg[f"{IMAGE_PREFIX}{cam}"] = check_image(image, f"camera {key!r}").numpy()
     if robot.adapter is not None:
         msg["adapter"] = robot.adapter
     return protocol.observation(msg, list(robot.cameras))

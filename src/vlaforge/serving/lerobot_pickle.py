@@ -103,7 +103,18 @@ def _reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
     return np.ndarray.__new__(np.ndarray, (0,), dtype)
 
 
-def _load_storage(data: Any):
+class _Storage:
+    """A tensor's storage as bytes and a dtype. torch.load gives a pickled tensor's storage as a TypedStorage, whose
+    own methods (nbytes, element_size, untyped) warn that TypedStorage is deprecated; `Tensor.set_` takes it without
+    a warning, and the flat tensor it gives holds the UntypedStorage every view is then rebuilt on."""
+
+    def __init__(self, storage: torch.TypedStorage | torch.UntypedStorage):
+        dtype = storage.dtype if isinstance(storage, torch.TypedStorage) else torch.uint8
+        self.dtype = dtype
+        self.untyped = torch.empty(0, dtype=dtype).set_(storage).untyped_storage()
+
+
+def _load_storage(data: Any) -> _Storage:
     """torch's `_load_from_bytes`, restricted to what a tensor's storage is (weights_only)."""
     if not isinstance(data, bytes):
         raise UnsafePickle("a tensor storage that is not bytes")
@@ -114,21 +125,24 @@ def _load_storage(data: Any):
                            "holds more than a storage)") from None
     if not isinstance(storage, (torch.TypedStorage, torch.UntypedStorage)):
         raise UnsafePickle(f"a tensor storage that loads as {type(storage).__name__}")
-    return storage
+    try:
+        return _Storage(storage)
+    except (RuntimeError, TypeError) as exc:  # e.g. a quantized dtype, which no plain tensor holds
+        raise UnsafePickle(f"a tensor storage of {type(storage).__name__} that no plain tensor holds "
+                           f"({str(exc)[:80]})") from None
 
 
 def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
                     hooks: Any = None, *rest: Any) -> torch.Tensor:
-    if not isinstance(storage, (torch.TypedStorage, torch.UntypedStorage)) or hooks or rest:
+    if not isinstance(storage, _Storage) or hooks or rest:
         raise UnsafePickle("a tensor rebuilt from something other than a plain storage")
     if not all(isinstance(n, int) and n >= 0 for n in (offset, *size, *stride)):
         raise UnsafePickle("a tensor with a negative or non-integer size, stride or offset")
-    nbytes = storage.nbytes()
-    if math.prod(size) * storage.element_size() > max(nbytes, 1):  # also a stride-0 view of a small storage
+    nbytes = storage.untyped.nbytes()
+    if math.prod(size) * storage.dtype.itemsize > max(nbytes, 1):  # also a stride-0 view of a small storage
         raise UnsafePickle(f"a tensor of {math.prod(size)} elements over a storage of {nbytes} bytes")
-    try:
-        return torch._utils._rebuild_tensor_v2(storage, offset, tuple(size), tuple(stride), False,
-                                               collections.OrderedDict())
+    try:  # what torch._utils._rebuild_tensor does, on the untyped storage
+        return torch.empty(0, dtype=storage.dtype).set_(storage.untyped, offset, tuple(size), tuple(stride))
     except RuntimeError as exc:
         raise UnsafePickle(f"a tensor view outside its storage ({str(exc)[:80]})") from None
 

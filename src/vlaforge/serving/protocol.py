@@ -31,7 +31,7 @@ class RequestError(VlaforgeError):
 
 
 def _decode_array(obj: dict) -> Any:
-    get = lambda k: obj.get(k.encode(), obj.get(k))  # noqa: E731 - openpi packs bytes keys
+    get = lambda k: obj.get(k.encode(), obj.get(k))
     if get("__ndarray__") is not None:
         data, dtype, shape = get("data"), get("dtype"), get("shape")
         if not isinstance(data, bytes) or not isinstance(dtype, (str, bytes)) or not isinstance(shape, (list, tuple)):

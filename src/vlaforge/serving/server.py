@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import json
 import signal
@@ -35,10 +34,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vlaforge.errors import VlaforgeError, first_line
+from vlaforge.errors import first_line
 from vlaforge.inference.runtime import Observation, PolicyRuntime
 from vlaforge.serving import protocol
 from vlaforge.serving.batching import Batcher
+from vlaforge.serving.common import authorized, error_kind
 from vlaforge.serving.metrics import Metrics
 
 
@@ -56,14 +56,6 @@ class ServeOptions:
     protocol: str = "openpi"  # "lerobot": LeRobot's AsyncInference gRPC service instead of the websocket
     fps: float = 30.0  # lerobot: the robot's control rate (a chunk's action i is stamped t0 + i / fps)
     observation_wait_s: float = 2.0  # lerobot: how long GetActions waits for an observation (LeRobot's default)
-
-
-def error_kind(exc: BaseException) -> str:
-    if isinstance(exc, protocol.RequestError):
-        return "bad_message"
-    if isinstance(exc, VlaforgeError):
-        return "bad_observation"
-    return "internal"
 
 
 class PolicyServer:
@@ -146,9 +138,7 @@ class PolicyServer:
 
     # ---- websocket -----------------------------------------------------------------------------------------
     def _authorized(self, header: str | None) -> bool:
-        if not self.options.api_key:
-            return True
-        return hmac.compare_digest((header or "").encode(), f"Api-Key {self.options.api_key}".encode())
+        return authorized(self.options.api_key, header)
 
     def _process_request(self, connection, request):
         path = request.path.split("?")[0]
@@ -301,7 +291,7 @@ def _http_handler(server: PolicyServer) -> type[BaseHTTPRequestHandler]:
                 self._send(200, json.dumps(server.act_json(body, f"http-{session}")).encode())
             except json.JSONDecodeError as exc:
                 self._error(400, "bad_message", f"not JSON ({exc.msg} at {exc.pos})")
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - every failure is answered (400 or 500); the server stays up
                 self._error(400 if error_kind(exc) != "internal" else 500, error_kind(exc), first_line(exc)[:500])
 
     return Handler
