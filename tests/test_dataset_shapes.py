@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from vlaforge.config import load_config
-from vlaforge.data.lerobot_writer import DatasetWriter
 from vlaforge.config.shapes import resolve_shapes
+from vlaforge.data.lerobot_writer import DatasetWriter
 from vlaforge.errors import VlaforgeError
 
 from conftest import TINY_RECIPE, run_cli
@@ -65,7 +65,7 @@ def test_a_missing_dataset_leaves_auto_only_where_allowed(tmp_path):
     with pytest.raises(VlaforgeError, match="dataset folder .* does not exist"):
         resolve_shapes(cfg)
     with pytest.raises(VlaforgeError, match="model.cameras = 'auto'"):
-        cfg.model.frames_per_sample
+        _ = cfg.model.frames_per_sample
 
 
 @pytest.mark.slow

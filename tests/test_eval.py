@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from vlaforge.data.lerobot_v3 import LeRobotDataset
-from vlaforge.data.video import decode_frames
 from vlaforge.data.tokenizer import load_tokenizer, train_bpe
+from vlaforge.data.video import decode_frames
 from vlaforge.evaluation.closed_loop import wilson_interval
 
 from conftest import run_cli

@@ -17,6 +17,8 @@ import pytest
 from vlaforge.data import libero
 from vlaforge.errors import VlaforgeError
 
+from conftest import run_cli
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "lerobot" / "v044_libero"
 RECIPE = ROOT / "recipes" / "libero.toml"
@@ -156,17 +158,18 @@ def test_public_layout_trains_and_evaluates_on_the_benchmark(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.gl
 def test_generated_episode_has_the_public_layout_and_trains(tmp_path):
-    """`data generate --suite libero_object`'s recording (one expert episode here) reads back with the public
-    layout's cameras, state and action, plus the expert's phase and the object's position; the recipe trains on it."""
-    from vlaforge.data.generate import generate
+    """`data generate --suite libero_object --tasks NAME`'s recording (one expert episode of one task, by LIBERO's
+    task name, the suite's step limit by default) reads back with the public layout's cameras, state and action, plus
+    the expert's phase and the object's position; the recipe trains on it."""
     from vlaforge.data.lerobot_v3 import LeRobotDataset
 
     task = libero.suite_tasks("libero_object")[0]
     out = tmp_path / "gen"
-    summary = generate({task.id: 1}, 1, out, cameras=list(libero.CAMERAS), image_size=32, workers=1,
-                       max_steps=280, progress=False)
+    done = run_cli("data", "generate", "--suite", "libero_object", "--tasks", task.name, "--episodes", "1",
+                   "--image-size", "32", "--workers", "1", "--no-progress", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
     assert summary["episodes"] == {task.id: 1} and summary["expert_failures"] == {task.id: 0}
     ours, public = LeRobotDataset(out), LeRobotDataset(FIXTURE)
     assert ours.cameras == public.cameras == ["observation.images.image", "observation.images.wrist_image"]
@@ -182,7 +185,7 @@ def test_generated_episode_has_the_public_layout_and_trains(tmp_path):
     info = json.loads((out / "meta" / "info.json").read_text())
     assert (info["fps"], info["robot_type"], info["vlaforge"]["tasks"]) == (20, "panda", [task.id])
     run = tmp_path / "run"
-    done = _vlaforge("train", str(RECIPE), f"--data.path={out}", "--train.steps=2", "--train.batch_size=4",
-                     "--model.image_size=32", f"--train.output_dir={run}", "--data.num_workers=0")
+    done = run_cli("train", str(RECIPE), f"--data.path={out}", "--train.steps=2", "--train.batch_size=4",
+                   "--model.image_size=32", f"--train.output_dir={run}", "--data.num_workers=0")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "-> 0" not in done.stdout  # the env_state and language terms stay on: the generated data has both

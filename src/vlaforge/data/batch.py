@@ -19,6 +19,9 @@ class Batch:
     dataset (what a teacher-output cache is keyed by; None where the samples have no rows, as at inference);
     env_state (B, E): the normalized privileged scene state (`observation.environment_state`, e.g. the goal position),
     a training target of the auxiliary `env_state` term only, never a policy input (None unless that term is on).
+    full: a host-side fact, known where the batch is made on the CPU (`collate`): True when no instruction or text
+    position is padding, so the model can attend causally without a mask and without reading the mask on the
+    device to find that out (a blocking read on a GPU); None where unknown.
     """
 
     images: torch.Tensor
@@ -31,6 +34,7 @@ class Batch:
     text_mask: torch.Tensor | None = None
     index: torch.Tensor | None = None
     env_state: torch.Tensor | None = None
+    full: bool | None = None
 
     @property
     def size(self) -> int:
@@ -72,12 +76,23 @@ class Batch:
 
     @classmethod
     def _join(cls, parts: list["Batch"], join) -> "Batch":
-        """Each field joined across `parts` with `join` (torch.stack / torch.cat); optional fields stay None."""
+        """Each field joined across `parts` with `join` (torch.stack / torch.cat); optional fields stay None; `full`
+        from the parts' own (a sample's masks read here, on the host, where the batch is made)."""
         out = {}
         for f in fields(cls):
             values = [getattr(b, f.name) for b in parts]
-            out[f.name] = None if values[0] is None else join(values)
+            if f.name != "full":
+                out[f.name] = None if values[0] is None else join(values)
+        known = all(b.full is not None or b.instruction_mask.device.type == "cpu" for b in parts)
+        out["full"] = all(_full(b) for b in parts) if known else None  # (reading CPU masks costs no device sync)
         return cls(**out)
+
+def _full(b: Batch) -> bool:
+    """No padding in `b`'s instruction or text (its own `full`, else read from its CPU masks)."""
+    if b.full is not None:
+        return b.full
+    return bool(b.instruction_mask.all()) and (b.text_mask is None or bool(b.text_mask.all()))
+
 
 def _expect(t: torch.Tensor | None, name: str, rank: int, batch: int, floating: bool = False,
             shape: tuple | torch.Size | None = None) -> None:

@@ -22,8 +22,8 @@ from torch.utils.data import Dataset
 from vlaforge.data.batch import Batch
 from vlaforge.data.lerobot_features import frame_size
 from vlaforge.data.lerobot_v3 import LeRobotDataset
-from vlaforge.data.tokenizer import TextTokenizer
 from vlaforge.data.lerobot_writer import ENV_STATE
+from vlaforge.data.tokenizer import TextTokenizer
 from vlaforge.data.transforms import STD_FLOOR, ObservationSpec, augment, to_model_images
 from vlaforge.errors import VlaforgeError
 

@@ -18,9 +18,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vlaforge.data import libero
+from vlaforge.data import libero, metaworld
 from vlaforge.data.lerobot_writer import DatasetWriter, partial_folder
-from vlaforge.data import metaworld
 from vlaforge.data.metaworld import TASKS, cached_env, episode_seed, expert_action, make_expert
 from vlaforge.errors import VlaforgeError
 from vlaforge.progress import progress_bar
@@ -46,7 +45,8 @@ def record(a: Attempt) -> dict[str, Any] | None:
     starts from LIBERO's placement sampler (seeded; the benchmark's fixed initial states are for evaluation only)."""
     if libero.is_libero_task(a.task):
         env = libero.cached_env(a.task, list(a.cameras), a.image_size)
-        obs = env.reset(episode_seed("train", a.task_index, a.attempt, a.seed))
+        # the suite's task index: a task recorded alone gets the episodes a whole-suite recording gives it
+        obs = env.reset(episode_seed("train", env.task.index, a.attempt, a.seed))
         expert = libero.ObjectExpert(env)
         rec = _rollout(env, obs, a, lambda _: (expert.act(), expert.describe()))
         if rec is not None:
@@ -134,9 +134,11 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
     Returns a summary: episodes and frames per task, failed expert attempts, seconds, env steps per second.
     """
     out = Path(out)
-    check_output(out, overwrite)
     counts = dict(tasks) if isinstance(tasks, dict) else {t: episodes for t in tasks}
     tasks = list(counts)
+    for t in tasks:  # NOTE: before any recording: an attempt would otherwise stop at the limit silently
+        check_step_limit(t, max_steps)
+    check_output(out, overwrite)
     order = {t: i for i, t in enumerate(tasks)}
     kept: dict[str, list[dict]] = {t: [] for t in tasks}
     failed = {t: 0 for t in tasks}
@@ -159,9 +161,7 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
         while todo := attempts_needed():
             stuck = [a.task for a in todo if a.attempt >= 10 * counts[a.task] + 10]
             if stuck:
-                bad = stuck[0]
-                raise VlaforgeError(f"the scripted expert for {bad} keeps failing ({failed[bad]} failures); "
-                                    "check the Meta-World installation")
+                raise VlaforgeError(_stuck_message(stuck[0], failed[stuck[0]], max_steps))
             for a, rec in zip(todo, pool.imap(record, todo)):
                 if rec is None:
                     failed[a.task] += 1
@@ -186,6 +186,31 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
     return {"out": str(out), "episodes": {t: len(kept[t]) for t in tasks},
             "frames": {t: int(sum(len(r["state"]) for r in kept[t])) for t in tasks}, "expert_failures": failed,
             "seconds": round(seconds, 1), "env_steps_per_s": round(steps / seconds, 1)}
+
+
+def check_step_limit(task: str, max_steps: int, option: str = "--max-steps") -> None:
+    """`max_steps` within the episode limit of `task`'s simulator (a LIBERO suite's, or Meta-World's).
+
+    Raises:
+        VlaforgeError: naming the option, the limit and the fix.
+    """
+    if libero.is_libero_task(task):
+        libero.check_max_steps(task.partition("/")[0], max_steps, option)
+    elif max_steps > metaworld.MAX_STEPS:
+        raise VlaforgeError(f"{option} {max_steps} is beyond Meta-World's episode limit of {metaworld.MAX_STEPS} "
+                            f"steps; ask for at most {metaworld.MAX_STEPS}")
+
+
+def _stuck_message(task: str, failures: int, max_steps: int) -> str:
+    """Why the expert of `task` keeps failing: a step limit below the simulator's is the likely cause, else the
+    installation."""
+    sim, name = (libero, "LIBERO") if libero.is_libero_task(task) else (metaworld, "Meta-World")
+    limit = sim.MAX_STEPS[task.partition("/")[0]] if sim is libero else sim.MAX_STEPS
+    if max_steps < limit:
+        return (f"the scripted expert for {task} failed all {failures} attempts within --max-steps {max_steps}: the "
+                f"step limit is too short for it to succeed; raise --max-steps (up to {limit}, {name}'s episode "
+                "limit)")
+    return f"the scripted expert for {task} keeps failing ({failures} failures); check the {name} installation"
 
 
 class _InlinePool:

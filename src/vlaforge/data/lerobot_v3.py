@@ -24,10 +24,20 @@ from typing import Any
 
 import numpy as np
 
-from vlaforge.data.lerobot_features import (LANGUAGE_COLUMNS, LANGUAGE_PERSISTENT, READ_DTYPES, feature_notices,
-                                            frame_size, persistent_columns, rgb_cameras)
+from vlaforge.data.lerobot_features import (
+    LANGUAGE_COLUMNS,
+    LANGUAGE_PERSISTENT,
+    READ_DTYPES,
+    feature_notices,
+    frame_size,
+    persistent_columns,
+    rgb_cameras,
+)
+from vlaforge.data.lerobot_writer import ENV_STATE
 from vlaforge.data.video import decode_frames
 from vlaforge.errors import VlaforgeError
+
+VECTOR_COLUMNS = ("observation.state", "action", ENV_STATE)  # per-frame vectors training reads as float32
 
 
 @dataclass
@@ -85,6 +95,7 @@ class LeRobotDataset:
             raise VlaforgeError(f"dataset {self.root} has no data/ parquet files; regenerate it")
         self.columns = self._read_columns(data_files)
         self._check_episodes()
+        self._check_task_indices()
         self._check_declared_shapes()
         self._check_values()
         self._check_stats()
@@ -128,6 +139,7 @@ class LeRobotDataset:
     def _read_columns(self, files: list[Path]) -> dict[str, np.ndarray]:
         import pyarrow as pa
 
+        self._check_images_stored(files)
         tables = [_read_parquet(f, skip=self.images) for f in files]
         # where each row's image cells are: (data file, row in it), reordered with the rows below
         self._files = files
@@ -138,6 +150,9 @@ class LeRobotDataset:
         except pa.ArrowInvalid as exc:
             raise VlaforgeError(f"dataset {self.root}: data files disagree on their columns ({exc}); "
                                 "regenerate the dataset") from None
+        if table.num_rows == 0:
+            raise VlaforgeError(f"dataset {self.root} holds no frames: its data files have 0 rows (the episode "
+                                f"metadata lists {len(self.episodes)} episodes); regenerate the dataset")
         cols, language = {}, {}
         for name in table.column_names:
             col = table.column(name).combine_chunks()
@@ -160,6 +175,9 @@ class LeRobotDataset:
                 # (a feature of a dtype vlaforge does not read is named by feature_notices already)
                 self.notices.append(f"column {name!r} holds {col.type}, which vlaforge does not read; it is "
                                     "left out")
+        for name in VECTOR_COLUMNS:
+            if name in table.column_names:
+                cols[name] = self._vector(name, cols.get(name), table.schema.field(name).type)
         for need in ("observation.state", "action", "episode_index", "frame_index", "index"):
             if need not in cols:
                 raise VlaforgeError(f"dataset {self.root}: data files have no column {need!r}; regenerate it")
@@ -175,18 +193,70 @@ class LeRobotDataset:
             cols.update(persistent_columns(rows, np.asarray(times, np.float64), cols["episode_index"]))
         return cols
 
+    def _check_images_stored(self, files: list[Path]) -> None:
+        """An `image` feature's frames are a column of every data file; one stored as video is info.json's error."""
+        for f in files:
+            missing = [k for k in self.images if k not in _schema_names(f)]
+            if missing:
+                key = missing[0]
+                video = any(key in v.parts for v in self.root.glob("videos/**/*.mp4"))
+                where = " - its frames are video files under videos/ (declare it 'video')" if video else ""
+                raise VlaforgeError(f"{self.root / 'meta/info.json'} declares {key!r} as dtype 'image' (frames in the "
+                                    f"data files), but data file {f} has no such column{where}; fix its dtype in "
+                                    "info.json or regenerate the dataset")
+
+    def _vector(self, name: str, col: np.ndarray | None, stored) -> np.ndarray:
+        """A state / action column as (N, width) float32: numbers as info.json declares them (LeRobot stores a
+        1-wide feature as plain scalars: a column of width 1). `col`: as read (None: not numbers)."""
+        import pyarrow as pa
+
+        if col is None or col.dtype == object:
+            raise VlaforgeError(f"dataset {self.root}: column {name!r} holds {stored} values, not numbers (LeRobot "
+                                "stores one list of numbers per frame); rewrite the column or regenerate the dataset")
+        declared = (self.info["features"].get(name) or {}).get("dtype")
+        value = stored.value_type if hasattr(stored, "value_type") else stored
+        if declared in READ_DTYPES and declared not in ("video", "image", "string", "language") and \
+                value != pa.from_numpy_dtype(np.dtype(declared)):
+            raise VlaforgeError(f"{self.root / 'meta/info.json'} declares {name!r} as {declared} but the data files "
+                                f"store {value}; fix the dtype in info.json or write the column as {declared} "
+                                "(regenerate the dataset)")
+        return col.reshape(len(col), -1).astype(np.float32, copy=False)
+
     def _check_episodes(self) -> None:
-        n = len(self.columns["index"])
         declared = self.info.get("total_episodes")
         if declared is not None and declared != len(self.episodes):
             raise VlaforgeError(f"dataset {self.root}: meta/info.json says total_episodes = {declared} but the "
                                 f"episode metadata lists {len(self.episodes)}; the dataset is incomplete - "
                                 "regenerate it")
+        index = self.columns["episode_index"]
+        present, counts = np.unique(index, return_counts=True)
+        rows_of = dict(zip(present.tolist(), counts.tolist()))
+        where = "meta/episodes/" if self.version == "v3.0" else "meta/episodes.jsonl"
         for e in self.episodes:
+            have = rows_of.pop(e.index, 0)
             rows = slice(e.start, e.start + e.length)
-            if e.start + e.length > n or not np.all(self.columns["episode_index"][rows] == e.index):
+            if have != e.length:
+                raise VlaforgeError(f"dataset {self.root}: {where} gives episode {e.index} a length of {e.length} but "
+                                    f"the data files hold {have} rows of it; fix its length there or regenerate the "
+                                    "dataset")
+            if e.start + e.length > len(index) or not np.all(index[rows] == e.index):
                 raise VlaforgeError(f"dataset {self.root}: episode {e.index} ({e.length} frames from row {e.start}) "
                                     "does not match the data files; the dataset is incomplete - regenerate it")
+        if rows_of:
+            ep, n = next(iter(rows_of.items()))
+            raise VlaforgeError(f"dataset {self.root}: the data files hold {n} rows of episode {ep}, which {where} "
+                                "does not list; the dataset is incomplete - regenerate it")
+
+    def _check_task_indices(self) -> None:
+        """Every row's task_index names a task of the task table."""
+        col = self.columns.get("task_index")
+        bad = np.flatnonzero((col < 0) | (col >= len(self.tasks))) if col is not None else []
+        if len(bad):
+            row = int(bad[0])
+            table = "meta/tasks.parquet" if self.version == "v3.0" else "meta/tasks.jsonl"
+            raise VlaforgeError(f"dataset {self.root}: episode {int(self.columns['episode_index'][row])} has "
+                                f"task_index {int(col[row])} but {table} lists {len(self.tasks)} tasks (0-"
+                                f"{len(self.tasks) - 1}); fix the task_index column or the task table")
 
     def _check_declared_shapes(self) -> None:
         """A vector feature's declared shape must be its rows' width: a mismatch is a wrong info.json, not damage."""
@@ -337,6 +407,17 @@ def _read_parquet(path: Path, skip: list[str] = (), only: list[str] | None = Non
                             "corrupt or truncated - regenerate the dataset") from None
 
 
+def _schema_names(path: Path) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_schema(path).names
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise VlaforgeError(f"parquet file {path} cannot be read ({str(exc).splitlines()[0][:120]}); it is "
+                            "corrupt or truncated - regenerate the dataset") from None
+
+
 def _require(path: Path) -> Path:
     if not path.is_file():
         raise VlaforgeError(f"dataset file {path} is missing; the folder is not a complete LeRobot dataset")
@@ -371,11 +452,17 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _read_tasks_v3(path: Path) -> list[str]:
     rows = _read_parquet(_require(path)).to_pylist()
     text_key = "task" if rows and "task" in rows[0] else "__index_level_0__"
-    tasks = {int(r["task_index"]): r[text_key] for r in rows}
-    return [tasks[i] for i in range(len(tasks))]
+    return _task_list({int(r["task_index"]): r[text_key] for r in rows}, path)
 
 
 def _read_tasks_v21(path: Path) -> list[str]:
     rows = _read_jsonl(path)
-    tasks = {int(r["task_index"]): r["task"] for r in rows}
+    return _task_list({int(r["task_index"]): r["task"] for r in rows}, path)
+
+
+def _task_list(tasks: dict[int, str], path: Path) -> list[str]:
+    """Task texts by task_index, which must count 0, 1, ... without gaps."""
+    if sorted(tasks) != list(range(len(tasks))):
+        raise VlaforgeError(f"task table {path} numbers its tasks {sorted(tasks)[:8]}, not 0-{len(tasks) - 1}; "
+                            "renumber task_index there (and in the data files) or regenerate the dataset")
     return [tasks[i] for i in range(len(tasks))]

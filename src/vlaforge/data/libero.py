@@ -29,7 +29,7 @@ import numpy as np
 
 from vlaforge.errors import VlaforgeError
 from vlaforge.outputs import file_sha256, write_atomic
-from vlaforge.registry import parse_names
+from vlaforge.registry import did_you_mean, parse_names
 
 FPS = 20  # LIBERO's control rate (robosuite control_freq)
 ROBOT_TYPE = "panda"
@@ -78,7 +78,7 @@ def check_assets(root: Path, manifest: Path = ASSET_MANIFEST, stamp: Path | None
     """
     entries = [line.split("  ", 2) for line in manifest.read_text().splitlines() if line and not line.startswith("#")]
     listing = []
-    for digest, size, rel in entries:
+    for _, size, rel in entries:
         path = root / rel
         try:
             st = path.stat()
@@ -186,6 +186,51 @@ def task_by_id(task_id: str) -> LiberoTask:
             return t
     raise VlaforgeError(f"no LIBERO task {name!r} in {suite}; its tasks: "
                         f"{', '.join(t.name for t in suite_tasks(suite))}")
+
+
+def parse_task_counts(suite: str, text: str, default: int) -> dict[str, int]:
+    """'name,name:40' -> {task id: episodes}: tasks of `suite` by LIBERO's names (the BDDL file's stem, with or
+    without the 'suite/' prefix), each with its count or `default`.
+
+    Raises:
+        VlaforgeError: an unknown name (with a "did you mean"), a bad count, a task given twice, or none at all.
+    """
+    names = [t.name for t in suite_tasks(suite)]
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise VlaforgeError(f"--tasks names no task; give tasks of {suite} ({names[0]}, ...)")
+    out: dict[str, int] = {}
+    for item in items:
+        name, _, count = item.partition(":")
+        name = name.strip().removeprefix(f"{suite}/")
+        if name not in names:
+            raise VlaforgeError(f"unknown {suite} task {name!r}{closest_name(name, names)}; its tasks: "
+                                f"{', '.join(names)}")
+        if count and (not count.isdigit() or int(count) < 1):
+            raise VlaforgeError(f"episode count {count!r} of task {name} must be a positive integer (task:N)")
+        if f"{suite}/{name}" in out:
+            raise VlaforgeError(f"task {name} is listed twice in --tasks; give each task once ({name}:N for N "
+                                "episodes of it)")
+        out[f"{suite}/{name}"] = int(count) if count else default
+    return out
+
+
+def closest_name(name: str, names: list[str]) -> str:
+    """' (did you mean X?)': the closest name, else the one name holding `name` (LIBERO's names are long: 'milk')."""
+    near = did_you_mean(name, names)
+    holding = [n for n in names if name.lower() in n]
+    return near or (f" (did you mean {holding[0]!r}?)" if len(holding) == 1 else "")
+
+
+def check_max_steps(suite: str, max_steps: int, option: str = "--max-steps") -> None:
+    """A step limit within the suite's episode limit (`MAX_STEPS`).
+
+    Raises:
+        VlaforgeError: naming the option, the suite and its limit.
+    """
+    if max_steps > MAX_STEPS[suite]:
+        raise VlaforgeError(f"{option} {max_steps} is beyond {suite}'s episode limit of {MAX_STEPS[suite]} steps; "
+                            f"ask for at most {MAX_STEPS[suite]}")
 
 
 def is_libero_task(task: str) -> bool:

@@ -96,14 +96,18 @@ def _lerobot_data(cfg, model) -> Data:
                                 f"set model.{short} = {have}")
     text_column = auto_text_column(reader.info["features"]) if d.text_column == "auto" else d.text_column
     texts = list(reader.tasks)
+    text_columns = sorted(k for k, v in reader.columns.items() if v.dtype == object)
+    if text_column in reader.columns and text_column not in text_columns:
+        raise VlaforgeError(f"data.text_column = {text_column!r} is not a text column of dataset {d.path} (it holds "
+                            f"numbers); set it to one of {text_columns or 'its text columns (it has none)'}, or turn "
+                            "the language term off with --loss.weights.language=0")
     if text_column in reader.columns:
         texts += sorted(set(reader.columns[text_column].astype(str).tolist()))
     elif d.max_text_tokens > 0 and cfg.loss.weights.get("language", 0) > 0:
-        have = sorted(k for k, v in reader.columns.items() if v.dtype == object)
         what = "no per-frame text" if d.text_column == "auto" else f"no text column {d.text_column!r}"
         raise VlaforgeError(f"dataset {d.path} has {what} (data.text_column) for the language loss; set "
-                            f"data.text_column to one of {have or 'its text columns (it has none)'}, or turn the "
-                            "term off with --loss.weights.language=0")
+                            f"data.text_column to one of {text_columns or 'its text columns (it has none)'}, or turn "
+                            "the term off with --loss.weights.language=0")
     vocab = model.llm.config.vocab_size
     tokenizer = build_tokenizer(texts, vocab, m.text_folder)
     if tokenizer.vocab_size > vocab:

@@ -47,6 +47,7 @@ class FreeView:
 FREE_VIEWS = {"side": FreeView((0.0, 0.75, 0.17), 0.7, 0.0, -15.0)}
 CAMERAS = ("corner", "corner2", "corner3", "corner4", "topview", "behindGripper", "gripperPOV", *FREE_VIEWS)
 FPS = 80  # Meta-World's control rate: frame_skip 5 x timestep 2.5 ms
+MAX_STEPS = 500  # Meta-World's episode limit (max_path_length): a step past it raises in the environment
 ROBOT_TYPE = "sawyer"
 SPLIT_OFFSET = {"train": 0, "eval": 1_000_000}  # generation and evaluation never share an initial position
 
@@ -109,7 +110,15 @@ DEMO_TASKS = ("reach-v3", "button-press-topdown-v3", "drawer-close-v3", "door-op
 
 
 def parse_tasks(text: str | list[str]) -> list[str]:
-    """'a,b' or a list -> validated task names (with 'did you mean' on typos)."""
+    """'a,b' or a list -> validated task names for evaluation (with 'did you mean' on typos).
+
+    Raises:
+        VlaforgeError: an unknown or repeated task, or a task:N count (evaluation runs --episodes of every task).
+    """
+    counted = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if ":" in t]
+    if counted:
+        raise VlaforgeError(f"task {counted[0]!r}: evaluation takes no task:N counts; --episodes (eval.episodes) sets "
+                            "the episodes of every task")
     return list(parse_task_counts(text, 1))
 
 
@@ -123,6 +132,9 @@ def parse_task_counts(text: str | list[str], default: int) -> dict[str, int]:
         name, _, count = item.partition(":")
         if name not in TASKS:
             raise VlaforgeError(TASKS.unknown_message(name))
+        if name in out:
+            raise VlaforgeError(f"task {name} is listed twice; give each task once (with data generate, {name}:N "
+                                "records N episodes of it)")
         if count and (not count.isdigit() or int(count) < 1):
             raise VlaforgeError(f"episode count {count!r} of task {name} must be a positive integer (task:N)")
         out[name] = int(count) if count else default
@@ -131,6 +143,23 @@ def parse_task_counts(text: str | list[str], default: int) -> dict[str, int]:
 
 def parse_cameras(text: str | list[str]) -> list[str]:
     return parse_names(text, CAMERAS, "camera")
+
+
+def check_policy(cameras: list[str], state_dim: int, action_dim: int) -> None:
+    """A policy Meta-World can run: its cameras among Meta-World's views, a 4-D state and 4-D actions.
+
+    Raises:
+        VlaforgeError: naming what does not fit.
+    """
+    bad = [c for c in cameras if c not in CAMERAS]
+    if bad:
+        raise VlaforgeError(f"the policy takes camera {bad[0]!r}, which Meta-World does not render (its views: "
+                            f"{', '.join(CAMERAS)}); evaluate it on the benchmark it was trained on (a LIBERO-trained "
+                            "run: --benchmark SUITE), or a policy trained on `vlaforge data generate` data")
+    if (state_dim, action_dim) != (len(STATE_NAMES), len(ACTION_NAMES)):
+        raise VlaforgeError(f"the policy takes a {state_dim}-D state and predicts {action_dim}-D actions; Meta-World's "
+                            f"are {len(STATE_NAMES)}-D and {len(ACTION_NAMES)}-D - evaluate a policy trained on "
+                            "`vlaforge data generate` data")
 
 
 def episode_seed(split: str, task_index: int, attempt: int, seed: int = 0) -> int:
@@ -163,7 +192,7 @@ class MetaWorldEnv:
             for body in TASKS.get(task).distractors:
                 index = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_BODY, body)
                 model.geom_rgba[model.geom_bodyid == index, 3] = 0.0
-        self.max_steps = int(self.env.max_path_length)
+        self.max_steps = min(int(self.env.max_path_length), MAX_STEPS)
         self._renderer = mujoco.Renderer(self.env.model, image_size, image_size)
         self._free: dict[str, mujoco.MjvCamera] = {}
         for name in set(self.cameras) & set(FREE_VIEWS):

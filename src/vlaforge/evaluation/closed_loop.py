@@ -22,13 +22,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from vlaforge.outputs import write_atomic
 from vlaforge.data import libero
 from vlaforge.data.metaworld import FPS, cached_env, parse_tasks
 from vlaforge.errors import VlaforgeError
 from vlaforge.inference.chunking import ChunkExecutor
 from vlaforge.inference.feature_cache import CacheConfig, CacheStats
 from vlaforge.inference.runtime import Observation, PolicyRuntime, latency_summary
+from vlaforge.outputs import write_atomic
 from vlaforge.progress import progress_bar
 from vlaforge.serving.client import PolicyClient, RemoteRuntime
 
@@ -40,6 +40,10 @@ def eval_tasks(cfg) -> list[str]:
 
     if cfg.eval.tasks:
         return list(cfg.eval.tasks)
+    if cfg.data.source != "lerobot" or not cfg.data.path:
+        raise VlaforgeError(f"the run trained on {cfg.data.source} samples (data.source = {cfg.data.source!r}), "
+                            "which name no simulator tasks and no simulator can feed its policy; evaluate a run "
+                            "trained on a `vlaforge data generate` dataset (e.g. recipes/tiny_metaworld.toml)")
     tasks = recorded_tasks(read_info(Path(cfg.data.path))) if cfg.data.path else []
     if not tasks:
         raise VlaforgeError(f"dataset {cfg.data.path} names no Meta-World tasks to evaluate on; set eval.tasks "
@@ -133,7 +137,7 @@ def run_episode(job: Job) -> dict[str, Any]:
     executor = _WORKER["options"].executor(runtime, "episode", env.fps)
     success, frames, steps = False, [], 0
     try:
-        for steps in range(1, job.max_steps + 1):
+        for steps in range(1, job.max_steps + 1):  # noqa: B007 - the count is read after the loop
             wanted = executor.needs_observation()
             views = env.views() if job.record or wanted else None
             if job.record:
@@ -172,14 +176,19 @@ def libero_protocol(benchmark: str, tasks: str | None, episodes: int | None,
         names = [x.strip().removeprefix(f"{benchmark}/") for x in tasks.split(",") if x.strip()]
         bad = [x for x in names if x not in by_name]
         if bad or not names:
-            raise VlaforgeError(f"--tasks: {bad[0] if bad else '(none)'!r} is not a task of {benchmark}; give a "
-                                f"count, task indices 0-{len(suite) - 1} or names ({suite[0].name}, ...)")
+            hint = libero.closest_name(bad[0], [t.name for t in suite]) if bad else ""
+            raise VlaforgeError(f"--tasks: {bad[0] if bad else '(none)'!r} is not a task of {benchmark}{hint}; give "
+                                f"a count, task indices 0-{len(suite) - 1} or names ({suite[0].name}, ...)")
         chosen = [by_name[x] for x in names]
+        twice = [t for k, t in enumerate(chosen) if t in chosen[:k]]
+        if twice:
+            raise VlaforgeError(f"--tasks names task {twice[0].index} ({twice[0].name}) twice; give each task once")
     episodes = libero.EPISODES_PER_TASK if episodes is None else episodes
     if episodes > libero.EPISODES_PER_TASK:
         raise VlaforgeError(f"--episodes {episodes}: LIBERO has {libero.EPISODES_PER_TASK} fixed initial states per "
                             f"task; ask for at most {libero.EPISODES_PER_TASK}")
     limit = libero.MAX_STEPS[benchmark] if max_steps is None else max_steps
+    libero.check_max_steps(benchmark, limit)
     full = (len(chosen) == len(suite) and episodes == libero.EPISODES_PER_TASK
             and limit == libero.MAX_STEPS[benchmark])
     record = {"benchmark": benchmark, "protocol": "full" if full else "reduced",
@@ -203,9 +212,7 @@ def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, options: Infe
     # fail fast, in this process, with a clear message (a bad checkpoint, execute, merge or cache option)
     runtime = options.runtime(ckpt)
     options.executor(runtime, "check").close()
-    if protocol:
-        shapes = runtime.client.metadata if isinstance(runtime, RemoteRuntime) else runtime.describe()
-        libero.check_policy(runtime.cameras, int(shapes["state_dim"]), int(shapes["action_dim"]))
+    check_simulator(runtime, tasks, max_steps)
     if isinstance(runtime, RemoteRuntime):
         runtime.client.close()
     out = Path(out) if out else ckpt / "eval"
@@ -240,6 +247,26 @@ def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, options: Infe
     write_atomic(out / "report.json", json.dumps(report, indent=1) + "\n")
     report["report"] = str(out / "report.json")
     return report
+
+
+def check_simulator(runtime: PolicyRuntime | RemoteRuntime, tasks: list[str], max_steps: int) -> None:
+    """Before any rollout: the simulator of `tasks` (LIBERO's or Meta-World's) renders the policy's cameras and
+    takes its state and action sizes, and `max_steps` is within its episode limit.
+
+    Raises:
+        VlaforgeError: naming what does not fit.
+    """
+    from vlaforge.data import metaworld
+    from vlaforge.data.generate import check_step_limit
+
+    shapes = runtime.client.metadata if isinstance(runtime, RemoteRuntime) else runtime.describe()
+    sim = libero if libero.is_libero_task(tasks[0]) else metaworld
+    if sim is metaworld and all(c in libero.CAMERAS for c in runtime.cameras):
+        raise VlaforgeError(f"the policy takes LIBERO's cameras ({', '.join(runtime.cameras)}), which Meta-World "
+                            "does not render; evaluate it on a LIBERO suite: --benchmark SUITE "
+                            f"({' | '.join(libero.SUITES)})")
+    sim.check_policy(list(runtime.cameras), int(shapes["state_dim"]), int(shapes["action_dim"]))
+    check_step_limit(tasks[0], max_steps, "max_steps")
 
 
 def summarize(results: list[dict], tasks: list[str]) -> dict[str, Any]:
@@ -330,6 +357,10 @@ def during_training(cfg) -> Callable[[Path], dict[str, float]]:
         suite = tasks[0].partition("/")[0]
         tasks, episodes, max_steps, protocol = libero_protocol(
             suite, ",".join(t.partition("/")[2] for t in tasks), min(episodes, libero.EPISODES_PER_TASK), None)
+    else:
+        from vlaforge.data.generate import check_step_limit
+
+        check_step_limit(parse_tasks(tasks)[0], max_steps, "eval.max_steps")  # now, not after training
 
     def score(path: Path) -> dict[str, float]:
         report = evaluate(path, tasks, episodes, options=InferenceOptions(execute=e.execute), max_steps=max_steps,
