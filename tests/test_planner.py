@@ -2,15 +2,18 @@
 component that equal the real tensors' after an optimizer step and the real FSDP2 x TP shards of an 8-rank
 layout (fake process group)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from conftest import make_batch, tiny_config
 from vlaforge import COMPONENTS
 from vlaforge.errors import VlaforgeError
-from vlaforge.planner.hardware import CATALOG, get_gpu, load_catalog
 from vlaforge.planner.activations import sequence_of
+from vlaforge.planner.hardware import CATALOG, get_gpu, load_catalog
 from vlaforge.planner.memory import model_state, per_gpu
+
+from conftest import make_batch, tiny_config
 
 
 def test_catalog_covers_the_issue_gpus_with_consistent_figures():
@@ -19,7 +22,9 @@ def test_catalog_covers_the_issue_gpus_with_consistent_figures():
         assert g.memory_gb > 0 and g.bf16_tflops > 0 and g.hbm_gbps > 0 and g.inter_node_gbps > 0
     assert get_gpu("H100") is CATALOG["h100-80"] and get_gpu("h200").memory_gb == 141
     assert CATALOG["h200-141"].bf16_tflops == CATALOG["h100-80"].bf16_tflops  # same Hopper die, more/faster HBM
-    assert CATALOG["a100-80"].tflops("fp8") == CATALOG["a100-80"].bf16_tflops  # no fp8 tensor cores: bf16 rate
+    with pytest.raises(VlaforgeError, match="a100-80 has no fp8 tensor cores"):  # refused, not costed at bf16
+        CATALOG["a100-80"].tflops("fp8")
+    assert CATALOG["h100-80"].launch_us > 0 and CATALOG["cpu"].launch_us == 0  # the launch floor: CUDA entries
     with pytest.raises(VlaforgeError, match="'v100' is not in the catalog"):
         get_gpu("v100")
 
@@ -50,10 +55,10 @@ def _real_bytes(tensors) -> int:
      "train": {"precision_master": "bf16"}},
 ], ids=["fp32", "bf16-master-frozen-vision"])
 def test_state_bytes_equal_the_real_tensors_after_a_step(sections):
+    from vlaforge.techniques.freezing import apply_freezing
     from vlaforge.training.optim import build_optimizer, build_scheduler
     from vlaforge.training.step import train_step
     from vlaforge.training.trainer import build_loss_weighting, build_model
-    from vlaforge.techniques.freezing import apply_freezing
 
     cfg = tiny_config(**sections)
     policies = dict(cfg.components.items())
@@ -108,11 +113,16 @@ def test_per_gpu_shares_match_fsdp2_and_tp_shards_on_eight_fake_ranks():
         dist.destroy_process_group()
 
 
-def _measured_blocks(flavor: str, seq: int | None, precision: str, strategy: str, frames: int = 1):
-    from vlaforge.techniques import accounting as memory
-    from vlaforge.models.build import synthetic_batch, with_seq_len
-    from vlaforge.models.build import tokens_per_sample
+def _measured_blocks(flavor: str, seq: int | None, precision: str, strategy: str, frames: int = 1,
+                     full: bool = False, fake: bool = True):
+    """The model, its accounting of one forward and the LLM's tokens per sample, under fake tensors (or real ones:
+    `fake` False); `full`: the batch is marked as holding no padding (`Batch.full`: the model passes the LLM no
+    mask and no positions)."""
+    import contextlib
+
+    from vlaforge.models.build import synthetic_batch, tokens_per_sample, with_seq_len
     from vlaforge.models.fake import fake_build
+    from vlaforge.techniques import accounting as memory
     from vlaforge.training.trainer import build_model
 
     comps = {c: {"precision": precision} for c in COMPONENTS}
@@ -120,12 +130,13 @@ def _measured_blocks(flavor: str, seq: int | None, precision: str, strategy: str
         comps[c]["checkpointing"] = strategy
     model_cfg = {"flavor": flavor, "frames": frames} | ({} if flavor == "tiny" else {"image_size": None})
     cfg = with_seq_len(tiny_config(model=model_cfg, components=comps), seq)
-    with fake_build():
+    with fake_build() if fake else contextlib.nullcontext():
         model, _ = build_model(cfg, torch.device("cpu"))
         batch = synthetic_batch(cfg, model, 2)
+        batch = replace(batch, full=True) if full else batch
         with memory.count_saved(model) as acc:
             model.compute_loss(batch)
-    acc.sequence, acc.policies = sequence_of(model, batch), dict(cfg.components.items())
+        acc.sequence, acc.policies = sequence_of(model, batch), dict(cfg.components.items())
     text = 0 if batch.text_ids is None else batch.text_ids.shape[1]
     return model, acc, tokens_per_sample(model, batch.instruction_ids.shape[1], text)
 
@@ -149,14 +160,202 @@ def test_block_activation_bytes_equal_the_fake_tensor_accounting(flavor, seq, pr
         assert got["0"] == want + once_bytes(shape, batch, length, strategy), comp
 
 
+@pytest.mark.parametrize("flavor, seq, precision, fake", [("tiny", None, "fp32", True), ("tiny", None, "bf16", True),
+                                                          ("small", 1024, "bf16", True), ("tiny", None, "bf16", False)],
+                         ids=["tiny-fp32", "tiny-bf16", "small-bf16", "tiny-bf16-real"])
+@pytest.mark.parametrize("strategy", ["none", "full", "selective", "selective_attn", "selective_ffn"])
+def test_unpadded_block_bytes_equal_the_accounting(flavor, seq, precision, fake, strategy, monkeypatch):
+    """A batch known to hold no padding (`Batch.full`): the VLA passes the LLM no mask and no positions, SDPA runs
+    `is_causal` and takes K and V at their own heads (`enable_gqa`; GQA 4/2 in tiny, 14/2 in small): the unpadded rows
+    - no B x S x S mask, K/V at Hk heads, one row of rotary tables - equal what autograd keeps, block by block, and
+    the LLM component whole; the padded rows are larger by the mask and the repeated K/V. Under fake tensors
+    transformers 5.25 would still build a mask that a real run does not (it treats the fake default positions and
+    `cache_position` offset as traced, so it cannot see that they hold one sequence per row and no cache): the fake
+    runs take the real run's decisions; the `-real` case, on real tensors and unpatched, is the same count."""
+    import transformers.masking_utils
+
+    from vlaforge.planner.activations import block_bytes, llm_shape, model_activation_bytes, once_bytes, vision_shape
+
+    if fake:  # one sequence per row (no packing), no padding mask, no cache: no mask, as on real tensors
+        monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+        monkeypatch.setattr(transformers.masking_utils, "_ignore_causal_mask_sdpa",
+                            lambda padding_mask, q_length, kv_length, *a, **k: padding_mask is None)
+    model, acc, tokens = _measured_blocks(flavor, seq, precision, strategy, full=True, fake=fake)
+    assert not acc.sequence.padded
+    lay = model.layout
+    for comp, shape, batch, length, kv in (("llm", llm_shape(model.llm.config), 2, tokens, 0),
+                                           ("vision", vision_shape(model.vision), 2 * lay.frames,
+                                            lay.patches_per_frame, None)):
+        got = acc.per_block(comp)
+        want = block_bytes(shape, batch, length, precision, strategy, kv_seq=kv)
+        assert all(got[str(i)] == want for i in range(1, len(got) - 1)), (comp, got, want)
+        assert got["0"] == want + once_bytes(shape, batch, length, strategy, kv_seq=kv, shared_positions=True), comp
+    whole = model_activation_bytes(model, acc.sequence, acc.policies, model.objective.active("contrastive"))
+    assert acc.per_component()["llm"] == whole["llm"]
+    padded = model_activation_bytes(model, replace(acc.sequence, padded=True), acc.policies)
+    assert padded["llm"] > whole["llm"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "siglip"])
+def test_eager_block_launches_are_the_planner_s_count(kind):
+    """The launch floor's eager count per block (planner/launches.py): the aten compute ops one block's forward and
+    backward dispatch (views and metadata queries excluded), on tiny's real blocks under bf16 autocast, no mask."""
+    from vlaforge.planner.launches import BLOCK_KERNELS
+
+    block, call = _tiny_block(kind, padded=False)
+    fwd, bwd = _OpCount(), _OpCount()
+    h = call.input()
+    with fwd, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = call(block, h)
+    grad = torch.ones_like(out)
+    with bwd:
+        out.backward(grad)
+    assert (fwd.n, bwd.n) == BLOCK_KERNELS[(kind, False)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, precision, padded", [("llama", "bf16", False), ("llama", "fp32", False),
+                                                     ("llama", "bf16", True), ("siglip", "bf16", False)])
+def test_compiled_blocks_save_what_the_planner_counts(kind, precision, padded):
+    """`train.compile`: one block compiled with torch.compile (inductor) saves for backward what `block_bytes(...,
+    compiled=True)` counts, byte for byte: its compiled autograd.Function's saved tensors, seen through
+    `saved_tensors_hooks`, less the parameters, the rotary cos / sin and the mask input, with the weight casts apart
+    (they are planned as autocast casts, `PlanModel.cast_numel`)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from vlaforge.planner.activations import block_bytes, llm_shape
+
+    block, call = _tiny_block(kind, padded)
+    params = {StorageWeakRef(p.untyped_storage()) for p in block.parameters()}
+    shapes = {tuple(p.shape[::d]) for p in block.parameters() for d in (1, -1) if p.dim() == 2}
+    inputs = {StorageWeakRef(t.untyped_storage()) for t in call.keep}
+    compiled = torch.compile(block)
+    c = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    def saved() -> tuple[int, int]:
+        acts, casts, seen = 0, 0, set()
+
+        def pack(t):
+            key = StorageWeakRef(t.untyped_storage())
+            if key not in seen and key not in params and key not in inputs:
+                seen.add(key)
+                if tuple(t.shape) in shapes and t.dtype == c:
+                    nonlocal casts
+                    casts += t.untyped_storage().nbytes()
+                else:
+                    nonlocal acts
+                    acts += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            out = call(compiled)
+        out.float().sum().backward()
+        return acts, casts
+
+    saved()  # compiles
+    acts, casts = saved()
+    shape = llm_shape(block.self_attn.config) if kind == "llama" else vision_shape_of(block)
+    want = block_bytes(shape, call.batch, call.seq, precision, "none", kv_seq=None if padded else 0, compiled=True)
+    assert acts == want, (acts, want)
+    assert casts == (2 * sum(p.numel() for p in block.parameters() if p.dim() == 2) if precision == "bf16" else 0)
+    if kind == "llama" and not padded:
+        eager = block_bytes(shape, call.batch, call.seq, precision, "none", kv_seq=0)
+        assert acts < 0.8 * eager  # what the partitioner recomputes instead of saving
+
+
+def vision_shape_of(block):
+    from vlaforge.planner.activations import BlockShape
+
+    cfg = block.self_attn.config
+    heads = cfg.num_attention_heads
+    return BlockShape("siglip", cfg.hidden_size, cfg.intermediate_size, heads, heads, cfg.hidden_size // heads)
+
+
+class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Aten compute ops dispatched (a kernel each on a GPU); views, allocations and metadata queries excluded."""
+
+    FREE = {"detach", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "slice",
+            "select", "split", "split_with_sizes", "alias", "as_strided", "reshape", "_reshape_alias", "unbind",
+            "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "sym_size",
+            "sym_numel", "sym_stride", "is_same_size", "device", "_local_scalar_dense", "resolve_conj", "resolve_neg",
+            "result_type", "size", "stride", "dim"}
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket.__name__ not in self.FREE:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _tiny_block(kind: str, padded: bool):
+    """A block of tiny's shapes (real tensors, seeded) and a call of it on an input that needs a gradient: (block,
+    call(module) -> output), the call carrying `batch`, `seq` and the inputs it keeps (`keep`: rotary, mask)."""
+    from transformers import LlamaConfig, SiglipVisionConfig
+    from transformers.masking_utils import sdpa_mask
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer
+
+    from vlaforge.config.flavors import FLAVORS
+
+    torch.manual_seed(0)
+    tiny = FLAVORS.get("tiny")
+    batch, seq = 3, 40  # 120 tokens: no activation is shaped like a weight
+    if kind == "llama":
+        cfg = LlamaConfig(**tiny.llm)
+        cfg._attn_implementation = "sdpa"
+        block = LlamaDecoderLayer(cfg, 0)
+        x = torch.randn(batch, seq, cfg.hidden_size, requires_grad=True)
+        rope = tuple(t.detach() for t in LlamaRotaryEmbedding(cfg)(x, torch.arange(seq)[None].expand(batch, seq)))
+        mask = None
+        if padded:
+            keep = torch.ones(batch, seq, dtype=torch.bool)
+            keep[:, seq // 2] = False
+            mask = sdpa_mask(batch_size=batch, q_length=seq, kv_length=seq, attention_mask=keep,
+                             allow_is_causal_skip=False)
+
+        def call(module, h):
+            out = module(h, attention_mask=mask, position_embeddings=rope)
+            return out[0] if isinstance(out, tuple) else out
+        kept = [*rope] + ([mask] if mask is not None else [])
+    else:
+        cfg = SiglipVisionConfig(**{k: v for k, v in tiny.vision.items() if k not in ("image_size", "patch_size")})
+        cfg._attn_implementation = "sdpa"
+        block = SiglipEncoderLayer(cfg)
+        x = torch.randn(batch, seq, cfg.hidden_size, requires_grad=True)
+
+        def call(module, h):
+            out = module(h, attention_mask=None)
+            return out[0] if isinstance(out, tuple) else out
+        kept = []
+    return block, _Call(call, x, batch, seq, kept)
+
+
+class _Call:
+    """A block's call on its fixed inputs: `batch` sequences of `seq` tokens from `x` (a leaf that needs a gradient;
+    the block gets a non-leaf copy, as block i gets block i - 1's output), keeping `keep` (rotary, mask) alive."""
+
+    def __init__(self, fn, x, batch, seq, keep):
+        self.fn, self.x, self.batch, self.seq, self.keep = fn, x, batch, seq, keep
+
+    def input(self) -> torch.Tensor:
+        return self.x * 1.0
+
+    def __call__(self, module, h: torch.Tensor | None = None):
+        return self.fn(module, self.input() if h is None else h)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_conv_stem_s_activation_bytes_equal_the_accounting(precision):
     """model.vision_stem = 'conv': the planner's vision bytes (the stem's stages included) equal what autograd keeps
     on the real modules (fake tensors), byte for byte."""
-    from vlaforge.planner.activations import model_activation_bytes
-    from vlaforge.techniques import accounting as memory
     from vlaforge.models.build import synthetic_batch
     from vlaforge.models.fake import fake_build
+    from vlaforge.planner.activations import model_activation_bytes
+    from vlaforge.techniques import accounting as memory
     from vlaforge.training.trainer import build_model
 
     comps = {c: {"precision": precision} for c in COMPONENTS}

@@ -64,8 +64,9 @@ def test_lora_state_is_the_adapters_plus_the_stored_base():
 def test_lora_step_flops_equal_the_flop_counter(strategy):
     """Frozen bases compute no weight gradient; adapters add 2r(in+out) per token forward and twice that backward;
     checkpointing recomputes a region up to its last matmul, the output projection's B (the base runs first)."""
-    from test_planner import _counted_flops
     from vlaforge.planner.throughput import step_flops
+
+    from test_planner import _counted_flops
 
     components = {c: {"checkpointing": strategy, "lora": {"rank": 8, "base": "nf4"}} for c in ("vision", "llm")}
     model, seq, policies, forward, backward = _counted_flops("tiny", None, components)

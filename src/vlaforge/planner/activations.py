@@ -28,13 +28,35 @@ slice is what SDPA keeps), q and k after the rotary step (as SDPA gets them: cD 
 log-sum-exps 4H, the output projection's input (their concatenation) cD; the SwiGLU MLP as Llama's. Once per model:
 the rotary cos / sin (2 x 4d per token; not kept by checkpointed blocks under bf16 autocast, as measured), the window
 permutation's two indices (8 per merge unit each).
+
+Unpadded (`Sequence.padded` False: the batch is known to hold no padding, `Batch.full`): the VLA hands the LLM no
+mask and no position ids (`VLA.llm_mask`), so transformers builds no mask (`masking_utils.sdpa_mask` returns None and
+SDPA runs `is_causal`), and with no mask `sdpa_attention.use_gqa_in_sdpa` sends K and V at their own heads with
+`enable_gqa` instead of `repeat_kv` (transformers 5.17 and 5.25 alike; on CUDA the flash kernel takes GQA natively):
+no B x S x S mask, K/V at Hk heads, and one row of position ids and rotary tables for the whole batch. A padded batch
+keeps the mask, and repeated K/V, in every block (the LLM's SDPA never drops a given mask: `models/llm.py`).
+
+Compiled (`train.compile`: one `torch.compile` graph per block): AOTAutograd's min-cut partitioner saves fewer tensors
+and recomputes the cheap ones in backward. What it saves, counted with `saved_tensors_hooks` around a compiled block
+on CPU (torch 2.13, inductor; the compiled autograd.Function's `save_for_backward` goes through the hooks), bytes per
+token, weight casts apart (they are saved as in eager):
+- Llama (small's shapes, bf16 autocast, unpadded): the fp32 block input 4D, the two rsqrt 8, three D-wide tensors in
+  the compute dtype 3cD (the normed input of q/k/v, o_proj's output, the normed MLP input), q and the SDPA output
+  2cHd, K and V 2cHk·d, the log-sum-exp 4H, gate's, up's and down's inputs 3cF: 42,304 B/token against eager's
+  66,368 (norms' fp32 products, the three casts, the fp32 mid-block residual and SiLU's output are recomputed); the
+  same formula at fp32 (c = 4: 80,960 against 107,584); padded, compiled adds the mask and repeated K/V as eager does;
+- SigLIP (small's tower, 768 / 3072 / 12 heads): the fp32 input 4D, four LayerNorm statistics 16, 3cD, q / k / v /
+  output 4cD, 4H and fc1's output and GELU's output 2cF: 26,176 B/token in bf16 (eager 30,784), 49,216 in fp32 (as
+  eager). Qwen2.5-VL's tower, q/k-normed blocks and the checkpointed strategies are not measured compiled: planned
+  as eager (an upper bound).
 """
 
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
+
+from vlaforge import COMPONENTS
 
 STRATEGIES = ("none", "full", "selective", "selective_attn", "selective_ffn")
 
@@ -75,13 +97,14 @@ def compute_bytes(precision: str) -> int:
 
 
 def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strategy: str,
-                kv_seq: int | None = None, sp: int = 1, gathered_kv: int = 0) -> int:
+                kv_seq: int | None = None, sp: int = 1, gathered_kv: int = 0, compiled: bool = False) -> int:
     """Bytes one block keeps for backward for a micro-batch of `batch` sequences of `seq` tokens (the tokens of one
     image for the vision tower), without the once-per-model terms (`once_bytes`). `kv_seq`: the keys each query's
-    padding-mask row spans, 0 when no mask is built (context parallel: the layout is compacted instead).
+    padding-mask row spans, 0 when no mask is built (an unpadded batch; context parallel compacts the layout).
     `gathered_kv`: tokens of K/V an all-gather context-parallel rank keeps beyond its own. `sp`: the
     Megatron sequence-parallel degree, which divides what the norms keep and the residual stream (a checkpointed
-    block's or sub-layer's input); the projections keep their all-gathered input whole."""
+    block's or sub-layer's input); the projections keep their all-gathered input whole. `compiled`: the block runs as
+    one `torch.compile` graph (what its partitioner saves, module docstring; `none` only)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
     c = compute_bytes(precision)
@@ -94,12 +117,16 @@ def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strateg
         proj_in = (4 * D if c == 4 else 3 * c * D) * t
         mask = batch * seq * (seq if kv_seq is None else kv_seq) * c
         # SDPA's q, k, v, output and log-sum-exp. NOTE: with a mask transformers repeats K/V to every head first; with
-        # none (context parallel's compacted layout) SDPA's GQA path and the cp kernels keep K/V at their own heads
+        # none (unpadded, or context parallel's compacted layout) SDPA's GQA path and the cp kernels keep K/V at
+        # their own heads
         kv_saved = Hk if kv_seq == 0 else H
-        attn = (proj_in + 2 * c * (H + kv_saved) * d * t + 4 * H * t + mask
-                + 2 * c * Hk * d * batch * gathered_kv)
-        if shape.qk_norm:  # each head's RMSNorm keeps its fp32 input, its rsqrt and its normed output (c bytes)
-            attn += (4 + c) * (H + Hk) * d * t + 4 * (H + Hk) * t
+        core = 2 * c * (H + kv_saved) * d * t + 4 * H * t + mask + 2 * c * Hk * d * batch * gathered_kv
+        qk_norm = ((4 + c) * (H + Hk) * d * t + 4 * (H + Hk) * t) if shape.qk_norm else 0
+        if compiled and strategy == "none":  # the block input and rsqrts, three D-wide tensors, the core, 3 x F
+            return (4 * D + 8) * t // sp + 3 * c * D * t + core + qk_norm + 3 * c * F * t
+        attn = proj_in + core
+        # each head's RMSNorm (Qwen3) keeps its fp32 input, its rsqrt and its normed output (c bytes)
+        attn += qk_norm
         ffn = (4 * D if c == 4 else 2 * c * D) * t + 4 * c * F * t
         kept_input = 4 * D * t // sp  # a checkpointed sub-layer's fp32 input
         if strategy == "selective":
@@ -123,6 +150,8 @@ def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strateg
             return 2 * norm + attn + kept_input
         return 2 * norm + attn + ffn
     # siglip
+    if compiled and strategy == "none":  # the input and four LayerNorm statistics, 3cD + q/k/v/out, 4H, fc1 and GELU
+        return (4 * D + 16) * t + 7 * c * D * t + 4 * H * t + 2 * c * F * t
     norm = (4 * D + 8) * t
     proj_in = (4 * D if c == 4 else 3 * c * D) * t
     attn = proj_in + 4 * c * D * t + 4 * H * t
@@ -138,15 +167,18 @@ def block_bytes(shape: BlockShape, batch: int, seq: int, precision: str, strateg
 
 
 def once_bytes(shape: BlockShape, batch: int, seq: int, strategy: str, kv_seq: int | None = None,
-               block_positions: bool = True) -> int:
+               block_positions: bool = True, shared_positions: bool = False) -> int:
     """Tensors the LLM's blocks share, counted once per model: rotary cos/sin (kept by autograd under `none` /
     `selective_ffn`, or by a checkpoint's keyword inputs), and a checkpoint's boolean mask and position ids (which
-    M-RoPE text models do not hand their blocks: `block_positions` False). See `block_bytes` for `kv_seq`."""
+    M-RoPE text models do not hand their blocks: `block_positions` False). See `block_bytes` for `kv_seq`.
+    `shared_positions`: the model is given no position ids (an unpadded batch, `VLA.llm_mask`), so transformers makes
+    one row of them and of the rotary tables for the whole batch."""
     if shape.kind != "llama":
         return 0
-    rope = 2 * 4 * shape.head_dim * batch * seq
+    rows = 1 if shared_positions else batch
+    rope = 2 * 4 * shape.head_dim * rows * seq
     # bool mask + int64 position ids
-    kwargs = batch * seq * (seq if kv_seq is None else kv_seq) + (8 * batch * seq if block_positions else 0)
+    kwargs = batch * seq * (seq if kv_seq is None else kv_seq) + (8 * rows * seq if block_positions else 0)
     if strategy in ("none", "selective_ffn"):
         return rope
     return rope + kwargs
@@ -168,6 +200,7 @@ class Sequence:
     action_dim: int
     state_dim: int
     merge: int = 1
+    padded: bool = True  # some sample pads its instruction or text: transformers builds the B x S x S mask
 
     @property
     def tower_patches(self) -> int:
@@ -181,7 +214,7 @@ class Sequence:
 
 def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, tp: int = 1, cp: int = 1,
                      sequence_parallel: bool = False, allgather: bool = False, zigzag: bool = False,
-                     master: str = "fp32") -> dict[str, int]:
+                     master: str = "fp32", compiled: bool = False) -> dict[str, int]:
     """Bytes kept for backward for one micro-batch, by part: 'vision', 'projector', 'llm_block' (one LLM block),
     'llm_once' (shared by the LLM's blocks), 'llm_tail' (final norm and LM-head input; under cp also the layout's
     indices), 'action_head' and 'other' (the loss terms). Under tensor parallel `tp` an LLM block holds its heads'
@@ -191,7 +224,8 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     Megatron SP inside the tp group (`block_bytes`'s `sp`). `allgather`: the all-gather cp method, whose ranks keep
     the whole K/V of every block. `zigzag`: the ring's
     layout, padded to a multiple of 2 x cp tokens (the other methods pad to a multiple of cp). `master`: the master
-    dtype (`train.precision_master`), which LoRA adapters take under a lower compute precision (planner/lora.py)."""
+    dtype (`train.precision_master`), which LoRA adapters take under a lower compute precision (planner/lora.py).
+    `compiled`: `train.compile`, each block one compiled graph (`block_bytes`); an unpadded `seq` builds no mask."""
     from vlaforge.planner.lora import adapters_of, block_delta
 
     llm = model.llm.config
@@ -202,14 +236,14 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     images = b * seq.frames
     tv = images * seq.patches  # vision tokens the LLM reads
     tvt = images * seq.tower_patches  # the tower's tokens (as many with a connector that does not merge)
-    c = {name: compute_bytes(policies[name].precision) for name in ("vision", "projector", "llm", "action_head")}
-    strat = {name: policies[name].checkpointing for name in ("vision", "projector", "llm", "action_head")}
+    c = {name: compute_bytes(policies[name].precision) for name in COMPONENTS}
+    strat = {name: policies[name].checkpointing for name in COMPONENTS}
     out: dict[str, int] = {}
     lora = adapters_of(model, policies)
     mb = {name: 4 if policies[name].precision == "fp32" else 4 if master == "fp32" else 2 for name in c}
 
     vshape = vision_shape(model.vision)
-    out["vision"] = _vision_bytes(model, seq, vshape, policies["vision"], mb["vision"], lora.get("vision"))
+    out["vision"] = _vision_bytes(model, seq, vshape, policies["vision"], mb["vision"], lora.get("vision"), compiled)
     # linear + GELU + linear: the first's input, the GELU's input and output; one linear: its input. A merging
     # connector's linear reads merge^2 patches side by side (its input: the shuffled copy), after Qwen-VL's RMSNorm
     # (fp32: its input, rsqrt, normed output)
@@ -224,11 +258,13 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     lshape = BlockShape(full.kind, full.hidden, full.ffn // tp, full.heads // tp, max(1, full.kv_heads // tp),
                         full.head_dim, full.qk_norm)
     D = lshape.hidden
-    no_mask = 0 if cp > 1 else None  # context parallel compacts the layout instead of masking padding
+    # context parallel compacts the layout instead of masking padding; unpadded, transformers builds no mask
+    no_mask = 0 if cp > 1 or not seq.padded else None
     out["llm_block"] = block_bytes(lshape, b, s_rank, policies["llm"].precision, strat["llm"], kv_seq=no_mask,
-                                   sp=tp if sequence_parallel else 1, gathered_kv=s_pad - s_rank if allgather else 0)
+                                   sp=tp if sequence_parallel else 1, gathered_kv=s_pad - s_rank if allgather else 0,
+                                   compiled=compiled and "llm" not in lora)
     out["llm_once"] = once_bytes(lshape, b, s_rank, strat["llm"], kv_seq=no_mask,
-                                 block_positions=not model.layout.mrope)
+                                 block_positions=not model.layout.mrope, shared_positions=cp == 1 and not seq.padded)
     out["llm_tail"] = ((4 * D + 4 + 4 * D) * b * s_rank  # final RMSNorm
                        + c["llm"] * b * (seq.text + 1) * D)  # LM head input: the text targets' positions (+1)
     if "llm" in lora:
@@ -247,16 +283,18 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     return out
 
 
-def _vision_bytes(model, seq: Sequence, vshape: BlockShape, policy, master_bytes: int, lora) -> int:
-    """The vision tower's part of `activation_parts`: its blocks (`lora`: an `Adapted` of it, or None) and what its
-    embeddings and final norm keep."""
+def _vision_bytes(model, seq: Sequence, vshape: BlockShape, policy, master_bytes: int, lora, compiled: bool = False
+                  ) -> int:
+    """The vision tower's part of `activation_parts`: its blocks (`lora`: an `Adapted` of it, or None; `compiled`:
+    one graph per block) and what its embeddings and final norm keep."""
     from vlaforge.models.vision import vision_family
     from vlaforge.planner.lora import block_delta
 
     vis, strategy, c = model.vision.config, policy.checkpointing, compute_bytes(policy.precision)
     images = seq.batch * seq.frames
     tvt = images * seq.tower_patches  # the tower's tokens
-    blocks = vis.num_hidden_layers * block_bytes(vshape, images, seq.tower_patches, policy.precision, strategy)
+    blocks = vis.num_hidden_layers * block_bytes(vshape, images, seq.tower_patches, policy.precision, strategy,
+                                                 compiled=compiled and lora is None and vshape.kind == "siglip")
     if lora is not None:
         args = (strategy, vshape.kind, c, master_bytes, vshape.hidden, vshape.ffn, tvt)
         blocks += (vis.num_hidden_layers - 1) * block_delta(lora, *args, first=False)
@@ -341,9 +379,11 @@ def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = T
 
 
 def sequence_of(model, batch) -> Sequence:
-    """The `Sequence` a model sees for `batch` (from the batch's shapes and the model's layout)."""
+    """The `Sequence` a model sees for `batch` (from the batch's shapes and the model's layout; `padded` unless the
+    batch is known to hold no padding, `Batch.full`, and the model then passes no mask: `VLA.llm_mask`)."""
     lay = model.layout
     return Sequence(batch=batch.size, frames=lay.frames, patches=lay.patches_per_frame, image_size=lay.image_size,
                     instruction=batch.instruction_ids.shape[1], chunk=model.action_head.chunk,
                     text=0 if batch.text_ids is None else batch.text_ids.shape[1],
-                    action_dim=batch.actions.shape[-1], state_dim=batch.state.shape[-1], merge=model.projector.merge)
+                    action_dim=batch.actions.shape[-1], state_dim=batch.state.shape[-1], merge=model.projector.merge,
+                    padded=not (getattr(batch, "full", None) and not lay.mrope))

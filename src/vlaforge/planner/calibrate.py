@@ -9,7 +9,8 @@ assumptions - 1 / `matmul_efficiency` (the matmuls), 1 / `attention_efficiency` 
 Python) - plus parts that do not depend on them (the optimizer's HBM traffic, the communication at
 `comm_efficiency`). The coefficients come from the planner itself, by evaluating `estimate` with one term switched
 on at a time, so the fit uses exactly the arithmetic the plan uses. `fit` says how many terms a number of runs
-can separate. The result is written as `[calibration.<gpu>]` in a TOML file that `vlaforge plan --calibration FILE` reads back; a plan without it says its step time is uncalibrated.
+can separate. The result is written as `[calibration.<gpu>]` in a TOML file that `vlaforge plan --calibration
+FILE` reads back; a plan without it says its step time is uncalibrated.
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ def terms(run: MeasuredRun, gpu, base: Assumptions) -> np.ndarray:
     cluster = Cluster(gpu, gpus_per_node=run.world_size, nodes=1)
 
     def t(m: float = OFF, a: float = OFF, p: float = 0.0, o: float = 0.0) -> float:
+        # no launch floor: a max() is not linear in the terms; the fitted overhead stands for the host's time
         return estimate(pm, run.cfg, cluster, replace(base, matmul_efficiency=m, attention_efficiency=a,
-                                                      elementwise_passes=p, micro_overhead_s=o)).step_time_s
+                                                      elementwise_passes=p, micro_overhead_s=o,
+                                                      launch_floor=False)).step_time_s
 
     fixed = t()
     if run.peak_gb is not None:  # the planner's memory does not depend on the fitted terms: compared, not fitted
@@ -203,19 +206,22 @@ def calibrated(path: str | Path | None, gpu: str, base: Assumptions) -> tuple[As
     if not (all(0 < values[k] < 1e6 for k in FITTED[:3]) and 0 <= values["micro_overhead_s"] < 1e3):
         raise VlaforgeError(f"--calibration {path}: [calibration.{gpu}] holds a value out of range {values}")
     runs = entry.get("runs", [])
-    return replace(base, **values), f"calibrated for {gpu} from {len(runs)} run(s) in {path}"
+    # the fitted per-micro-batch overhead replaces the catalog's launch floor (the fit was made without it)
+    return replace(base, launch_floor=False, **values), f"calibrated for {gpu} from {len(runs)} run(s) in {path}"
 
 
 def uncalibrated_note(assume: Assumptions) -> str:
     return (f"step time / MFU uncalibrated: assumes matmuls at {assume.matmul_efficiency:g} and attention at "
             f"{assume.attention_efficiency:g} of the datasheet peak, {assume.elementwise_passes:g} memory passes "
-            "per activation; calibrate with `vlaforge plan --calibrate RUN...`")
+            "per activation" + (", the catalog's host time per kernel launch as a floor" if assume.launch_floor
+                                else "") + "; calibrate with `vlaforge plan --calibrate RUN...`")
 
 
 def render(report: dict[str, Any]) -> str:
-    lines = [f"calibration for {report['gpu']}: " + ", ".join(f"{k} {report['before'][k]:g} -> {report['after'][k]:.4g}"
-                                                              for k in FITTED)]
-    lines.append(f"{'run':<32} {'measured s':>11} {'before s':>10} {'after s':>10} {'err before':>11} {'err after':>10}")
+    changes = ", ".join(f"{k} {report['before'][k]:g} -> {report['after'][k]:.4g}" for k in FITTED)
+    lines = [f"calibration for {report['gpu']}: {changes}"]
+    lines.append(f"{'run':<32} {'measured s':>11} {'before s':>10} {'after s':>10} {'err before':>11} "
+                 f"{'err after':>10}")
     for key, label in (("runs", "fitted"), ("held_out", "held out")):
         for r in report[key]:
             name = f"{Path(r['run']).name[-22:]} ({label})"

@@ -4,12 +4,15 @@ chart)."""
 
 from __future__ import annotations
 
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from vlaforge.errors import VlaforgeError
+from vlaforge.planner.report import CHART_SOFTWARE
+from vlaforge.planner.search import RECIPE_HEADER, parse_fixes, search, unplannable, write_config
 from vlaforge.planner.types import Assumptions, Cluster, PlanModel
-from vlaforge.planner.search import parse_fixes, search, write_config
 
 
 def assumptions(matmul_efficiency: float | None) -> Assumptions:
@@ -26,9 +29,9 @@ def cluster(gpu: str, gpus_per_node: int, nodes: int, cpu_mem_gb: float, nvme_gb
 def base_config(model: str, frames: int | None, cameras: int | None, image_size: int | None,
                 text_tokens: int | None, seq: int | None):
     """The config every candidate starts from: a flavor's defaults or a recipe, with the input flags applied."""
+    from vlaforge.config.flavors import FLAVORS
     from vlaforge.config.loading import deep_merge, load_config
     from vlaforge.models.build import with_seq_len
-    from vlaforge.config.flavors import FLAVORS
 
     if model.endswith(".toml"):
         from vlaforge.config.shapes import resolve_shapes
@@ -59,8 +62,13 @@ def run(base, cl: Cluster, global_batch: int, fix: list[str], micro_batch: int |
     fixed = parse_fixes(fix)
     if micro_batch is not None:
         fixed["train.batch_size"] = micro_batch
+    for path, flag, ours in ((write_to, "--write-config", _our_recipe), (plot_to, "--plot", _our_chart)):
+        if path is not None:  # before the search: a refusal costs nothing and writes nothing
+            writable(path, flag, ours)
     pm = PlanModel(base)
     plan = search(pm, cl, global_batch, fixed, assume, keep=top, lora_rank=lora_rank)
+    if not plan.considered:
+        raise VlaforgeError(unplannable(pm, cl, global_batch, fixed, lora_rank))
     out = plan_json(pm, plan, assume)
     text = render(plan, top)
     ref = out["reference"]
@@ -74,16 +82,62 @@ def run(base, cl: Cluster, global_batch: int, fix: list[str], micro_batch: int |
         text += "\nnothing fits: no recipe, chart or measurement written"
     if best is not None:
         if write_to is not None:
-            text += f"\nwrote {write_config(best, write_to, cl)}"
+            with _writing(write_to, "--write-config"):
+                text += f"\nwrote {write_config(best, write_to, cl)}"
             out["wrote_config"] = str(write_to)
         if plot_to is not None:
-            text += f"\nwrote {plot(best, plot_to, f'{base.model.flavor} on {cl.describe()}')}"
+            with _writing(plot_to, "--plot"):
+                text += f"\nwrote {plot(best, plot_to, f'{base.model.flavor} on {cl.describe()}')}"
             out["wrote_plot"] = str(plot_to)
         if measure:
             rows = measured(best)
             out["measure"] = rows
             text += "\n" + render_measure(rows)
     return {"text": text, "json": out}
+
+
+def writable(path: Path, flag: str, ours) -> None:
+    """`path` can be written by plan: a new file in a folder it may create files in, or a file plan wrote before
+    (`ours`); anything else is refused in one line, before anything is computed or written."""
+    if path.exists() or path.is_symlink():
+        if not path.is_file() or path.is_symlink() or not ours(path):
+            raise VlaforgeError(f"{flag} {path} exists and was not written by vlaforge plan; choose another path or "
+                                "remove it (plan replaces only its own files)")
+    folder = path.parent
+    while not folder.exists():  # write_atomic creates the missing folders
+        folder = folder.parent
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise VlaforgeError(f"{flag} {path}: cannot write there ({e.strerror or e}); choose a writable path") from e
+
+
+@contextmanager
+def _writing(path: Path, flag: str):
+    """An OS error while writing (a full disk, a folder gone read-only) as one line; write_atomic leaves no part."""
+    try:
+        yield
+    except OSError as e:
+        raise VlaforgeError(f"{flag} {path}: cannot write there ({e.strerror or e}); choose a writable path") from e
+
+
+def _our_recipe(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(RECIPE_HEADER)) == RECIPE_HEADER.encode()
+    except OSError:
+        return False
+
+
+def _our_chart(path: Path) -> bool:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            return im.format == "PNG" and im.info.get("Software") == CHART_SOFTWARE
+    except (OSError, UnidentifiedImageError):
+        return False
 
 
 def measured(e) -> dict:

@@ -6,7 +6,8 @@ Memory per GPU (the busiest pipeline stage's GPU, the one that runs out first):
 - **state** (`memory.model_state`): divided by the FSDP2 shard degree (dp_shard x cp, as torchtitan shards) or by
   ZeRO's stage rules, LLM block linears by tp, and split over pipeline stages with the trainer's own block plan
   (`pipeline.plan_stages`); DeepSpeed's optimizer / parameter offload moves those bytes to CPU memory or NVMe;
-- **activations** (`activations.activation_parts`): per micro-batch, with tp / cp shares of the LLM blocks, times
+- **activations** (`activations.activation_parts`; what compiled blocks save with `train.compile`, no mask and K/V
+  at their own heads for an unpadded batch): per micro-batch, with tp / cp shares of the LLM blocks, times
   the micro-batches a stage holds at once (1F1B: pp - stage, GPipe: all of them); activation offload moves the
   offloaded blocks' bytes to the host except two blocks in flight (the copy and the prefetch);
 - **weight casts**: without FSDP2, autocast's bf16 copies of fp32 master weights live until that layer's backward
@@ -17,6 +18,11 @@ Memory per GPU (the busiest pipeline stage's GPU, the one that runs out first):
   largest block twice (current + prefetched), each in the compute dtype plus fp32 gradients for the
   reduce-scatter; DDP: two 25 MB gradient buckets;
   pipeline: the send/receive activations of one micro-batch.
+- **the peak** (`planner/peak.py`): the step holds parameters, optimizer state and buffers throughout, and on top of
+  them the most of (a) what backward holds at each of its parts - the activations not yet freed plus the gradients
+  made so far plus that part's working set - and (b) every gradient at the optimizer step; with gradient
+  accumulation or several micro-batches in flight, every gradient under the activations. `total` is that peak
+  (`at_peak` what it holds besides the state and buffers); `grads` and `by_component` still count every gradient.
 A candidate fits when the total is at most (device memory - `reserved_gb`) x (1 - `margin`): `reserved_gb` stands for
 the CUDA context, cuBLAS and NCCL workspaces that torch's allocator does not see, `margin` for fragmentation.
 
@@ -29,10 +35,12 @@ import math
 from dataclasses import dataclass, field, replace
 
 from vlaforge import COMPONENTS
+from vlaforge.errors import VlaforgeError
 from vlaforge.planner.activations import activation_parts, compute_bytes
-from vlaforge.planner.hardware import GB
+from vlaforge.planner.hardware import GB, no_fp8
 from vlaforge.planner.lora import adapters_of, block_gather_bytes, cast_share
 from vlaforge.planner.memory import StateBytes, per_gpu
+from vlaforge.planner.peak import backward_peak, stage_parts
 from vlaforge.planner.throughput import step_time
 from vlaforge.planner.types import Assumptions, Case, Cluster, MemoryBytes, PlanModel, config_fields
 from vlaforge.techniques.freezing import ever_trains
@@ -82,7 +90,7 @@ def build_case(pm: PlanModel, cfg, cluster: Cluster) -> Case:
         method = cp_method_for(par, seq.llm_tokens, pm.model.llm.config.num_attention_heads)[0]
     parts = activation_parts(pm.model, seq, policies, pm.contrastive, tp=tp, cp=cp,
                              sequence_parallel=par.sequence_parallel, allgather=cp > 1 and method == "allgather",
-                             zigzag=cp > 1 and method == "ring", master=tr.precision_master)
+                             zigzag=cp > 1 and method == "ring", master=tr.precision_master, compiled=tr.compile)
     trains = {c: ever_trains(policies[c]) for c in COMPONENTS}
     through = {"vision": trains["vision"], "projector": trains["vision"] or trains["projector"]}
     through["llm"] = through["projector"] or trains["llm"]
@@ -96,7 +104,12 @@ def build_case(pm: PlanModel, cfg, cluster: Cluster) -> Case:
 
 def estimate(pm: PlanModel, cfg, cluster: Cluster, assume: Assumptions = Assumptions()) -> Estimate:
     """Memory per GPU and step time of `cfg` (a full `VLAConfig`: layout, precision, checkpointing, offload, batch)
-    on `cluster`."""
+    on `cluster`.
+
+    Raises:
+        VlaforgeError: a component in fp8 on a GPU without fp8 tensor cores (`hardware.no_fp8`)."""
+    if not cluster.gpu.fp8_tflops and any(p.precision == "fp8" for _, p in cfg.components.items()):
+        raise VlaforgeError(no_fp8(cluster.gpu.name))
     case = build_case(pm, cfg, cluster)
     stages = [_stage_memory(pm, case, stage) for stage in range(case.pp)]
     stage = max(range(case.pp), key=lambda i: stages[i][0].total)
@@ -133,7 +146,8 @@ def estimate(pm: PlanModel, cfg, cluster: Cluster, assume: Assumptions = Assumpt
         by_component[comp] = row
     t = totals
     memory = {"params": t.params / GB, "grads": t.grads / GB, "optimizer": t.optimizer / GB,
-              "activations": t.activations / GB, "buffers": t.buffers / GB, "total": t.total / GB,
+              "activations": t.activations / GB, "buffers": t.buffers / GB, "at_peak": t.at_peak / GB,
+              "total": t.total / GB,
               "cpu": cpu_node / per_node / GB, "nvme": nvme_node / per_node / GB}
     if fits:
         reasons.append(f"fits: {memory['total']:.1f} of {budget / GB:.1f} GB usable per GPU")
@@ -154,10 +168,16 @@ def _stage_memory(pm: PlanModel, case: Case, stage: int) -> tuple[MemoryBytes, d
     in_flight = 1 if pp == 1 else (accum if case.par.pp_schedule == "gpipe" else min(pp - stage, accum))
     comp_mem = {comp: _component_memory(pm, case, comp, stage, in_flight) for comp in COMPONENTS}
     parts = comp_mem.values()
-    activations = sum(m.activations for m in parts) + (case.parts["other"] * in_flight if stage == pp - 1 else 0)
+    other = case.parts["other"] * in_flight if stage == pp - 1 else 0
+    activations = sum(m.activations for m in parts) + other
     totals = MemoryBytes(params=sum(m.params for m in parts), grads=sum(m.grads for m in parts),
                          optimizer=sum(m.optimizer for m in parts), activations=activations,
                          buffers=_buffers(pm, case), cpu=sum(m.cpu for m in parts), nvme=sum(m.nvme for m in parts))
+    # the gradients the step holds at its peak (planner/peak.py): those backward has made so far, or all of them
+    # where they outlive a backward (accumulation, several micro-batches in flight); the optimizer step holds all
+    held = totals.grads if accum > 1 or pp > 1 else 0.0
+    work = backward_peak(stage_parts(pm, case, stage, comp_mem, other, in_flight), activations, held)
+    totals.at_peak = max(work, totals.grads)
     return totals, comp_mem
 
 

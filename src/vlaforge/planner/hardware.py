@@ -5,6 +5,11 @@ Figures are the vendors' datasheet values for dense math (no 2:4 sparsity), in S
 1e9 B/s). Link bandwidths are per GPU and per direction, which is what a ring collective moves data at. Inter-node
 figures assume the usual one NIC per GPU (A100: HDR 200 Gb/s; H100/H200/B200: NDR 400 Gb/s); clusters differ, so
 every field can be overridden from a TOML file (`load_catalog`).
+
+`launch_us` is not a datasheet figure: the host seconds per kernel launch of a training step (Python, dispatcher,
+autograd and the CUDA launch), 43.5 us from the first H100 run (planner/launches.py says how), given to every CUDA
+entry (it belongs to the host and the software more than to the GPU; override it per cluster). The CPU entry has
+none: its calibration fits a fixed overhead instead.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from pathlib import Path
 from vlaforge.errors import VlaforgeError
 
 GB = 1e9  # the catalog's unit (and the planner's reports'): SI gigabytes
+LAUNCH_US = 43.5  # host microseconds per kernel launch, the first H100 run's (planner/launches.py)
+OPTIONAL = ("launch_us",)  # fields a new catalog entry may leave out
 
 
 @dataclass(frozen=True)
@@ -29,12 +36,24 @@ class GPU:
     intra_node_gbps: float  # NVLink (or PCIe when there is none), per GPU per direction, GB/s
     inter_node_gbps: float  # network per GPU per direction, GB/s
     pcie_gbps: float  # host link per direction (offload to CPU memory / NVMe goes through it), GB/s
+    launch_us: float = LAUNCH_US  # host seconds per kernel launch of a training step, in microseconds (0: no floor)
 
     def tflops(self, precision: str) -> float:
         """Dense matmul throughput for a component computing in `precision` (fp32 runs on TF32 tensor cores at
-        half the bf16 rate on these GPUs)."""
-        return {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops, "fp8": self.fp8_tflops or self.bf16_tflops,
+        half the bf16 rate on these GPUs).
+
+        Raises:
+            VlaforgeError: fp8 on a GPU without fp8 tensor cores (torchao's fp8 linears there are emulated: slower
+                than bf16, never a plan)."""
+        if precision == "fp8" and not self.fp8_tflops:
+            raise VlaforgeError(no_fp8(self.name))
+        return {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops, "fp8": self.fp8_tflops,
                 "fp32": self.bf16_tflops / 2}[precision]
+
+
+def no_fp8(name: str) -> str:
+    return (f"{name} has no fp8 tensor cores: fp8 linears there run slower than bf16 (torchao emulates them); plan "
+            "them in bf16, or on a GPU with fp8 units (Ada, Hopper, Blackwell)")
 
 
 CATALOG: dict[str, GPU] = {g.name: g for g in (
@@ -54,7 +73,7 @@ CATALOG: dict[str, GPU] = {g.name: g for g in (
     # ~2 cores x 3 GHz x 64 bf16 FLOP/cycle; fp16 has no vector unit here (measured 5x slower than fp32); DRAM and
     # gloo's shared-memory links are rough figures. It is the entry `vlaforge plan --calibrate` is tested against:
     # what a CPU run reaches of this "peak" comes from calibration, not from these numbers.
-    GPU("cpu", 24, 0.38, 0.04, 0, 30, 5, 1, 10),
+    GPU("cpu", 24, 0.38, 0.04, 0, 30, 5, 1, 10, launch_us=0.0),
 )}
 ALIASES = {"h100": "h100-80", "h100-sxm": "h100-80", "h200": "h200-141", "a100": "a100-80", "4090": "rtx-4090"}
 
@@ -83,7 +102,7 @@ def load_catalog(path: Path | None = None) -> dict[str, GPU]:
         if name in catalog:
             catalog[name] = replace(catalog[name], **values)
             continue
-        missing = sorted(names - set(values))
+        missing = sorted(names - set(values) - set(OPTIONAL))
         if missing:
             raise VlaforgeError(f"{path}: new GPU [gpu.{name}] lacks {missing}; give every field")
         catalog[name] = GPU(name=name, **values)

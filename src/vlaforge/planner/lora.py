@@ -32,6 +32,10 @@ from dataclasses import dataclass
 from torch import nn
 
 NF4_BLOCK = 64  # techniques.lora.NF4_BLOCK
+# The components whose adapters the planner counts (and `--lora` adds): the tower and the LLM, whose blocks
+# activations.py and throughput.py count term by term. LoRA itself adapts any component (techniques/lora.py); a
+# pretrained policy's action expert has blocks too (models.blocks.blocks_of) but is not counted yet.
+LORA_COUNTED = ("vision", "llm")
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,10 @@ def adapted(model: nn.Module, comp: str, policy) -> Adapted | None:
         return None
     from vlaforge.errors import VlaforgeError
 
-    if comp not in ("vision", "llm"):
-        raise VlaforgeError(f"the planner counts LoRA on the vision tower and the LLM; components.{comp}.lora is not "
-                            f"counted yet: plan the {comp} trained in full (its adapters would be a few per cent of it)")
+    if comp not in LORA_COUNTED:
+        raise VlaforgeError(f"the planner counts LoRA on the vision tower and the LLM; components.{comp}.lora is "
+                            f"not counted yet: plan the {comp} trained in full (its adapters would be a few per cent "
+                            "of it)")
     if cfg.base == "int8":
         # NOTE: measured (tests/test_planner_lora.py's accounting): torchao's int8 linear dequantizes its weight and
         # autograd keeps that dense copy for the input gradient, per linear, until backward
@@ -205,7 +210,7 @@ def block_flops(a: Adapted, tokens: float, strategy: str, base_attn: float, base
     without its last matmul, which is the output projection's B when that is adapted (peft runs the base first:
     the base output projection is then recomputed)."""
     fa, ff = _matmuls(a.block_attn, tokens, a.rank), _matmuls(a.block_ffn, tokens, a.rank)
-    last_b = lambda rows: 2.0 * tokens * a.rank * rows[-1][1]  # noqa: E731
+    last_b = lambda rows: 2.0 * tokens * a.rank * rows[-1][1]
     attn_last = last_b(a.block_attn) if a.attn_out_adapted else attn_out
     ffn_last = last_b(a.block_ffn) if a.ffn_out_adapted else ffn_out
     attn, ffn = base_attn + fa, base_ffn + ff

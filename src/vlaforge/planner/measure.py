@@ -20,9 +20,9 @@ def side_by_side(cfg, batch_size: int) -> dict:
     """Per component (and 'other' for the loss terms): activation bytes analytic vs measured (on the device and
     offloaded together) and their ratio; the measured offloaded bytes and autocast weight copies; model-state bytes
     (exact by construction: both count the real shapes)."""
-    from vlaforge.techniques import accounting as memory
     from vlaforge.models.build import synthetic_batch
     from vlaforge.models.fake import fake_build
+    from vlaforge.techniques import accounting as memory
     from vlaforge.techniques.freezing import apply_freezing
     from vlaforge.training.trainer import build_bare, build_model
 

@@ -10,11 +10,11 @@ from typing import Any
 
 from vlaforge import COMPONENTS
 from vlaforge.planner.estimate import GB, Estimate
-from vlaforge.planner.types import Assumptions, Cluster, PlanModel
 from vlaforge.planner.search import Plan
-from vlaforge.planner.types import config_fields
+from vlaforge.planner.types import Assumptions, Cluster, PlanModel, config_fields
 
 KINDS = ("params", "grads", "optimizer", "activations")
+CHART_SOFTWARE = "vlaforge plan"  # the PNG's Software field: `--plot` replaces only a chart plan wrote
 
 
 def korthikanti_bytes(pm: PlanModel, batch: int, tp: int = 1, strategy: str = "none") -> int:
@@ -67,10 +67,15 @@ def _short(e: Estimate) -> str:
     return " ".join([dp, *par])
 
 
-def _policy(e: Estimate) -> str:
+TAGS = {"vision": "vis"}  # the policy column's short names (a component not here by its own name)
+
+
+def _policy(e: Estimate, with_blocks: tuple[str, ...]) -> str:
+    """Precision / checkpointing / offload of each component with blocks (`Plan.with_blocks`), the LLM first."""
     f = config_fields(e.config)
     out = []
-    for comp, tag in (("llm", "llm"), ("vision", "vis")):
+    for comp in sorted(with_blocks, key=lambda c: c != "llm"):
+        tag = TAGS.get(comp, comp)
         p, ck, off = (f[f"components.{comp}.{k}"] for k in ("precision", "checkpointing", "offload"))
         out.append(f"{tag} {p}/{ck}" + (f"/off-{off}" if off != "none" else ""))
     lora = f["components.llm.lora"]
@@ -92,7 +97,7 @@ def render(plan: Plan, top: int = 5) -> str:
         table.add_column(col, justify="left" if col in ("layout", "precision/checkpointing") else "right")
     rows = plan.ranked[:top] or ([plan.best_misfit] if plan.best_misfit else [])
     for i, e in enumerate(rows, 1):
-        table.add_row(str(i) if e.fits else "no fit", _short(e), _policy(e),
+        table.add_row(str(i) if e.fits else "no fit", _short(e), _policy(e, plan.with_blocks),
                       f"{e.config.train.batch_size} x {e.config.train.grad_accum}", f"{e.memory['total']:.1f}",
                       f"{e.memory['activations']:.1f}", f"{e.memory['cpu'] + e.memory['nvme']:.1f}",
                       f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.0f}%")
@@ -132,7 +137,7 @@ def plot(e: Estimate, path: str | Path, title: str) -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="png", metadata={"Software": CHART_SOFTWARE})
     plt.close(fig)
     write_atomic(path, buf.getvalue())
     return Path(path)
@@ -195,8 +200,9 @@ def whitepaper(path: str | Path, global_batch: int = 256, assume: Assumptions = 
                 chart = charts / f"{flavor}_{n}f_{cluster.nodes}x{cluster.gpus_per_node}_{cluster.gpu.name}.png"
                 plot(b, chart, f"{flavor}, {n} frames, {cluster.describe()}")
                 why = "; ".join(plan.explanations[:3])
-                lines.append(f"| {cluster.describe()} | {_short(b)} | {_policy(b)} | {b.config.train.batch_size} × "
-                             f"{b.config.train.grad_accum} | [{b.memory['total']:.1f}]({charts.name}/{chart.name}) | "
+                lines.append(f"| {cluster.describe()} | {_short(b)} | {_policy(b, plan.with_blocks)} | "
+                             f"{b.config.train.batch_size} × {b.config.train.grad_accum} | "
+                             f"[{b.memory['total']:.1f}]({charts.name}/{chart.name}) | "
                              f"{b.tokens_per_s:,.0f} | {100 * b.mfu:.0f}% | {why} |")
             lines.append("")
     lines += _lora_section(assume, charts)
@@ -221,10 +227,11 @@ def lora_plans(flavor: str = "vla-7b", assume: Assumptions = Assumptions(), clus
     """(setup, cluster, plan) for full fine-tuning, LoRA and QLoRA (adapters on the vision tower and the LLM) of
     `flavor` on each cluster."""
     from vlaforge.config.loading import load_config
+    from vlaforge.planner.lora import LORA_COUNTED
     from vlaforge.planner.search import search
 
     for setup, lora in LORA_SETUPS.items():
-        comps = {c: {"precision": "bf16"} | ({"lora": lora} if lora and c in ("vision", "llm") else {})
+        comps = {c: {"precision": "bf16"} | ({"lora": lora} if lora and c in LORA_COUNTED else {})
                  for c in COMPONENTS}
         pm = PlanModel(load_config(None, {"model": {"flavor": flavor}, "components": comps}))
         for cluster in clusters or lora_clusters():
@@ -239,7 +246,7 @@ def _lora_section(assume: Assumptions, charts: Path) -> list[str]:
              "both (docs/lora.md).", "",
              "| setup | cluster | fits | layout | precision / checkpointing | micro × accum | GB per GPU | step s | "
              "tokens/s | trains |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for setup, cluster, pm, plan in lora_plans(assume=assume):
+    for setup, cluster, _, plan in lora_plans(assume=assume):
         b = plan.best
         if b is None:
             m = plan.best_misfit
@@ -247,7 +254,8 @@ def _lora_section(assume: Assumptions, charts: Path) -> list[str]:
                          f"{m.memory['total']:.1f} needed | — | — | — |" if m else
                          f"| {setup} | {cluster.describe()} | no | — | — | — | — | — | — | — |")
             continue
-        lines.append(f"| {setup} | {cluster.describe()} | yes | {_short(b)} | {_policy(b)} | "
+        lines.append(f"| {setup} | {cluster.describe()} | yes | {_short(b)} | "
+                     f"{_policy(b, plan.with_blocks)} | "
                      f"{b.config.train.batch_size} × {b.config.train.grad_accum} | {b.memory['total']:.1f} | "
                      f"{b.step_time_s:.2f} | {b.tokens_per_s:,.0f} | {100 * b.trainable_share:.2f} % |")
     return lines + [""]

@@ -3,31 +3,39 @@ explain the top choices.
 
 Enumerated (each dimension only where `--fix` leaves it free):
 - layout: tp in 1/2/4/8 (within a node; with Megatron-style sequence parallel, which pipeline stages do not
-  take), pp in 1/2/4/8, cp in 1/2/4/8 with each `cp_method`, and the rest data parallel as FSDP2 (full shard),
-  HSDP (one replica per node) or DDP;
+  take), pp in 1/2/4/8, cp in 1/2/4/8 with each `cp_method` (a pinned degree as given), and the rest data parallel
+  as FSDP2 (full shard), HSDP (one replica per node) or DDP;
 - the LLM's precision (bf16, and fp8 where the GPU has fp8 tensor cores); the other components compute in bf16;
 - checkpointing: none / selective / full on the LLM, none / full on the vision tower;
 - activation offload of the LLM to CPU memory;
-- the micro-batch (1, 2, 4, ... 64) and the accumulation that reach the global batch.
-Every layout goes through the trainer's own checks (`VLAConfig` validation and `distributed.parallel_dims.check_layout`) before it
-is estimated, so the search never proposes what `vlaforge train` refuses (cp with pp or DDP, Ulysses whose heads
-do not split, ...). DeepSpeed is not searched (FSDP2 covers its sharding);
-`--fix parallel.backend=deepspeed` evaluates it, and it is tried as an alternative when nothing fits.
+- the micro-batch (1, 2, 4, ... 64, or the pinned one) where it divides a GPU's share of the global batch, and the
+  accumulation that reaches it.
+Every layout goes through the trainer's own checks (`VLAConfig` validation and
+`distributed.parallel_dims.check_layout`) before it is estimated, so the search never proposes what `vlaforge train`
+refuses (cp with pp or DDP, Ulysses whose heads do not split, ...). DeepSpeed is not searched (FSDP2 covers its
+sharding); `--fix parallel.backend=deepspeed` evaluates it, and it is tried as an alternative when nothing fits. When
+no candidate passes at all, `unplannable` names the pinned value that rules them all out, and why.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlaforge import COMPONENTS
 from vlaforge.errors import VlaforgeError
 from vlaforge.planner.estimate import GB, Estimate, estimate
+from vlaforge.planner.explain import explain, usable_gb
 from vlaforge.planner.types import Assumptions, Cluster, PlanModel, config_fields
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-LORA = "components.lora"  # the search's LoRA choice: adapters on the vision tower and the LLM (or none)
+DEGREES = (1, 2, 4, 8)  # tp, pp and cp where --fix leaves them free
+LORA = "components.lora"  # the search's LoRA choice: adapters on planner.lora.LORA_COUNTED (or none)
+RECIPE_HEADER = "# vlaforge plan:"  # a recipe's first line when plan wrote it: plan replaces only such a file
+LORA_REFUSED = "lora: "  # marks, among the search's refusals, LoRA's own
 ALTERNATIVES = {
     "DeepSpeed ZeRO-3 with optimizer and parameter offload to CPU": {
         "parallel.backend": "deepspeed", "parallel.zero_stage": 3, "parallel.offload_optimizer": "cpu",
@@ -77,15 +85,18 @@ class Plan:
     refused: int = 0  # layouts the trainer's checks refuse
     explanations: list[str] = field(default_factory=list)
     alternatives: dict[str, Estimate] = field(default_factory=dict)  # when nothing fits: what would, and how fast
+    with_blocks: tuple[str, ...] = ()  # the model's components with transformer blocks (the table's policy column)
 
     @property
     def best(self) -> Estimate | None:
         return self.ranked[0] if self.ranked else None
 
 
-def _layouts(cluster: Cluster):
+def _layouts(cluster: Cluster, fixed: dict[str, Any]):
     world = cluster.gpus
-    for tp, pp, cp in itertools.product((1, 2, 4, 8), repeat=3):
+    # a pinned degree is tried as given (tp = 3 on 6 GPUs is a layout too), a free one in powers of two
+    tps, pps, cps = ((fixed[k],) if k in fixed else DEGREES for k in ("parallel.tp", "parallel.pp", "parallel.cp"))
+    for tp, pp, cp in itertools.product(tps, pps, cps):
         if tp > cluster.gpus_per_node or world % (tp * pp * cp):
             continue
         dp = world // (tp * pp * cp)
@@ -117,58 +128,16 @@ def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, 
     vision tower and the LLM over a bf16 base, and QLoRA (an NF4 base) - they train a few per cent of the
     parameters, which is what the explanation says they give up."""
     from vlaforge.config.loading import deep_merge, validate
-    from vlaforge.distributed.parallel_dims import World, check_layout
+    from vlaforge.models.blocks import components_with_blocks
 
     fixed = dict(fixed or {})
-    base = pm.cfg.model_dump()
-    validate(deep_merge(base, nested(fixed)))  # a misspelt or out-of-range --fix is one line, before the search
-    plan = Plan(cluster, global_batch, pm.tokens_per_sample)
-    world = World(rank=0, local_rank=0, size=cluster.gpus)
-    fp8 = ("bf16", "fp8") if cluster.gpu.fp8_tflops else ("bf16",)
-    knobs = {"components.llm.precision": fp8, "components.llm.checkpointing": ("none", "selective", "full"),
-             "components.vision.checkpointing": ("none", "full"), "components.llm.offload": ("none", "cpu")}
-    if lora_rank:
-        knobs[LORA] = (None, {"rank": lora_rank, "base": "bf16"}, {"rank": lora_rank, "base": "nf4"})
-    defaults = {"components.vision.precision": "bf16", "components.projector.precision": "bf16",
-                "components.action_head.precision": "bf16"}
-    defaults = {k: v for k, v in defaults.items() if k not in fixed}
-    candidates: list[Estimate] = []
-    for layout in _layouts(cluster):
-        if layout["parallel.cp"] == 1 and "parallel.cp_method" in fixed:  # no method choice without cp
-            layout["parallel.cp_method"] = fixed["parallel.cp_method"]
-        if "parallel.sequence_parallel" in fixed:  # a default of the layout, not a dimension of its own
-            layout["parallel.sequence_parallel"] = fixed["parallel.sequence_parallel"]
-        if any(k in fixed and fixed[k] != v for k, v in layout.items()):
-            continue  # --fix pins this dimension to another value
-        dp = layout["parallel.dp_replicate"] * layout["parallel.dp_shard"]
-        if global_batch % dp:
-            plan.refused += 1
-            continue
-        per_rank = global_batch // dp
-        micros = [m for m in MICRO_BATCHES if per_rank % m == 0]
-        if "train.batch_size" in fixed:
-            micros = [fixed["train.batch_size"]]
-        for micro in micros:
-            accum = per_rank // micro
-            if "train.grad_accum" in fixed and fixed["train.grad_accum"] != accum:
-                continue
-            flat = {**defaults, **layout, "train.batch_size": micro, "train.grad_accum": accum}
-            try:
-                cfg = validate(deep_merge(base, nested({**flat, **fixed})))
-                check_layout(cfg, world)
-            except VlaforgeError:
-                plan.refused += 1
-                continue
-            for knob in _free(knobs, fixed):
-                cand = cfg if not knob else cfg.model_copy(update={"components": _components(cfg, knob)})
-                if knob.get(LORA) or cand.components.llm.lora or cand.components.vision.lora:
-                    # LoRA's own refusals (tp, pp, fp8, DeepSpeed): the config's validation
-                    try:
-                        validate(cand.model_dump(mode="json"))
-                    except VlaforgeError:
-                        plan.refused += 1
-                        continue
-                candidates.append(estimate(pm, cand, cluster, assume))
+    validate(deep_merge(pm.cfg.model_dump(), nested(fixed)))  # a misspelt or out-of-range --fix is one line, first
+    refuse_fp8(cluster, fixed)
+    plan = Plan(cluster, global_batch, pm.tokens_per_sample, with_blocks=components_with_blocks(pm.model))
+    refusals: Counter = Counter()
+    candidates = [estimate(pm, cand, cluster, assume)
+                  for cand in _configs(pm, cluster, global_batch, fixed, lora_rank, refusals)]
+    plan.refused = sum(refusals.values())
     plan.considered = len(candidates)
     fitting = [e for e in candidates if e.fits]
     fitting.sort(key=lambda e: (-round(e.tokens_per_s, 3), _techniques(e), e.memory["total"]))
@@ -185,7 +154,162 @@ def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, 
             if alt.best is not None or alt.best_misfit is not None:
                 plan.alternatives[name] = alt.best or alt.best_misfit
     plan.explanations = explain(plan, candidates, cluster, assume)
+    if lora_rank and not any(_has_lora(e.config) for e in candidates):
+        why = max((m for m in refusals if m.startswith(LORA_REFUSED)), key=refusals.get, default=None)
+        plan.explanations.append(f"no LoRA / QLoRA candidate of rank {lora_rank}: "
+                                 + (why[len(LORA_REFUSED):] if why else "no layout here takes LoRA"))
     return plan
+
+
+def refuse_fp8(cluster: Cluster, fixed: dict[str, Any]) -> None:
+    """fp8 pinned on a GPU without fp8 tensor cores: refused in one line (the search never offers it there).
+
+    Raises:
+        VlaforgeError: naming the pin and the GPU."""
+    from vlaforge.planner.hardware import no_fp8
+
+    for comp in COMPONENTS:
+        if fixed.get(f"components.{comp}.precision") == "fp8" and not cluster.gpu.fp8_tflops:
+            raise VlaforgeError(f"--fix components.{comp}.precision=fp8: {no_fp8(cluster.gpu.name)}")
+
+
+def _has_lora(cfg) -> bool:
+    return any(getattr(cfg.components, c).lora is not None for c in COMPONENTS)
+
+
+def _configs(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, Any], lora_rank: int | None,
+             refusals: Counter):
+    """Every candidate config the trainer accepts (`VLAConfig` validation, `check_layout`, LoRA's own refusals),
+    before any estimate; what it refuses is counted in `refusals` by message."""
+    from vlaforge.config.loading import deep_merge, validate
+    from vlaforge.distributed.parallel_dims import World, check_layout
+
+    base = pm.cfg.model_dump()
+    world = World(rank=0, local_rank=0, size=cluster.gpus)
+    knobs = _knobs(cluster, lora_rank)
+    defaults = {"components.vision.precision": "bf16", "components.projector.precision": "bf16",
+                "components.action_head.precision": "bf16"}
+    defaults = {k: v for k, v in defaults.items() if k not in fixed}
+    for layout in _layouts(cluster, fixed):
+        if layout["parallel.cp"] == 1 and "parallel.cp_method" in fixed:  # no method choice without cp
+            layout["parallel.cp_method"] = fixed["parallel.cp_method"]
+        if "parallel.sequence_parallel" in fixed:  # a default of the layout, not a dimension of its own
+            layout["parallel.sequence_parallel"] = fixed["parallel.sequence_parallel"]
+        if any(k in fixed and fixed[k] != v for k, v in layout.items()):
+            continue  # --fix pins this dimension to another value
+        dp = layout["parallel.dp_replicate"] * layout["parallel.dp_shard"]
+        if global_batch % dp:
+            refusals[f"global batch {global_batch} does not split over {dp} data-parallel ranks"] += 1
+            continue
+        per_rank = global_batch // dp
+        micros = [m for m in ((fixed["train.batch_size"],) if "train.batch_size" in fixed else MICRO_BATCHES)
+                  if per_rank % m == 0]  # micro x accum x dp is the global batch, exactly
+        if not micros:
+            refusals[f"a GPU's share of the global batch ({per_rank} here, with {dp} data-parallel ranks) is not a "
+                     "multiple of the pinned micro-batch; pin a divisor of it"] += 1
+        for micro in micros:
+            accum = per_rank // micro
+            if "train.grad_accum" in fixed and fixed["train.grad_accum"] != accum:
+                continue
+            flat = {**defaults, **layout, "train.batch_size": micro, "train.grad_accum": accum}
+            try:
+                cfg = validate(deep_merge(base, nested({**flat, **fixed})))
+                check_layout(cfg, world)
+            except VlaforgeError as e:
+                refusals[str(e)] += 1
+                continue
+            for knob in _free(knobs, fixed):
+                cand = cfg if not knob else cfg.model_copy(update={"components": _components(cfg, knob)})
+                if _has_lora(cand):  # LoRA's own refusals (tp, pp, fp8, DeepSpeed): the config's validation
+                    try:
+                        validate(cand.model_dump(mode="json"))
+                    except VlaforgeError as e:
+                        refusals[LORA_REFUSED + str(e)] += 1
+                        continue
+                yield cand
+
+
+def unplannable(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
+                lora_rank: int | None = None) -> str:
+    """Why the search has no candidate at all, in one line: a pinned value that rules every one out on its own, or
+    whose release lets one through, and why; else the trainer's most frequent refusal."""
+    refusals: Counter = Counter()
+    for _ in _configs(pm, cluster, global_batch, fixed, lora_rank, refusals):
+        pass
+    common = max(refusals, key=refusals.get, default="no layout of these degrees")
+    where = f"on {cluster.describe()} at global batch {global_batch}"
+    for key, value in fixed.items():
+        why = _refused_pin(pm, cluster, global_batch, key, value)
+        if why is not None:
+            return f"{_flag(key, value)} rules out every candidate {where}: {why}"
+    for key, value in fixed.items():  # a pin whose release lets a candidate through: why that one refuses it
+        rest = {k: v for k, v in fixed.items() if k != key}
+        cand = next(_configs(pm, cluster, global_batch, rest, lora_rank, Counter()), None)
+        if cand is not None:
+            why = _refusal(cand.model_dump(), _repin(cand, key, value, cluster.gpus), cluster) or common
+            return f"{_flag(key, value)} rules out every candidate {where}: {why}"
+    if fixed:
+        pins = ", ".join(_flag(k, v) for k, v in fixed.items())
+        return f"the pinned values ({pins}) together rule out every candidate {where}: {common}"
+    return f"no layout passes the trainer's checks {where} ({common}); change --global-batch or the GPU count"
+
+
+def _flag(key: str, value: Any) -> str:
+    return f"--micro-batch {value} (train.batch_size)" if key == "train.batch_size" else f"--fix {key}={value}"
+
+
+def _refused_pin(pm: PlanModel, cluster: Cluster, global_batch: int, key: str, value: Any) -> str | None:
+    """Why `key = value` alone admits no candidate: a micro-batch above the global batch, the trainer's check of a
+    layout with that degree pinned (the rest data parallel), or a tensor-parallel degree beyond a node; None if none
+    says."""
+    if key == "train.batch_size" and value > global_batch:
+        return (f"a micro-batch is part of one GPU's share of the global batch {global_batch}; pin at most "
+                f"{global_batch}, or raise --global-batch")
+    if key not in ("parallel.tp", "parallel.pp", "parallel.cp"):
+        return None
+    degrees = {"parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "parallel.dp_shard": -1,
+               "parallel.dp_replicate": 1, "parallel.backend": "fsdp2", key: value}
+    why = _refusal(pm.cfg.model_dump(), degrees, cluster)
+    if why is None and key == "parallel.tp" and value > cluster.gpus_per_node:
+        return f"the planner keeps tensor parallel within a node of {cluster.gpus_per_node} GPUs; pin a smaller tp"
+    return why
+
+
+def _repin(cfg, key: str, value: Any, world: int) -> dict[str, Any]:
+    """`key = value` on a candidate, a degree with the data-parallel degree refilled to the GPUs (DDP's replicas,
+    FSDP2's shards): the trainer then judges the pin, not the product."""
+    flat = {key: value}
+    if key in ("parallel.tp", "parallel.pp", "parallel.cp"):
+        p = cfg.parallel
+        degrees = {"parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp, key: value}
+        others = degrees["parallel.tp"] * degrees["parallel.pp"] * degrees["parallel.cp"]
+        if world % others == 0 and p.backend == "ddp":
+            flat["parallel.dp_replicate"] = world // others
+        elif world % (others * p.dp_replicate) == 0:
+            flat["parallel.dp_shard"] = world // (others * p.dp_replicate)
+    return flat
+
+
+def _refusal(base: dict, flat: dict[str, Any], cluster: Cluster) -> str | None:
+    """The trainer's refusal of `base` with `flat` set (`VLAConfig` validation, `check_layout`), None if it takes it."""
+    from vlaforge.config.loading import deep_merge, validate
+    from vlaforge.distributed.parallel_dims import World, check_layout
+
+    try:
+        check_layout(validate(deep_merge(base, nested(flat))), World(rank=0, local_rank=0, size=cluster.gpus))
+    except VlaforgeError as e:
+        return str(e)
+    return None
+
+
+def _knobs(cluster: Cluster, lora_rank: int | None) -> dict[str, tuple]:
+    """The per-component choices the search tries (each only where --fix leaves it free)."""
+    fp8 = ("bf16", "fp8") if cluster.gpu.fp8_tflops else ("bf16",)
+    knobs = {"components.llm.precision": fp8, "components.llm.checkpointing": ("none", "selective", "full"),
+             "components.vision.checkpointing": ("none", "full"), "components.llm.offload": ("none", "cpu")}
+    if lora_rank:
+        knobs[LORA] = (None, {"rank": lora_rank, "base": "bf16"}, {"rank": lora_rank, "base": "nf4"})
+    return knobs
 
 
 def _techniques(e: Estimate) -> int:
@@ -195,12 +319,13 @@ def _techniques(e: Estimate) -> int:
 
 def _components(cfg, knob: dict[str, Any]):
     from vlaforge.config.lora import LoraConfig
+    from vlaforge.planner.lora import LORA_COUNTED
 
     comps = cfg.components
     updates: dict[str, dict[str, Any]] = {}
     for key, value in knob.items():
-        if key == LORA:  # the same adapters on the tower and the LLM
-            for comp in ("vision", "llm"):
+        if key == LORA:  # the same adapters on every component whose LoRA the planner counts
+            for comp in LORA_COUNTED:
                 updates.setdefault(comp, {})["lora"] = LoraConfig(**value) if value else None
             continue
         _, comp, name = key.split(".")
@@ -218,90 +343,6 @@ def _distinct(ranked: list[Estimate]) -> list[Estimate]:
             seen.add(key)
             out.append(e)
     return out
-
-
-def _same_but(e: Estimate, candidates: list[Estimate], **changes: Any) -> Estimate | None:
-    want = {**config_fields(e.config), **changes}
-    for c in candidates:
-        if config_fields(c.config) == want:
-            return c
-    return None
-
-
-def explain(plan: Plan, candidates: list[Estimate], cluster: Cluster, assume: Assumptions) -> list[str]:
-    """Sentences on why the top choice is what it is, each from two estimates side by side."""
-    best = plan.best
-    if best is None:
-        if plan.best_misfit is None:
-            return [f"no layout of {cluster.gpus} GPUs passes the trainer's checks for global batch "
-                    f"{plan.global_batch}; change --global-batch or the GPU count"]
-        m = plan.best_misfit
-        usable = usable_gb(cluster, assume)
-        out = [f"nothing fits on {cluster.describe()}: the smallest candidate needs {m.memory['total']:.1f} GB "
-               f"per GPU ({usable:.1f} GB usable); add nodes, or take an alternative below"]
-        for name, e in plan.alternatives.items():
-            if e.fits:
-                out.append(f"alternative, {name}: fits at {e.memory['total']:.1f} GB per GPU + "
-                           f"{e.memory['cpu']:.1f} GB host per GPU, {e.tokens_per_s:,.0f} tokens/s "
-                           f"(MFU {100 * e.mfu:.0f}%)")
-            else:
-                out.append(f"alternative, {name}: does not fit either ({'; '.join(e.reasons)})")
-        return out
-    out = []
-    f = config_fields(best.config)
-    ck = f["components.llm.checkpointing"]
-    none = _same_but(best, candidates, **{"components.llm.checkpointing": "none"})
-    if ck != "none" and none is not None:
-        act, act_none = best.by_component["llm"]["activations"], none.by_component["llm"]["activations"]
-        verdict = "does not fit" if not none.fits else "fits but runs slower"
-        out.append(f"{ck} on llm: {act_none / max(act, 1e-9):.1f}x less activation memory than none at "
-                   f"{100 * best.recompute_share:.0f}% recompute; none {verdict} here "
-                   f"({none.memory['total']:.1f} GB per GPU)")
-    elif ck == "none":
-        out.append("no checkpointing on llm: its activations fit without recomputation")
-    if f["components.llm.offload"] == "none":
-        out.append("offload not needed: the state and activations fit on the GPUs")
-    else:
-        out.append(f"llm activations offloaded to CPU: {best.memory['cpu']:.1f} GB per GPU in host memory")
-    if f["parallel.tp"] > 1:
-        share = best.time_s.get("tp_comm", 0) / best.step_time_s
-        out.append(f"tp = {f['parallel.tp']}: the LLM blocks' weights and activations split, at "
-                   f"{100 * share:.0f}% of the step in all-reduces")
-    if f["parallel.cp"] > 1:
-        comm = best.time_s.get("cp_comm", 0) + best.time_s.get("cp_comm_exposed", 0)
-        out.append(f"cp = {f['parallel.cp']} ({f['parallel.cp_method']}): each rank holds 1/{f['parallel.cp']} of the "
-                   f"LLM's {plan.tokens_per_sample} tokens per sample; its communication shows as "
-                   f"{100 * comm / best.step_time_s:.0f}% of the step")
-    if f["parallel.pp"] > 1:
-        share = best.time_s.get("pipeline_bubble", 0) / best.step_time_s
-        out.append(f"pp = {f['parallel.pp']}: pipeline bubble {100 * share:.0f}% of the step with "
-                   f"{best.config.train.grad_accum} micro-batches")
-    if f["components.llm.lora"] is not None:
-        out.append(_lora_tradeoff(best, candidates))
-    if f["components.llm.precision"] == "fp8":
-        bf16 = _same_but(best, candidates, **{"components.llm.precision": "bf16"})
-        if bf16 is not None:
-            out.append(f"fp8 on llm: {best.tokens_per_s / bf16.tokens_per_s:.2f}x the tokens/s of bf16")
-    return out
-
-
-def _lora_tradeoff(best: Estimate, candidates: list[Estimate]) -> str:
-    """What LoRA gave up, from the estimates: its trainable share, and the best full fine-tune beside it."""
-    lora = best.config.components.llm.lora
-    full = [c for c in candidates if config_fields(c.config)["components.llm.lora"] is None]
-    fits = [c for c in full if c.fits]
-    kind = "QLoRA (NF4 base)" if lora.base == "nf4" else f"LoRA ({lora.base} base)"
-    share = best.trainable_share
-    head = (f"{kind}, rank {lora.rank} on vision + llm: trains {100 * share:.2f} % of the parameters (the rest "
-            "frozen: what it gives up against full fine-tuning)")
-    if fits:
-        top = max(fits, key=lambda c: c.tokens_per_s)
-        return (f"{head}; full fine-tuning fits here at {top.tokens_per_s:,.0f} tokens/s "
-                f"({top.memory['total']:.1f} GB per GPU) vs {best.tokens_per_s:,.0f}")
-    if full:
-        low = min(full, key=lambda c: c.memory["total"])
-        return f"{head}; full fine-tuning does not fit here (at least {low.memory['total']:.1f} GB per GPU)"
-    return head
 
 
 def needed_nodes(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, Any] | None = None,
@@ -324,7 +365,7 @@ def write_config(e: Estimate, path: str | Path, cluster: Cluster) -> Path:
     from vlaforge.config.loading import dump_toml
     from vlaforge.outputs import write_atomic
 
-    head = (f"# vlaforge plan: {cluster.describe()}, estimated {e.tokens_per_s:,.0f} tokens/s, "
+    head = (f"{RECIPE_HEADER} {cluster.describe()}, estimated {e.tokens_per_s:,.0f} tokens/s, "
             f"{e.memory['total']:.1f} GB per GPU, MFU {100 * e.mfu:.0f}%\n"
             f"# run: torchrun --nnodes {cluster.nodes} --nproc-per-node {cluster.gpus_per_node} "
             f"-m vlaforge train {Path(path).name}\n")
@@ -332,9 +373,5 @@ def write_config(e: Estimate, path: str | Path, cluster: Cluster) -> Path:
     return Path(path)
 
 
-def usable_gb(cluster: Cluster, assume: Assumptions) -> float:
-    return (cluster.gpu.memory_gb - assume.reserved_gb) * (1 - assume.margin)
-
-
 __all__ = ["GB", "Plan", "search", "explain", "write_config", "config_fields", "parse_fixes", "needed_nodes",
-           "usable_gb"]
+           "usable_gb", "unplannable"]

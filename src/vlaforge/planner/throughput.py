@@ -14,13 +14,18 @@ recomputation (PaLM's convention): recomputation costs time but is not useful wo
 `step_time` turns the FLOPs into one step's seconds on a cluster (the overlap assumptions are the ones the
 runtime makes):
 - compute: matmul FLOPs (`throughput.step_flops`, forward + backward + recomputation) at the GPU's dense peak for
-  the component's precision times `matmul_efficiency` (`fp8_efficiency` of the fp8 peak for fp8 linears);
+  the component's precision times `matmul_efficiency`; an fp8 LLM's block linears per GEMM shape
+  (`launches.fp8_linear_seconds`: the fp8 GEMMs at `fp8_efficiency` plus their casts; the LM head, the attention
+  cores and every other component in bf16; fp8 on a GPU without fp8 units is refused, not costed);
   attention cores at `attention_efficiency`; plus memory-bound kernels: every activation the forward makes
-  (what `none` keeps) moved `elementwise_passes` times through HBM, and a third of that again for what
-  recomputation rebuilds; an NF4 LoRA base's dequantization (its codes read, a dense copy written, forward and
-  backward) at HBM speed;
+  (what `none` keeps; with `train.compile`, what the compiled blocks keep: their fused kernels do not move the
+  rest) moved `elementwise_passes` times through HBM, and a third of that again for what recomputation rebuilds;
+  an NF4 LoRA base's dequantization (its codes read, a dense copy written, forward and backward) at HBM speed;
   the LLM's work divided by tp x cp and over the stages, the vision tower and heads replicated; plus
   `micro_overhead_s` per micro-batch (launches and Python; 0 unless calibrated);
+- the launch floor (`launches.py`): a micro-batch takes at least the host's time to launch its kernels (the
+  catalog's `launch_us` each); where that is longer than the device's time, the difference is `launch_exposed`
+  (off in a calibration, whose fitted `micro_overhead_s` stands for it);
 - FSDP all-gathers (forward and backward of every micro-batch) and the reduce-scatter (once per step), DDP's and
   HSDP's all-reduce: overlapped with compute (only the excess counts);
 - TP's four all-reduces per block per micro-batch (six with `full` recomputation) and Ulysses' all-to-alls: on the
@@ -40,9 +45,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vlaforge import COMPONENTS
-from vlaforge.planner.activations import (Sequence, activation_parts, compute_bytes, llm_shape, qwen_window_grid,
-                                          vision_shape)
+from vlaforge.planner.activations import (
+    Sequence,
+    activation_parts,
+    compute_bytes,
+    llm_shape,
+    qwen_window_grid,
+    vision_shape,
+)
 from vlaforge.planner.hardware import GB
+from vlaforge.planner.launches import fp8_block_seconds
 from vlaforge.techniques.freezing import ever_trains
 
 if TYPE_CHECKING:
@@ -100,7 +112,7 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     tv, tp = images * seq.tower_patches, images * seq.patches  # the tower's tokens, the projected ones
     from vlaforge.planner.lora import adapters_of
 
-    trains = {c: ever_trains(policies[c]) for c in ("vision", "projector", "llm", "action_head")}
+    trains = {c: ever_trains(policies[c]) for c in COMPONENTS}
     lora = adapters_of(model, policies)
     out = StepFlops()
 
@@ -214,15 +226,24 @@ def step_time(pm: "PlanModel", case: "Case", cluster: "Cluster", assume: "Assump
     """(seconds per part of one optimizer step, the micro-batch's FLOPs). `stages`: each pipeline stage's
     (totals, per-component) bytes from `estimate`."""
     f = step_flops(pm.model, case.seq, case.policies, pm.contrastive)
-    t_micro = max(_stage_compute(pm, case, cluster, assume, f)) + assume.micro_overhead_s
+    device = _stage_compute(pm, case, cluster, assume, f)
+    t_micro = max(device) + assume.micro_overhead_s
     times = {"compute": case.accum * t_micro}
+    slow = max(device)
+    if assume.launch_floor and cluster.gpu.launch_us:  # the host launching the kernels sets the pace when slower
+        from vlaforge.planner.launches import host_seconds
+
+        # per stage: the host's launches against the device's kernels, whichever is slower (a stage's queue)
+        slow = max(max(host_seconds(pm, case, cluster.gpu, i), d) for i, d in enumerate(device))
+        times["launch_exposed"] = case.accum * (slow - max(device))
     if case.pp > 1:
-        times["pipeline_bubble"] = (case.pp - 1) * t_micro
+        times["pipeline_bubble"] = (case.pp - 1) * (slow + assume.micro_overhead_s)
         span = case.tp * case.cp * case.shard * case.rep * 2  # neighbouring stages are a dp x tp x cp block apart
         times["pipeline_p2p"] = 2 * case.accum * _block_activation_bytes(pm, case) / _link(cluster, span, assume)
-    times["dp_comm_exposed"] = max(0.0, _data_parallel_comm(case, cluster, assume) - times["compute"])
+    busy = times["compute"] + times.get("launch_exposed", 0.0)  # what overlapped transfers hide behind
+    times["dp_comm_exposed"] = max(0.0, _data_parallel_comm(case, cluster, assume) - busy)
     times.update(_model_parallel_comm(pm, case, cluster, assume, f))
-    times.update(_host_traffic(case, cluster, assume, stages, times["compute"]))
+    times.update(_host_traffic(case, cluster, assume, stages, busy))
     return times, f
 
 
@@ -249,12 +270,19 @@ def _stage_compute(pm: "PlanModel", case: "Case", cluster: "Cluster", assume: "A
     kernels."""
     gpu, policies, parts, tp, cp = cluster.gpu, case.policies, case.parts, case.tp, case.cp
 
-    def rate(comp: str) -> float:
-        return gpu.tflops(policies[comp].precision) * 1e12
+    def rate(comp: str) -> float:  # attention cores and the rest of an fp8 component run in bf16
+        return gpu.tflops(_core_precision(policies[comp].precision)) * 1e12
 
     def mm_time(flops: float, comp: str) -> float:
-        fp8 = policies[comp].precision == "fp8" and gpu.fp8_tflops
-        return flops / (rate(comp) * (assume.fp8_efficiency if fp8 else assume.matmul_efficiency))
+        if policies[comp].precision != "fp8":
+            return flops / (rate(comp) * assume.matmul_efficiency)
+        # fp8 linears per GEMM shape (launches.fp8_linear_seconds), the LLM blocks' share of the FLOPs; the LM head
+        # (never converted) and every other component's matmuls in bf16
+        bf16 = flops / (gpu.bf16_tflops * 1e12 * assume.matmul_efficiency)
+        if comp != "llm":
+            return bf16
+        fp8_s, bf16_s = fp8_block_seconds(pm, case, gpu, assume, case.micro * -(-case.seq.llm_tokens // cp))
+        return bf16 * (1 - fp8_share) + bf16 * fp8_share * fp8_s / bf16_s
 
     def matmul(comp: str) -> float:
         return f.forward[comp] + f.backward[comp] + f.recompute[comp]
@@ -262,8 +290,10 @@ def _stage_compute(pm: "PlanModel", case: "Case", cluster: "Cluster", assume: "A
     # memory-bound kernels work on every activation the forward makes (what `none` keeps), again for what
     # recomputation rebuilds (a third of the passes: forward only)
     plain = {c: p.model_copy(update={"checkpointing": "none"}) for c, p in policies.items()}
+    # a compiled block's fused kernels move what its partitioner saves, not every eager intermediate
     work = activation_parts(pm.model, case.seq, plain, pm.contrastive, tp=tp, cp=cp,
-                            master=case.cfg.train.precision_master)
+                            master=case.cfg.train.precision_master, compiled=case.cfg.train.compile)
+    fp8_share = _block_linear_share(pm, case.seq, f) if policies["llm"].precision == "fp8" else 0.0
     out = []
     for stage, (a, b) in enumerate(case.bounds):
         first, last = stage == 0, stage == case.pp - 1
@@ -292,6 +322,21 @@ def _stage_compute(pm: "PlanModel", case: "Case", cluster: "Cluster", assume: "A
                 t += 2 * n * (0.5 + compute_bytes(policies[comp].precision)) / (gpu.hbm_gbps * GB)
         out.append(t)
     return out
+
+
+def _core_precision(precision: str) -> str:
+    """The dtype of a component's attention cores: fp8 converts linears only, the cores stay in bf16."""
+    return "bf16" if precision == "fp8" else precision
+
+
+def _block_linear_share(pm: "PlanModel", seq: Sequence, f: StepFlops) -> float:
+    """The share of the LLM's forward matmul FLOPs in its blocks' linears (the rest: the LM head): what fp8
+    converts."""
+    cfg = pm.model.llm.config
+    ls = llm_shape(cfg)
+    q, kv = ls.heads * ls.head_dim, ls.kv_heads * ls.head_dim
+    block = 2.0 * seq.batch * seq.llm_tokens * (2 * ls.hidden * q + 2 * ls.hidden * kv + 3 * ls.hidden * ls.ffn)
+    return min(1.0, cfg.num_hidden_layers * block / f.forward["llm"]) if f.forward["llm"] else 0.0
 
 
 def _data_parallel_comm(case: "Case", cluster: "Cluster", assume: "Assumptions") -> float:
@@ -340,8 +385,8 @@ def _model_parallel_comm(pm: "PlanModel", case: "Case", cluster: "Cluster", assu
         bw = _link(cluster, cp * tp, assume)
         if case.method == "ring":
             ring = accum * stage_layers * 3 * (cp - 1) * kv / bw  # forward K/V, backward K/V and dK/dV
-            attn = f.attention["llm"] / case.layers * stage_layers / (tp * cp) / (cluster.gpu.tflops(
-                policies["llm"].precision) * 1e12 * assume.attention_efficiency) * accum
+            attn = f.attention["llm"] / case.layers * stage_layers / (tp * cp) / (cluster.gpu.tflops(_core_precision(
+                policies["llm"].precision)) * 1e12 * assume.attention_efficiency) * accum
             times["cp_comm_exposed"] = max(0.0, ring - attn)
         elif case.method == "ulysses":
             times["cp_comm"] = accum * stage_layers * 8 * act_bytes / tp * (cp - 1) / cp / bw

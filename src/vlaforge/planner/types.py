@@ -4,7 +4,7 @@ candidate (`Case`), memory by kind (`MemoryBytes`), and the config fields a plan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -15,6 +15,7 @@ from vlaforge.errors import VlaforgeError
 from vlaforge.models.llm import llm_blocks
 from vlaforge.planner.activations import Sequence, sequence_of
 from vlaforge.planner.hardware import GPU
+from vlaforge.planner.lora import LORA_COUNTED
 from vlaforge.planner.memory import ModelState, model_state
 from vlaforge.techniques.freezing import ever_trains
 
@@ -34,7 +35,7 @@ def config_fields(cfg) -> dict[str, Any]:
         for part in rest:
             value = getattr(value, part)
         out[key] = value
-    for comp in ("vision", "llm"):
+    for comp in LORA_COUNTED:
         lora = getattr(cfg.components, comp).lora
         out[f"components.{comp}.lora"] = lora.model_dump() if lora is not None else None
     out["train.precision_master"] = cfg.train.precision_master
@@ -63,31 +64,34 @@ class Assumptions:
     """The stated constants of the throughput and fit model (each overridable on the command line)."""
 
     matmul_efficiency: float = 0.6  # share of the dense peak large bf16 GEMMs reach (no GPU calibration yet)
-    fp8_efficiency: float = 0.4  # share of the fp8 peak torchao's fp8 linears reach, casts and scaling included
+    fp8_efficiency: float = 0.47  # share of the fp8 peak fp8 GEMMs reach (their casts apart: launches.py)
     attention_efficiency: float = 0.45  # flash-attention kernels, forward and backward together
     comm_efficiency: float = 0.8  # share of a link's bandwidth ring collectives reach
     elementwise_passes: float = 6.0  # HBM passes over the saved activations by norms, activations, casts, adds
     cpu_adam_gbps: float = 20.0  # optimizer state a node's CPU Adam streams through per second (DeepSpeed offload)
     micro_overhead_s: float = 0.0  # fixed seconds per micro-batch (kernel launches, Python): 0 unless calibrated
+    launch_floor: bool = True  # the host's kernel launches bound the step (launches.py); a calibration fits instead
     margin: float = 0.10  # allocator fragmentation
     reserved_gb: float = 1.0  # CUDA context, cuBLAS and NCCL workspaces
 
 
 class PlanModel:
-    """The model of a base config, built once under fake tensors, with the facts every candidate reuses."""
+    """The model of a base config, built once under fake tensors, with the facts every candidate reuses. `padded`:
+    whether its micro-batches pad an instruction or text (transformers then builds a B x S x S mask and repeats K/V
+    to every head); by default they do, as the trainer's datasets pad instructions to `data.max_instruction_tokens`
+    (a benchmark's full-length synthetic batches do not: `padded=False`)."""
 
-    def __init__(self, cfg):
-        from vlaforge.models.build import synthetic_batch
-        from vlaforge.models.build import build_vla
-        from vlaforge.models.fake import fake_build
+    def __init__(self, cfg, padded: bool = True):
         from vlaforge.distributed.parallel_dims import model_facts
+        from vlaforge.models.build import build_vla, synthetic_batch
+        from vlaforge.models.fake import fake_build
         from vlaforge.models.families import family, unlike_llama
         from vlaforge.models.vision import vision_family
 
         self.cfg = cfg
         with fake_build():
             self.model = build_vla(cfg.model, cfg.loss, fake=True)  # a pretrained folder: its config alone
-            self.seq = sequence_of(self.model, synthetic_batch(cfg, self.model, 1))
+            self.seq = replace(sequence_of(self.model, synthetic_batch(cfg, self.model, 1)), padded=padded)
         block = unlike_llama(llm_blocks(self.model.llm)[0])
         if block is not None:  # NOTE: activations.py counts Llama's block term by term (bench/planner_families.py)
             raise VlaforgeError(f"the planner counts Llama-shaped LLM blocks; this {family(self.model.llm.config)} "
@@ -240,8 +244,12 @@ class MemoryBytes:
     offloaded: float = 0.0  # activations moved off the GPU
     cpu: float = 0.0
     nvme: float = 0.0
+    at_peak: float | None = None  # activations + gradients + working sets at the step's peak (planner/peak.py)
 
     @property
     def total(self) -> float:
-        """What the GPU holds."""
+        """What the GPU holds at the step's peak: the state and buffers, plus what `at_peak` says is held then
+        (without it, every gradient on top of every activation)."""
+        if self.at_peak is not None:
+            return self.params + self.optimizer + self.buffers + self.at_peak
         return sum((self.params, self.grads, self.optimizer, self.activations, self.buffers))
