@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import fit, make_batch, run_cli, tiny_config, TINY_RECIPE
-from families import FAMILIES, family_folder
 from vlaforge.config.loading import load_config
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla
+
+from conftest import TINY_RECIPE, fit, make_batch, run_cli, tiny_config
+from families import FAMILIES, family_folder
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +97,9 @@ def test_planning_builds_never_read_a_folders_weights(root, monkeypatch):
 
     import vlaforge.models.llm
     import vlaforge.models.vision
-    from families import tower_folder
     from vlaforge.planner.types import PlanModel
+
+    from families import tower_folder
 
     for module in (vlaforge.models.llm, vlaforge.models.vision):  # where the builders call it
         monkeypatch.setattr(module, "load_pretrained", lambda *a, **k: pytest.fail("weights read in a fake build"))
@@ -172,8 +174,9 @@ def _train_on_robot_data(tmp_path, folder, name="run", *extra):
 
 def test_a_checkpoint_predicts_after_its_pretrained_folders_are_deleted(root, tmp_path):
     """The run saves the LLM's tokenizer and both towers' configs (backbones.json) with its weights."""
-    from families import tower_folder
     from vlaforge.inference.runtime import Observation, PolicyRuntime
+
+    from families import tower_folder
 
     folder = shutil.copytree(family_folder("gemma", root), tmp_path / "gemma")  # tied embeddings
     tower = shutil.copytree(tower_folder("dinov2_with_registers", root), tmp_path / "dinov2")  # CLS + registers
@@ -234,8 +237,10 @@ def test_the_planner_counts_llama_shaped_families_exactly_and_refuses_the_others
 def test_model_attn_implementation_picks_the_kernel_of_both_towers(root):
     """eager gives the same logits and patch tokens as sdpa (float noise), on a pretrained folder and on a checkpoint's
     rebuild from its saved configs."""
-    from families import tower_folder
     from vlaforge.models.build import backbone_configs
+    from vlaforge.models.llm import SDPA_NO_HOST_READ
+
+    from families import tower_folder
 
     models = {}
     for attn in ("sdpa", "eager"):
@@ -244,8 +249,8 @@ def test_model_attn_implementation_picks_the_kernel_of_both_towers(root):
                                  "attn_implementation": attn})
         models[attn] = build_vla(cfg.model, cfg.loss).eval()
         rebuilt = build_vla(cfg.model, cfg.loss, backbones=backbone_configs(models[attn], cfg.model))
-        for model in (models[attn], rebuilt):
-            assert model.llm.config._attn_implementation == attn
+        for model in (models[attn], rebuilt):  # the LLM's SDPA under vlaforge's name (no host read of its mask)
+            assert model.llm.config._attn_implementation == {"sdpa": SDPA_NO_HOST_READ}.get(attn, attn)
             assert model.vision.config._attn_implementation == attn
     from vlaforge.models.vision import tower_features
 

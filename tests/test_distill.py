@@ -3,7 +3,6 @@ student only, the teacher-output cache (equal to the online teacher, rebuilt whe
 initialization from the teacher, feature projections kept out of the student's weights, and a distilled run under
 gradient accumulation and 2-rank data parallel equal to one process."""
 
-import json
 import math
 
 import numpy as np
@@ -11,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY_RECIPE, make_batch, run_cli, tiny_config
-from launch import COMMON, assert_same_weights, metrics, train_distributed, train_single
 from vlaforge.errors import VlaforgeError
 from vlaforge.models import losses as L
 from vlaforge.models.build import build_vla
-from vlaforge.training.distill import (Distiller, Teacher, TeacherCache, cache_key, init_from_teacher,
-                                       layer_pairs)
+from vlaforge.training.distill import Teacher, TeacherCache, cache_key, init_from_teacher, layer_pairs
 from vlaforge.training.trainer import build_loss_weighting
+
+from conftest import TINY_RECIPE, make_batch, run_cli, tiny_config
+from launch import COMMON, assert_same_weights, metrics, train_distributed, train_single
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +179,34 @@ def test_student_starts_from_every_kth_teacher_block(tmp_path, teacher_run):
     assert torch.equal(student.llm.model.embed_tokens.weight, teacher.llm.model.embed_tokens.weight)
 
 
+def test_a_gpt_neox_student_takes_whole_blocks_or_none_from_its_teacher():
+    """GPT-NeoX keeps its blocks under `gpt_neox.layers`, not `model.layers`: the blocks are the decoder's, found as
+    models/families.py finds them. A student whose blocks differ from the teacher's (a narrower MLP) takes the
+    tensors outside the blocks (embeddings, final norm, LM head) and no part of any block."""
+    from transformers import GPTNeoXConfig
+
+    from vlaforge.models.llm import llm_blocks
+
+    from families import COMMON as FAMILY
+
+    cfg = tiny_config()
+
+    def vla(ffn):
+        torch.manual_seed(ffn)
+        llm = GPTNeoXConfig(**{**FAMILY, "intermediate_size": ffn}).to_dict()
+        return build_vla(cfg.model, cfg.loss, backbones={"llm": llm})
+
+    teacher, student = vla(96), vla(48)
+    before = {k: v.clone() for k, v in llm_blocks(student.llm).state_dict().items()}
+    copied = init_from_teacher(student, teacher)
+    assert {"llm.gpt_neox.embed_in.weight", "llm.gpt_neox.final_layer_norm.weight", "llm.lm_head.weight"} \
+        <= set(copied)
+    assert not [c for c in copied if ".layers." in c or c.startswith("llm block")], copied
+    for k, v in llm_blocks(student.llm).state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(student.llm.gpt_neox.embed_in.weight, teacher.llm.gpt_neox.embed_in.weight)
+
+
 @pytest.mark.slow
 def test_projections_stay_out_of_the_student_and_resume_is_exact(tmp_path, teacher_run):
     """`vlaforge distill`: the student's model.safetensors (and its export) hold the same tensors as a plain run's;
@@ -242,10 +269,10 @@ def test_a_quantized_teacher_distils(tmp_path, teacher_run):
     layout and gives targets close to the float teacher's."""
     import shutil
 
-    from vlaforge.techniques.quantize import apply_quantization
-    from vlaforge.techniques.quantized_format import save_quantized
     from vlaforge.checkpoints.layout import CONFIG_FILE
     from vlaforge.checkpoints.load import load_policy_model
+    from vlaforge.techniques.quantize import apply_quantization
+    from vlaforge.techniques.quantized_format import save_quantized
 
     model, _, ckpt = load_policy_model(teacher_run)
     apply_quantization(model, {"llm": "int8"})

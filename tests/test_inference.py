@@ -14,7 +14,7 @@ from vlaforge.data.tokenizer import train_bpe
 from vlaforge.data.transforms import ObservationSpec, normalization_from_stats
 from vlaforge.errors import VlaforgeError
 from vlaforge.inference.chunking import ChunkExecutor
-from vlaforge.inference.feature_cache import CacheConfig, TokenReuseEncoder, SessionCache
+from vlaforge.inference.feature_cache import CacheConfig, SessionCache, TokenReuseEncoder
 from vlaforge.inference.runtime import Observation, ObservationError, PolicyRuntime, Prediction
 from vlaforge.models.build import build_vla
 
@@ -199,6 +199,66 @@ def test_token_cache_partial_pass_is_the_tower_when_every_patch_is_recomputed():
         out = enc.encode(cache, "front", c)
         assert cache.stats.partial == 1 and cache.stats.reused_tokens == 15
         assert torch.equal(out[1:], before[1:]) and not torch.equal(out[0], before[0])
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return tmp_path_factory.mktemp("token_towers")
+
+
+def _token_model(name, root):
+    """A one-frame VLA on tower `name`: the flavor's SigLIP, a tiny folder's tower, a whole VLM's (its connector
+    merging 2 x 2 patches), or Prismatic's fused DINOv2 + SigLIP."""
+    from families import tower_folder, vlm_folder
+
+    if name == "siglip":
+        return _model(frames=1, image=32, patch=8)[0]
+    if name in ("idefics3", "smolvlm", "qwen2_5_vl"):
+        model = {"vlm": {"pretrained": str(vlm_folder(name, root))}}
+    elif name == "fused":
+        model = {"vision": {"pretrained": str(tower_folder("dinov2_with_registers", root)),
+                            "fused": str(tower_folder("siglip", root))}}
+    else:
+        model = {"vision": {"pretrained": str(tower_folder(name, root))}}
+    cfg = tiny_config(model={**model, "frames": 1, "image_size": 32})
+    return build_vla(cfg.model, cfg.loss)
+
+
+@pytest.mark.parametrize("name", ["siglip", "idefics3", "smolvlm", "siglip2", "clip", "dinov2_with_registers",
+                                  "fused"])
+def test_token_cache_recomputing_every_patch_is_the_uncached_encoding(name, folders):
+    """Token mode runs the tower's own layers (embeddings and positions, masks, blocks, final norm, leading tokens,
+    the connector): with refresh 1.0, and a partial pass over every patch, a frame's tokens are its uncached
+    encoding; a partial pass over some patches of an unchanged frame gives that encoding too (the cached rows and
+    keys / values are the ones it would compute)."""
+    from vlaforge.inference.feature_cache import patch_pixels
+
+    model = _token_model(name, folders).eval()
+    enc = TokenReuseEncoder(model, CacheConfig(mode="token", token_refresh=1.0))
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.rand(2, 3, 32, 32, generator=g) * 2 - 1
+    close = lambda got, want: torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        ref = model.encode_frames(torch.stack([a, b]))
+        cache = SessionCache(enc.config)
+        close(enc.encode(cache, "front", a), ref[0])
+        close(enc.encode(cache, "front", b), ref[1])  # refresh 1.0: every patch recomputed
+        assert cache.stats.encoded == 2 and cache.stats.reused_tokens == 0
+        state, patches = cache.patches["front"], patch_pixels(b, 8)
+        enc._update(state, a, patch_pixels(a, 8), torch.arange(16))  # the partial pass over every patch
+        close(state.tokens, ref[0])
+        enc._update(state, a, patch_pixels(a, 8), torch.tensor([0, 5, 6, 15]))
+        close(state.tokens, ref[0])
+        assert not torch.allclose(state.tokens, ref[1], atol=1e-3) and patches.shape == (16, 3 * 8 * 8)
+
+
+def test_token_cache_refuses_a_tower_whose_blocks_take_the_whole_grid(folders):
+    model = _token_model("qwen2_5_vl", folders)
+    with pytest.raises(VlaforgeError) as err:
+        TokenReuseEncoder(model, CacheConfig(mode="token"))
+    line = str(err.value)
+    assert "\n" not in line and "qwen2_5_vl vision tower" in line and "whole patch grid" in line, line
+    assert "--cache exact or frame" in line
 
 
 def test_token_cache_runs_in_the_runtime_and_reports_reuse():

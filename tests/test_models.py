@@ -5,16 +5,17 @@ import torch
 
 from vlaforge import COMPONENTS
 from vlaforge.config import load_config
+from vlaforge.config.flavors import FLAVORS
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla, parameter_counts
-from vlaforge.config.flavors import FLAVORS
 
 from conftest import fit, make_batch, run_cli, tiny_config
 
 
 @pytest.mark.parametrize("head", ["regression", "flow_matching"])
 def test_shapes_and_loss_for_every_action_head(tmp_path, head):
-    cfg = tiny_config(tmp_path, model={"action_head": {"kind": head, "flow_steps": 3}, "frames": 2})
+    flow = {"flow_steps": 3} if head == "flow_matching" else {}
+    cfg = tiny_config(tmp_path, model={"action_head": {"kind": head, **flow}, "frames": 2})
     model = build_vla(cfg.model, cfg.loss)
     assert [n for n, _ in model.named_children()] == list(COMPONENTS)
     batch = make_batch(cfg, model, size=3).validate()
@@ -150,7 +151,7 @@ def test_a_conv_stem_replaces_only_the_patch_embedding_and_ends_on_the_same_grid
     patch, conv = (build_vla(tiny_config(model={"vision_stem": s}).model) for s in ("patch", "conv"))
     stem = conv.vision.embeddings.patch_embedding
     assert isinstance(stem, ConvStem) and len([m for m in stem.stages if isinstance(m, torch.nn.Conv2d)]) == 4
-    names = lambda m: {n for n, _ in m.vision.named_parameters() if "patch_embedding" not in n}  # noqa: E731
+    names = lambda m: {n for n, _ in m.vision.named_parameters() if "patch_embedding" not in n}
     assert names(patch) == names(conv)  # the SigLIP tower's names, loading and FSDP units are unchanged
     pixels = torch.rand(3, 3, patch.layout.image_size, patch.layout.image_size)
     a, b = patch.encode_frames(pixels), conv.encode_frames(pixels)
@@ -181,7 +182,8 @@ def test_state_dropout_zeroes_the_state_of_drawn_training_samples_and_one_remove
         torch.manual_seed(1)  # the flow head's noise
         return model.action_head(hidden, state)
 
-    cfg = tiny_config(tmp_path, model={"action_head": {"kind": head, "flow_steps": 2, "state_dropout": 0.5}})
+    flow = {"flow_steps": 2} if head == "flow_matching" else {}
+    cfg = tiny_config(tmp_path, model={"action_head": {"kind": head, **flow, "state_dropout": 0.5}})
     model = build_vla(cfg.model, cfg.loss).eval()
     head_ = model.action_head
     state = torch.randn(64, cfg.model.state_dim) * 3
@@ -196,7 +198,7 @@ def test_state_dropout_zeroes_the_state_of_drawn_training_samples_and_one_remove
         assert 10 < int(kept.sum()) < 54
         torch.testing.assert_close(emb[kept], head_.state_proj(state)[kept])
         torch.testing.assert_close(emb[~kept], head_.state_proj(zero)[~kept])
-    cfg = tiny_config(tmp_path, model={"action_head": {"kind": head, "flow_steps": 2, "state_dropout": 1.0}})
+    cfg = tiny_config(tmp_path, model={"action_head": {"kind": head, **flow, "state_dropout": 1.0}})
     model = build_vla(cfg.model, cfg.loss)
     with torch.no_grad():
         for training in (True, False):

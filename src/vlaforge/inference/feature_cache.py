@@ -15,7 +15,8 @@ Modes (`CacheConfig.mode`):
   values of the static ones. Every `refresh_every` frames the whole frame is recomputed. This runs in the vision
   tower, not in the LLM: the frame tokens' LLM keys and values depend on their position in the layout and on
   every earlier token (the frame history shifts each step), so reusing them would be a second approximation;
-  a frame's vision features depend only on the frame.
+  a frame's vision features depend only on the frame. It runs the tower's own layers (`TokenReuseEncoder`), so it
+  serves every tower vlaforge loads but one whose blocks take the whole patch grid at each call (Qwen-VL's: refused).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from vlaforge.errors import VlaforgeError
-from vlaforge.models.vision import normalize_pixels, vision_family
+from vlaforge.models.vision import vision_blocks, vision_family
 
 CacheMode = Literal["none", "exact", "frame", "token"]
 CACHE_MODES = ("none", "exact", "frame", "token")
@@ -184,17 +185,18 @@ class SessionCache:
             del self.entries[key]
 
 
-# ---- token mode: partial recomputation inside a SigLIP tower ------------------------------------------------
+# ---- token mode: partial recomputation inside the vision tower ----------------------------------------------
 
 @dataclass
 class PatchState:
-    """A camera's last encoded frame inside the vision tower."""
+    """A camera's last encoded frame inside the vision tower. A block's sequence: its leading tokens (CLS,
+    registers), then the P patches."""
 
     patches: torch.Tensor  # (P, 3*p*p) model-space pixels of each patch
-    hidden: list[torch.Tensor]  # L + 1 layer inputs (the last: the encoder's output), each (P, D)
-    keys: list[torch.Tensor]  # per layer (H, P, hd)
+    outputs: list[torch.Tensor]  # per block, its output over its whole sequence (S, D)
+    keys: list[torch.Tensor]  # per block (H, S, hd)
     values: list[torch.Tensor]
-    tokens: torch.Tensor  # (P, D_llm) projected
+    tokens: torch.Tensor  # (P', D_llm) projected
     age: torch.Tensor  # (P,) frames since each patch was recomputed
     partial_frames: int = 0
 
@@ -206,20 +208,99 @@ def patch_pixels(pixels: torch.Tensor, patch: int) -> torch.Tensor:
     return grid.permute(1, 2, 0, 3, 4).reshape(-1, c * patch * patch)
 
 
+@dataclass
+class _Pass:
+    """One frame going through the tower in token mode: the patches recomputed (None: all, and `state` is filled
+    from scratch), and the block running now with its sequence rows recomputed (leading tokens, then patches)."""
+
+    state: PatchState
+    patches: torch.Tensor | None
+    block: int = 0
+    rows: torch.Tensor | None = None
+
+
+# NOTE: a runtime predicts on one thread (the server's batcher runs one pool thread): the tower is switched to the
+# token attention for the pass alone, which reads the pass from here
+_passes: list[_Pass] = []
+ATTENTION = "vlaforge_token_cache"  # the transformers attention implementation the tower runs during a pass
+
+
+def _all_visible(mask: torch.Tensor) -> bool:
+    return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
+
+
+def _token_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention of the running pass's block (transformers' AttentionInterface signature, (B=1, H, n, hd)
+    inputs): the recomputed rows' keys and values go into the frame's (H, S, hd) caches, and their queries attend
+    to every row's, the static rows' cached."""
+    run = _passes[-1]
+    if attention_mask is not None and not _all_visible(attention_mask):
+        raise VlaforgeError("cache mode 'token' attends to every patch of a frame, but the vision tower masked some "
+                            "of them; use --cache exact or frame")
+    i, state = run.block, run.state
+    if run.rows is None:
+        state.keys[i], state.values[i] = key[0].contiguous(), value[0].contiguous()
+    else:
+        state.keys[i][:, run.rows], state.values[i][:, run.rows] = key[0], value[0]
+    out = F.scaled_dot_product_attention(query, state.keys[i][None], state.values[i][None], scale=scaling)
+    return out.transpose(1, 2).contiguous(), None  # (1, n, H, hd), as transformers expects
+
+
+def _before_block(i: int):
+    """A forward pre-hook of block `i`: during a partial pass, the block takes only the rows recomputed."""
+
+    def hook(module, args, kwargs):
+        run = _passes[-1]
+        run.block = i
+        if run.patches is None:
+            return None
+        # (1, S, D): the previous block's output (or the embeddings) over the whole sequence
+        hidden = args[0] if args else kwargs["hidden_states"]
+        lead = hidden.shape[1] - run.state.patches.shape[0]
+        run.rows = torch.cat([torch.arange(lead, device=hidden.device), run.patches + lead])
+        if args:
+            return (hidden[:, run.rows], *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden[:, run.rows]}
+
+    return hook
+
+
+def _after_block(i: int):
+    """A forward hook of block `i`: its output over the whole sequence (the recomputed rows new, the others the
+    cached ones), kept for the next frame."""
+
+    def hook(module, args, kwargs, out):
+        run = _passes[-1]
+        if run.patches is None:
+            run.state.outputs[i] = out[0]
+            return None
+        full = run.state.outputs[i]
+        full[run.rows] = out[0]
+        return full[None]
+
+    return hook
+
+
 class TokenReuseEncoder:
-    """Encodes frames through a VLA's SigLIP tower and projector, recomputing only the patches that changed."""
+    """Encodes frames through a VLA's vision tower and projector (`VLA.encode_frames`: the tower's own embeddings,
+    positions, masks, blocks and final norm), recomputing in each block only the patches that changed."""
 
     def __init__(self, model: torch.nn.Module, config: CacheConfig):
-        vision = model.vision
-        if vision_family(vision).name != "siglip":  # it re-runs SigLIP's embeddings, layers and post-norm itself
-            raise VlaforgeError(f"cache mode 'token' needs a SigLIP vision tower; this one is a "
-                                f"{type(vision).__name__}; use --cache exact or frame")
+        fam = vision_family(model.vision)
+        if fam.whole_grid:
+            raise VlaforgeError(f"cache mode 'token' runs some of a frame's patches through the {fam.name} vision "
+                                f"tower, but {fam.whole_grid}; use --cache exact or frame")
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+
+        AttentionInterface.register(ATTENTION, _token_attention)
+        # NOTE: the mask of a whole frame (all patches valid) is none: sdpa's mask function says so
+        AttentionMaskInterface.register(ATTENTION, sdpa_mask)
         self.model, self.config = model, config
-        self.patch = vision.config.patch_size
-        self.layers = vision.encoder.layers
+        self.patch = model.vision.config.patch_size
 
     def encode(self, cache: SessionCache, cam: str, pixels: torch.Tensor) -> torch.Tensor:
-        """Tokens (P, D) of `pixels` (3, S, S); updates the camera's patch state and the cache's statistics."""
+        """Tokens (P', D) of `pixels` (3, S, S); updates the camera's patch state and the cache's statistics."""
         state = cache.patches.get(cam)
         patches = patch_pixels(pixels, self.patch)
         n = patches.shape[0]
@@ -241,57 +322,44 @@ class TokenReuseEncoder:
         cache.stats.reused_tokens += n - len(idx)
         return state.tokens
 
-    def _embeddings(self, pixels: torch.Tensor) -> torch.Tensor:
-        embeddings = self.model.vision.embeddings
-        pixels = normalize_pixels(self.model.vision, pixels[None])  # the tower's own mean / std (a folder's)
-        pixels = pixels.to(embeddings.patch_embedding.weight.dtype)  # a vision tower cast by `vlaforge quantize`
-        emb = embeddings(pixels, interpolate_pos_encoding=self.model.layout.interpolate_pos)
-        return emb[0]  # (P, D)
-
     def _full(self, cache: SessionCache, cam: str, pixels: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
         """Every patch through the tower; the camera's patch state starts over."""
-        h = self._embeddings(pixels)
-        n = h.shape[0]
-        hidden, keys, values = [h], [], []
-        for layer in self.layers:
-            attn = layer.self_attn
-            shape = (attn.num_heads, n, attn.head_dim)
-            keys.append(h.new_empty(shape))
-            values.append(h.new_empty(shape))
-            h = self._layer(layer, h, slice(None), keys[-1], values[-1])
-            hidden.append(h)
-        cache.patches[cam] = PatchState(patches, hidden, keys, values, self._project(h),
-                                        torch.zeros(n, dtype=torch.long))
+        blocks = len(vision_blocks(self.model.vision))
+        state = PatchState(patches, [None] * blocks, [None] * blocks, [None] * blocks, None,
+                           torch.zeros(len(patches), dtype=torch.long, device=patches.device))
+        state.tokens = self._run(_Pass(state, None), pixels)
+        cache.patches[cam] = state
         cache.stats.encoded += 1
-        cache.stats.recomputed_tokens += n
-        return cache.patches[cam].tokens
+        cache.stats.recomputed_tokens += len(patches)
+        return state.tokens
 
     def _update(self, state: PatchState, pixels: torch.Tensor, patches: torch.Tensor, idx: torch.Tensor) -> None:
-        h = self._embeddings(pixels)[idx]
-        state.hidden[0][idx] = h
-        for i, layer in enumerate(self.layers):
-            h = self._layer(layer, h, idx, state.keys[i], state.values[i])
-            state.hidden[i + 1][idx] = h
-        state.tokens[idx] = self._project(h)
+        """Recompute the patches `idx` of the camera's last frame from `pixels`; the others keep their states."""
+        state.tokens = self._run(_Pass(state, idx.to(patches.device)), pixels)
         state.patches[idx] = patches[idx]
         state.age += 1
         state.age[idx] = 0
         state.partial_frames += 1
 
-    @staticmethod
-    def _layer(layer: torch.nn.Module, h: torch.Tensor, idx, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """One SigLIP encoder layer for the rows `idx` of a frame (h: (n, D) those rows' inputs); their keys and
-        values are written into the frame's (H, P, hd) caches and their queries attend to all P positions."""
-        attn = layer.self_attn
-        n = h.shape[0]
-        x = layer.layer_norm1(h)
-        split = lambda t: t.view(n, attn.num_heads, attn.head_dim).transpose(0, 1)  # noqa: E731
-        keys[:, idx] = split(attn.k_proj(x))
-        values[:, idx] = split(attn.v_proj(x))
-        out = F.scaled_dot_product_attention(split(attn.q_proj(x))[None], keys[None], values[None],
-                                             scale=attn.scale)[0]
-        h = h + attn.out_proj(out.transpose(0, 1).reshape(n, -1))
-        return h + layer.mlp(layer.layer_norm2(h))
-
-    def _project(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.projector(self.model.vision.post_layernorm(h))
+    def _run(self, run: _Pass, pixels: torch.Tensor) -> torch.Tensor:
+        """`VLA.encode_frames` of one frame with `run` active: each block hooked (`_before_block`, `_after_block`)
+        and the tower's attention switched to `_token_attention`, for this call only."""
+        vision = self.model.vision
+        configs = {id(m.config): m.config for m in vision.modules()
+                   if hasattr(getattr(m, "config", None), "_attn_implementation")}
+        kinds = {k: c._attn_implementation for k, c in configs.items()}
+        hooks = [h for i, block in enumerate(vision_blocks(vision)) for h in (
+            block.register_forward_pre_hook(_before_block(i), with_kwargs=True),
+            block.register_forward_hook(_after_block(i), with_kwargs=True))]
+        dtype = next((p.dtype for p in vision.parameters() if p.is_floating_point()), pixels.dtype)
+        _passes.append(run)
+        try:
+            for c in configs.values():
+                c._attn_implementation = ATTENTION
+            return self.model.encode_frames(pixels[None].to(dtype))[0]
+        finally:
+            _passes.pop()
+            for k, c in configs.items():
+                c._attn_implementation = kinds[k]
+            for h in hooks:
+                h.remove()

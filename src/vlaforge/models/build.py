@@ -7,20 +7,22 @@ import contextlib
 
 import torch
 
+from vlaforge import COMPONENTS
 from vlaforge.config.flavors import FLAVORS
 from vlaforge.config.loading import deep_merge
+from vlaforge.config.model import PretrainedSource
 from vlaforge.config.schema import LossConfig, ModelConfig, VLAConfig
 from vlaforge.data.batch import Batch
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.action_heads import ACTION_HEADS
 from vlaforge.models.fake import fake_build, fake_mode_active
+from vlaforge.models.families import mrope_section
 from vlaforge.models.hf_loading import read_config
 from vlaforge.models.llm import build_llm
-from vlaforge.models.families import mrope_section
-from vlaforge.models.vision import FUSED, build_vision, native_size, tower_width
-from vlaforge.models.vlm import component_configs, load_weights
-from vlaforge.models.vla import VLA, Layout, Projector
 from vlaforge.models.losses import Objective
+from vlaforge.models.vision import FUSED, build_vision, native_size, tower_width
+from vlaforge.models.vla import VLA, Layout, Projector
+from vlaforge.models.vlm import component_configs, load_weights
 
 
 def objective_from(loss: LossConfig) -> Objective:
@@ -30,12 +32,18 @@ def objective_from(loss: LossConfig) -> Objective:
 
 DEFAULT_IMAGE_SIZE = 224  # a tower that reads any size (Qwen-VL's) without model.image_size
 BACKBONES_FILE = "backbones.json"  # in a checkpoint: the pretrained components' configs (component -> config dict)
+# The components built from a `transformers` config - a pretrained folder's (their [model.<name>] section is a
+# `PretrainedSource`: model.vision.pretrained, model.llm.pretrained) or the one backbones.json saved - which are the
+# ones whose config a checkpoint must keep. Not "the components with blocks" (models/blocks.py asks the built model):
+# the projector and the action head are vlaforge's own modules, rebuilt from the flavor and [model].
+PRETRAINED_COMPONENTS = tuple(c for c in COMPONENTS if c in ModelConfig.model_fields
+                              and issubclass(ModelConfig.model_fields[c].annotation, PretrainedSource))
 
 
 def backbone_configs(model: VLA, model_cfg: ModelConfig) -> dict[str, dict]:
     """The configs of `model`'s pretrained components, which rebuild them without their folders."""
     out = {}
-    for name in ("vision", "llm"):
+    for name in PRETRAINED_COMPONENTS:
         if getattr(model_cfg, name).pretrained or model_cfg.vlm.pretrained:
             config = getattr(model, name).config.to_dict()
             out[name] = {k: v for k, v in config.items() if not k.startswith("_")}
@@ -76,7 +84,7 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
     if flavor.llm_type != "llama" and not model_cfg.text_folder:
         backbones.setdefault("llm", {"model_type": flavor.llm_type, **flavor.llm})
     if config_only:
-        for name in ("vision", "llm"):
+        for name in PRETRAINED_COMPONENTS:
             folder = getattr(model_cfg, name).pretrained
             if folder and name not in backbones:
                 backbones[name] = read_config(folder, f"model.{name}.pretrained")
@@ -149,13 +157,16 @@ def with_seq_len(cfg: VLAConfig, seq_len: int | None) -> VLAConfig:
                                                                             seq_len - fixed}}))
 
 
-def synthetic_batch(cfg: VLAConfig, model: torch.nn.Module, size: int) -> Batch:
-    """A batch of the config's shapes (random values; fake tensors under FakeTensorMode)."""
+def synthetic_batch(cfg: VLAConfig, model: torch.nn.Module, size: int, padded: bool = True) -> Batch:
+    """A batch of the config's shapes (random values; fake tensors under FakeTensorMode). Every position is a token;
+    `padded` says how the model is to attend: as to a dataset's batch, whose instructions are padded (the mask
+    given, as `vlaforge plan` plans by default), or, `padded=False`, as to a batch known to hold no padding
+    (`Batch.full`: no mask, SDPA's is_causal kernels; a benchmark's full-length batches, `PlanModel(padded=False)`)."""
     m, d = cfg.model, cfg.data
     lay = model.layout
     vocab = model.llm.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    ids = lambda n: torch.randint(1, vocab, (size, n), generator=g)  # noqa: E731
+    ids = lambda n: torch.randint(1, vocab, (size, n), generator=g)
     text = d.max_text_tokens
     return Batch(images=torch.randn(size, lay.frames, 3, lay.image_size, lay.image_size, generator=g),
                  state=torch.randn(size, m.state_dim, generator=g),
@@ -164,4 +175,4 @@ def synthetic_batch(cfg: VLAConfig, model: torch.nn.Module, size: int) -> Batch:
                  actions=torch.randn(size, m.action_chunk, m.action_dim, generator=g),
                  action_mask=torch.ones(size, m.action_chunk, dtype=torch.bool),
                  text_ids=ids(text) if text else None,
-                 text_mask=torch.ones(size, text, dtype=torch.long) if text else None)
+                 text_mask=torch.ones(size, text, dtype=torch.long) if text else None, full=not padded)

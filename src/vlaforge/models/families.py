@@ -13,6 +13,8 @@ instead of from Llama's attribute names: the one place that knows families diffe
 - `block_norms`: a block's own norm layers (two in Llama, one in Phi, four in Gemma3), for sequence parallel.
 - `unlike_llama`: what in a block differs from Llama's (q/k norms, extra norms, fused projections, experts), for
   the planner, whose activation formula counts Llama's block term by term.
+- `LLM_BLOCKS`: each family's decoder block (by class) with its attention and feed-forward sub-layers (`Sublayers`),
+  which selective checkpointing recomputes by and the planner counts (a tower's are in its models/vision.py row).
 """
 
 from __future__ import annotations
@@ -151,3 +153,34 @@ def unlike_llama(block: nn.Module) -> str | None:
             diff = [f"+{n}" for n in sorted(have - want)] + [f"-{n}" for n in sorted(want - have)]
             return f"{path or 'block'}: {', '.join(diff)}"
     return None
+
+
+@dataclass(frozen=True)
+class Sublayers:
+    """Where a transformer block keeps its attention and its feed-forward sub-layer (the children's names)."""
+
+    attn: str
+    ffn: str
+
+
+# transformers' own names: the attention in `self_attn`, the feed-forward (MLP, or a MoE block's router + experts)
+# in `mlp`
+SELF_ATTN_MLP = Sublayers("self_attn", "mlp")
+# The decoder blocks of the LLM families vlaforge loads (the family matrix of docs/families.md, the VLMs' text
+# models), by block class. A block of a class not named here is refused by what needs its sub-layers.
+LLM_BLOCKS = {
+    "LlamaDecoderLayer": SELF_ATTN_MLP,
+    "MistralDecoderLayer": SELF_ATTN_MLP,
+    "Qwen2DecoderLayer": SELF_ATTN_MLP,
+    "Qwen3DecoderLayer": SELF_ATTN_MLP,
+    "Qwen3MoeDecoderLayer": SELF_ATTN_MLP,
+    "Qwen2VLDecoderLayer": SELF_ATTN_MLP,
+    "Qwen2_5_VLDecoderLayer": SELF_ATTN_MLP,
+    "GemmaDecoderLayer": SELF_ATTN_MLP,
+    "Gemma2DecoderLayer": SELF_ATTN_MLP,
+    "Gemma3DecoderLayer": SELF_ATTN_MLP,
+    "PhiDecoderLayer": SELF_ATTN_MLP,
+    "Phi3DecoderLayer": SELF_ATTN_MLP,
+    "Olmo2DecoderLayer": SELF_ATTN_MLP,
+    "GPTNeoXLayer": Sublayers("attention", "mlp"),
+}

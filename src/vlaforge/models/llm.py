@@ -8,11 +8,10 @@ import functools
 
 from torch import nn
 
-from vlaforge.errors import VlaforgeError
 from vlaforge.config.flavors import Flavor
+from vlaforge.errors import VlaforgeError
 from vlaforge.models.families import decoder_of, llm_parts
 from vlaforge.models.hf_loading import from_config, load_pretrained
-
 
 # text-model config types transformers builds only inside their VLM (their decoder takes 3-D M-RoPE positions)
 TEXT_MODELS = ("qwen2_vl_text", "qwen2_5_vl_text")
@@ -62,6 +61,36 @@ def _text_lm_class():
 text_lm_class = functools.cache(_text_lm_class)
 
 
+# SDPA under its own name: the same attention, and a mask function that never reads the mask on the host
+SDPA_NO_HOST_READ = "vlaforge_sdpa"
+
+
+@functools.cache
+def _register_sdpa_no_host_read() -> str:
+    """Register `SDPA_NO_HOST_READ` with transformers: its SDPA attention, and its SDPA mask told never to drop a
+    given padding mask for `is_causal`. NOTE: that drop is decided by reading the mask on the host (`fast_all` in
+    `masking_utils._ignore_causal_mask_sdpa`), a blocking device sync in every training step on a GPU; a batch known
+    on the host to hold no padding passes no mask instead (`VLA.llm_mask`) and keeps the `is_causal` kernels."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    def mask(*args, attention_mask=None, allow_is_causal_skip: bool = True, **kwargs):
+        return sdpa_mask(*args, attention_mask=attention_mask, **kwargs,
+                         allow_is_causal_skip=allow_is_causal_skip and attention_mask is None)
+
+    AttentionInterface.register(SDPA_NO_HOST_READ, sdpa_attention_forward)
+    AttentionMaskInterface.register(SDPA_NO_HOST_READ, mask)
+    return SDPA_NO_HOST_READ
+
+
+def without_host_reads(llm: nn.Module) -> nn.Module:
+    """Switch an SDPA LLM to `SDPA_NO_HOST_READ` (eager and other implementations read nothing: left as they are)."""
+    if llm.config._attn_implementation == "sdpa":
+        llm.set_attn_implementation(_register_sdpa_no_host_read())
+    return llm
+
+
 def build_llm(flavor: Flavor, pretrained: str | None, config: dict | None = None, attn: str = "sdpa") -> nn.Module:
     """A causal LM (`LlamaForCausalLM` for built-in flavors; any decoder-only family when pretrained). `config`:
     the pretrained model's config alone (weights to come from a checkpoint, or none under fake tensors). `attn`:
@@ -77,8 +106,8 @@ def build_llm(flavor: Flavor, pretrained: str | None, config: dict | None = None
             llm_parts(model)
         except VlaforgeError as exc:
             raise VlaforgeError(f"model.llm.pretrained: {pretrained or 'the saved config'}: {exc}") from None
-        return model
-    return LlamaForCausalLM(LlamaConfig(attn_implementation=attn, **flavor.llm))
+        return without_host_reads(model)
+    return without_host_reads(LlamaForCausalLM(LlamaConfig(attn_implementation=attn, **flavor.llm)))
 
 
 def llm_blocks(llm: nn.Module) -> nn.ModuleList:

@@ -9,10 +9,10 @@ def summarize(flavor: str, vision_stem: str = "patch", vlm: str | None = None) -
     """{'flavor', 'components': {name: {'params', 'fp32_bytes', 'bf16_bytes', 'nominal_params'?}}, 'total'};
     `vision_stem`: model.vision_stem (a conv stem has more vision parameters than a patch embedding); `vlm`: a
     whole VLM folder (model.vlm.pretrained) whose tower, connector and language model the components are."""
+    from vlaforge.config.flavors import FLAVORS
     from vlaforge.config.schema import ModelConfig
     from vlaforge.errors import VlaforgeError
     from vlaforge.models.build import build_vla, parameter_counts
-    from vlaforge.config.flavors import FLAVORS
 
     if flavor not in FLAVORS:
         raise VlaforgeError(FLAVORS.unknown_message(flavor))

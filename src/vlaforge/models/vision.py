@@ -33,6 +33,7 @@ from torch import nn
 
 from vlaforge.config.flavors import Flavor
 from vlaforge.errors import VlaforgeError
+from vlaforge.models.families import SELF_ATTN_MLP, Sublayers
 from vlaforge.models.hf_loading import check_pretrained_folder, from_config, load_pretrained, read_config
 
 
@@ -89,6 +90,11 @@ class VisionFamily:
     planned: str | None = None
     positions_per_image: bool = False  # position ids per image (Idefics3's, bucketed onto each image's grid)
     width: Any = lambda config: config.hidden_size  # the width of its tokens (Qwen2-VL's `embed_dim`)
+    block: str | None = None  # the class of its blocks (None: a fused tower's blocks are its towers')
+    sublayers: Sublayers = SELF_ATTN_MLP  # where its blocks keep their attention and feed-forward sub-layers
+    # what its blocks take of the whole patch grid at every call, which a pass over some of a frame's patches
+    # (the token cache's partial recomputation) cannot give them (None: nothing)
+    whole_grid: str | None = None
 
     def cls(self):
         import importlib
@@ -103,26 +109,30 @@ class VisionFamily:
 
 
 FUSED = "vlaforge_fused"  # the model_type of a fused tower's saved config
+# Qwen-VL's `whole_grid` (the sequence bounds: cu_seqlens)
+QWEN_WHOLE_GRID = ("its blocks take the rotary positions and sequence bounds (Qwen2.5-VL: attention windows) of the "
+                   "whole patch grid at every call")
 VISION_FAMILIES = (
     VisionFamily("siglip", ("siglip_vision_model", "siglip"), "siglip_vision_model", "SiglipVisionModel",
-                 lambda config: 0, planned="siglip"),
+                 lambda config: 0, planned="siglip", block="SiglipEncoderLayer"),
     VisionFamily("siglip2", ("siglip2_vision_model", "siglip2"), "siglip2_vision_model", "Siglip2VisionModel",
                  lambda config: 0, resize_arg=False, input="naflex",
-                 native_size=lambda config: math.isqrt(config.num_patches) * config.patch_size),
+                 native_size=lambda config: math.isqrt(config.num_patches) * config.patch_size,
+                 block="Siglip2EncoderLayer"),
     VisionFamily("clip", ("clip_vision_model", "clip"), "clip_vision_model", "CLIPVisionModel", lambda config: 1,
-                 pixel_stats="openai_clip", final_norm=None, unused=("post_layernorm",)),
+                 pixel_stats="openai_clip", final_norm=None, unused=("post_layernorm",), block="CLIPEncoderLayer"),
     VisionFamily("dinov2", ("dinov2",), "dinov2", "Dinov2Model", lambda config: 1, resize_arg=False,
                  pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",),
-                 blocks="encoder.layer"),
+                 blocks="encoder.layer", block="Dinov2Layer", sublayers=Sublayers("attention", "mlp")),
     # the towers of Idefics3 and SmolVLM (SigLIP-shaped; positions bucketed onto their grid, so any size reads)
     VisionFamily("idefics3", ("idefics3_vision",), "idefics3_vision", "Idefics3VisionTransformer", lambda config: 0,
-                 resize_arg=False, planned="siglip", positions_per_image=True),
+                 resize_arg=False, planned="siglip", positions_per_image=True, block="Idefics3EncoderLayer"),
     VisionFamily("smolvlm", ("smolvlm_vision",), "smolvlm_vision", "SmolVLMVisionTransformer", lambda config: 0,
-                 resize_arg=False, planned="siglip", positions_per_image=True),
+                 resize_arg=False, planned="siglip", positions_per_image=True, block="SmolVLMEncoderLayer"),
     VisionFamily("dinov2_with_registers", ("dinov2_with_registers",), "dinov2_with_registers",
                  "Dinov2WithRegistersModel", lambda config: 1 + config.num_register_tokens, resize_arg=False,
                  pixel_stats="imagenet", final_norm="layernorm", frozen=("embeddings.mask_token",),
-                 blocks="encoder.layer"),
+                 blocks="encoder.layer", block="Dinov2WithRegistersLayer", sublayers=Sublayers("attention", "mlp")),
     # a fused tower: its towers' own rows do the work (`tower_features`); its default size, the smaller native one
     VisionFamily("fused", (), FUSED, "FusedTower", lambda config: 0, resize_arg=False, input="fused",
                  native_size=lambda config: min(family_for_folder(c.model_type).native_size(c) for c in config.towers),
@@ -130,10 +140,12 @@ VISION_FAMILIES = (
     # Qwen-VL's towers (2-D rotary positions: any multiple of patch x merge reads, no native size)
     VisionFamily("qwen2_vl", ("qwen2_vl_vision",), "qwen2_vl_vision", "Qwen2VisionTransformerPretrainedModel",
                  lambda config: 0, resize_arg=False, input="qwen", native_size=lambda config: None, static_shapes=False,
-                 pixel_stats="openai_clip", final_norm=None, blocks="blocks", width=lambda config: config.embed_dim),
+                 pixel_stats="openai_clip", final_norm=None, blocks="blocks", width=lambda config: config.embed_dim,
+                 block="Qwen2VLVisionBlock", sublayers=Sublayers("attn", "mlp"), whole_grid=QWEN_WHOLE_GRID),
     VisionFamily("qwen2_5_vl", ("qwen2_5_vl_vision",), "qwen2_5_vl_vision", "Qwen2_5_VisionTransformerPretrainedModel",
                  lambda config: 0, resize_arg=False, input="qwen", native_size=lambda config: None, static_shapes=False,
-                 pixel_stats="openai_clip", final_norm=None, blocks="blocks", planned="qwen_vit"),
+                 pixel_stats="openai_clip", final_norm=None, blocks="blocks", planned="qwen_vit",
+                 block="Qwen2_5_VLVisionBlock", sublayers=Sublayers("attn", "mlp"), whole_grid=QWEN_WHOLE_GRID),
 )
 # (mean, std) per channel of pixels in [0, 1], as the families' image processors normalize them (transformers'
 # constants): SigLIP's 0.5 / 0.5 is vlaforge's own [-1, 1] input (data/transforms.py:to_model_images)

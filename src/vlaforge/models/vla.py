@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from vlaforge.data.batch import Batch
-from vlaforge.models.action_heads import ActionHead, ActionHeadOutput
 from vlaforge.models import losses as L
+from vlaforge.models.action_heads import ActionHead, ActionHeadOutput
 from vlaforge.models.families import decoder_of
 from vlaforge.models.vision import tower_features
 
@@ -113,6 +113,10 @@ class VLA(nn.Module):
         self.action_head = action_head
         self.layout = layout
         self.objective = objective
+        # NOTE: the decoder's final hidden states reach `run_llm` through this hook, not through transformers'
+        # `output_hidden_states`, whose capture hooks (installed on every decoder layer on first use) break
+        # torch.compile's graph at each layer (`ContextVar.get` cannot be traced)
+        decoder_of(llm).register_forward_hook(self._keep_last_hidden)
 
     # ---- token layout -------------------------------------------------------------------------------------
     def encode_frames(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -144,7 +148,7 @@ class VLA(nn.Module):
         """Which of the N layout positions are real tokens (B, N) bool; padding sits in instruction and text."""
         device = batch.instruction_ids.device
         vision = self.layout.frames * self.layout.patches_per_frame
-        ones = lambda n: torch.ones(batch.size, n, dtype=torch.bool, device=device)  # noqa: E731
+        ones = lambda n: torch.ones(batch.size, n, dtype=torch.bool, device=device)
         masks = [ones(vision), batch.instruction_mask.bool(), ones(self.action_head.chunk)]
         if with_text:
             masks.append(batch.text_mask.bool())
@@ -157,17 +161,30 @@ class VLA(nn.Module):
             return pos
         return mrope_positions(pos, self.layout.frames, math.isqrt(self.layout.patches_per_frame))
 
+    def llm_mask(self, batch: Batch, with_text: bool) -> dict[str, torch.Tensor | None]:
+        """The LLM's `attention_mask` and `position_ids` for `batch`. A batch known on the host to hold no padding
+        (`batch.full`) gets neither: causal attention without a mask (SDPA's `is_causal` kernels), default positions,
+        and nothing read back from the device to find that out (transformers would check a given mask, or the
+        positions, on the host). Qwen-VL's M-RoPE positions are always passed."""
+        if batch.full and not self.layout.mrope:
+            return {"attention_mask": None, "position_ids": None}
+        mask = self.token_mask(batch, with_text)
+        return {"attention_mask": mask.long(), "position_ids": self.llm_positions(mask)}
+
+    def _keep_last_hidden(self, module: nn.Module, args, output) -> None:
+        """Forward hook of the LLM's decoder: its final normed hidden states (B, N, D), for `run_llm`."""
+        self._last_hidden = output[0]
+
     def run_llm(self, batch: Batch, with_text: bool, keep_hidden: bool = False) -> dict[str, torch.Tensor]:
         """One LLM pass over the full layout; returns the pieces the losses and the action head need (and, with
         `keep_hidden`, every block's output hidden states as 'hidden_states': the embeddings, blocks 1..L-1, the
         final normed one)."""
         embeds, vision_tokens, instruction = self.input_embeddings(batch.images, batch.instruction_ids,
                                                                    batch.text_ids if with_text else None)
-        mask = self.token_mask(batch, with_text)
         n_text = batch.text_ids.shape[1] if with_text else 0
-        out = self.llm(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=self.llm_positions(mask),
-                       output_hidden_states=True, logits_to_keep=n_text + 1, use_cache=False)
-        h = self.split_outputs(out.hidden_states[-1], out.logits, n_text)
+        out = self.llm(inputs_embeds=embeds, **self.llm_mask(batch, with_text), output_hidden_states=keep_hidden,
+                       logits_to_keep=n_text + 1, use_cache=False)
+        h = self.split_outputs(self.__dict__.pop("_last_hidden"), out.logits, n_text)
         if keep_hidden:
             h["hidden_states"] = out.hidden_states
         if self.objective.active("contrastive"):
@@ -278,7 +295,7 @@ class VLA(nn.Module):
         b, t = vision_tokens.shape[0], self.action_head.chunk
         queries = self.action_head.queries.to(instruction.dtype).expand(b, -1, -1)
         embeds = torch.cat([vision_tokens.to(instruction.dtype), instruction, queries], dim=1)
-        ones = lambda n: torch.ones(b, n, dtype=torch.bool, device=embeds.device)  # noqa: E731
+        ones = lambda n: torch.ones(b, n, dtype=torch.bool, device=embeds.device)
         if instruction_mask is None:  # no padding: causal attention without a mask
             positions = self.llm_positions(ones(embeds.shape[1]))
             out = decoder_of(self.llm)(inputs_embeds=embeds, position_ids=positions, use_cache=False)
@@ -286,6 +303,7 @@ class VLA(nn.Module):
             mask = torch.cat([ones(vision_tokens.shape[1]), instruction_mask.bool(), ones(t)], dim=1)
             out = decoder_of(self.llm)(inputs_embeds=embeds, attention_mask=mask.long(),
                                        position_ids=self.llm_positions(mask), use_cache=False)
+        self.__dict__.pop("_last_hidden", None)  # (the hook's copy: this path reads the output)
         return out.last_hidden_state[:, -t:]
 
     def reset(self) -> None:

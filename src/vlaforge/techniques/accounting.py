@@ -5,7 +5,8 @@ Measured with `saved_tensors_hooks` during a real forward pass (real tensors, or
 running, deduplicated by storage (a tensor and its views, or two ops saving the same tensor, count once), and
 parameters (and views of them) are excluded. Autocast's low-precision copies of fp32 master weights, which
 matmuls save for backward (2 bytes per parameter in bf16, alive until that layer's backward), are counted apart
-as `weight_casts`: they are real memory but scale with parameters, not with tokens. Where memory techniques act, they report here too:
+as `weight_casts`: they are real memory but scale with parameters, not with tokens. Where memory techniques act,
+they report here too:
 - activation offload (techniques/offload.py) records what it moved to CPU / NVMe, not on the device;
 - selective checkpointing records the op outputs its policy keeps (they are cached outside autograd's saved
   tensors, so hooks alone would miss them); a fully checkpointed block saves only its inputs.
@@ -143,6 +144,11 @@ def record(t: torch.Tensor, place: str = DEVICE) -> None:
     """Report a tensor kept for backward to the accounting in progress, if any."""
     if _active:
         _active[-1].record(t, place)
+
+
+def counting() -> bool:
+    """Whether an accounting is in progress (`count_saved`)."""
+    return bool(_active)
 
 
 @contextlib.contextmanager

@@ -9,22 +9,29 @@ Strategies (`components.<name>.checkpointing`):
   the rest of the block saves what autograd saves;
 - `selective_ffn`: the same for the FFN sub-layer;
 - `every_nth`: `full` on one block of every `checkpoint_every_n` (blocks 0, N, 2N, ...).
-The projector and the action head have no blocks: `full` checkpoints the whole module, other strategies are
-refused by the config. The block's `forward` is replaced on the instance, so parameter names, hooks and
-checkpoints are unchanged. Autocast state and RNG are restored in the recomputation by torch.
+A block's attention and FFN sub-layers are where its family's row says (`block_sublayers`); a block no row names is
+refused in one line by the strategies that need them. The projector and the action head have no blocks: `full`
+checkpoints the whole module, other strategies are refused by the config. The block's `forward` is replaced on the
+instance, so parameter names, hooks and checkpoints are unchanged. Autocast state and RNG are restored in the
+recomputation by torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Mapping
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from vlaforge import COMPONENTS
+from vlaforge.errors import VlaforgeError
 from vlaforge.models.blocks import blocks_of
+from vlaforge.models.families import LLM_BLOCKS, Sublayers
+from vlaforge.models.vision import VISION_FAMILIES
 from vlaforge.techniques import accounting as memory
 
 aten = torch.ops.aten
@@ -33,27 +40,61 @@ ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default,
              aten._scaled_dot_product_flash_attention.default,
              aten._scaled_dot_product_efficient_attention.default,
              aten._scaled_dot_product_cudnn_attention.default}
-# Sub-layer names inside a block: transformers' Llama, SigLIP and CLIP (self_attn, mlp); DINOv2 and GPT-NeoX
-# (attention, mlp); Qwen-VL's tower (attn, mlp).
-SUBLAYERS = {"attn": ("self_attn", "attention", "attn"), "ffn": ("mlp",)}
 _region: list[str] = []  # "attn" / "ffn" while that sub-layer's forward runs
 
 
+def _kept(func) -> bool:
+    """Whether selective checkpointing keeps `func`'s output: attention's matmuls and SDPA, inside attention."""
+    return bool(_region) and _region[-1] == "attn" and (func in MATMULS or func in ATTENTION)
+
+
 def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """Keep attention's matmuls and SDPA outputs, recompute everything else; report kept outputs to the accounting
-    (they are cached outside autograd's saved tensors)."""
-    keep = bool(_region) and _region[-1] == "attn" and (func in MATMULS or func in ATTENTION)
-    if keep and not ctx.is_recompute:
-        torch.utils._pytree.tree_map_only(torch.Tensor, memory.record, ctx.op_output)
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    """Keep attention's matmuls and SDPA outputs, recompute everything else. It reads only `func`: torch 2.11 calls
+    the policy before the op runs (no `ctx.op_output`), 2.13 after; the kept outputs reach the accounting through
+    `_KeptRecorder`, which sees them in both."""
+    return CheckpointPolicy.MUST_SAVE if _kept(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _KeptRecorder(TorchDispatchMode):
+    """Below the SAC mode while an accounting counts (`memory.counting()`), in the forward only: reports the outputs
+    the policy keeps, which the SAC mode caches outside autograd's saved tensors (so its hooks never see them)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _kept(func):
+            torch.utils._pytree.tree_map_only(torch.Tensor, memory.record, out)
+        return out
+
+
+def block_sublayers(block: nn.Module) -> Sublayers:
+    """Where `block` keeps its attention and feed-forward sub-layers: its family's row (models/families.py for LLM
+    blocks, models/vision.py for towers), found by the block's class (FSDP2 subclasses it).
+
+    Raises:
+        VlaforgeError: no row names the block's class.
+    """
+    rows = {**LLM_BLOCKS, **{fam.block: fam.sublayers for fam in VISION_FAMILIES if fam.block}}
+    for cls in type(block).__mro__:
+        if cls.__name__ in rows:
+            return rows[cls.__name__]
+    raise VlaforgeError(f"no family row (models/families.py, models/vision.py) says where a {type(block).__name__} "
+                        "block keeps its attention and feed-forward sub-layers, by which selective checkpointing "
+                        "recomputes and the planner counts; use checkpointing = 'full' for its component")
 
 
 def sublayer(block: nn.Module, region: str) -> nn.Module:
-    for name in SUBLAYERS[region]:
-        sub = getattr(block, name, None)
-        if sub is not None:
-            return sub
-    raise ValueError(f"{type(block).__name__} has no {region} sub-layer (looked for {SUBLAYERS[region]})")
+    """The attention (`region` 'attn') or feed-forward ('ffn') sub-layer of `block`, as its family's row names it.
+
+    Raises:
+        VlaforgeError: no row for the block, or the block lacks the child its row names.
+    """
+    rows = block_sublayers(block)
+    name = rows.attn if region == "attn" else rows.ffn
+    sub = getattr(block, name, None)
+    if not isinstance(sub, nn.Module):
+        raise VlaforgeError(f"a {type(block).__name__} block has no '{name}', which its family's row names as its "
+                            f"{region} sub-layer (another transformers release?); use checkpointing = 'full'")
+    return sub
 
 
 class _RoutedMode:
@@ -63,23 +104,23 @@ class _RoutedMode:
     keep - and every other op runs at native speed; those are recomputed either way (the non-reentrant checkpoint's
     saved-tensor hooks see them), so what is kept and what is re-run is exactly the whole-block mode's."""
 
-    def __init__(self, mode):
-        self.mode = mode
+    def __init__(self, mode, recompute: bool):
+        self.mode, self.recompute = mode, recompute
 
     def __enter__(self):
-        _modes.append(self.mode)
+        _modes.append(self)
 
     def __exit__(self, *exc):
         _modes.pop()
 
 
-_modes: list = []  # the SAC dispatch mode of the selective checkpoint running now (forward or recompute)
+_modes: list[_RoutedMode] = []  # the selective checkpoint running now (forward or recompute)
 
 
 def routed_contexts():
     """`context_fn` of a selective checkpoint: torch's SAC modes (one storage), routed to the attention sub-layer."""
     forward, recompute = create_selective_checkpoint_contexts(selective_policy)
-    return _RoutedMode(forward), _RoutedMode(recompute)
+    return _RoutedMode(forward, recompute=False), _RoutedMode(recompute, recompute=True)
 
 
 def _in_sac_mode(module: nn.Module) -> None:
@@ -90,7 +131,9 @@ def _in_sac_mode(module: nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not _modes:
             return inner(*args, **kwargs)
-        with _modes[-1]:
+        routed = _modes[-1]
+        # NOTE: the recorder is entered first, so it sits below the SAC mode and sees each op's output
+        with _KeptRecorder() if memory.counting() and not routed.recompute else contextlib.nullcontext(), routed.mode:
             return inner(*args, **kwargs)
 
     module.forward = forward

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from vlaforge.models.blocks import blocks_of
+from vlaforge.models.blocks import blocks_of, components_with_blocks
 
 
 def compile_blocks(model: nn.Module) -> int:
     """`torch.compile` every transformer block in place (`nn.Module.compile`: names and hooks unchanged; blocks of
-    one shape share the compiled code). Returns how many were compiled."""
+    one shape share the compiled code), of every component the model says has blocks. Returns how many were
+    compiled."""
     count = 0
-    for comp in ("vision", "llm"):
-        for block in blocks_of(model, comp) or ():
+    for comp in components_with_blocks(model):
+        for block in blocks_of(model, comp):
             block.compile()
             count += 1
     return count

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vlaforge.checkpoints.load import load_policy_model, weights_digest
 from vlaforge.config.distill import DISTILL_TERMS, DistillConfig
 from vlaforge.data.batch import Batch
 from vlaforge.errors import VlaforgeError
@@ -34,7 +35,6 @@ from vlaforge.models import losses as L
 from vlaforge.models.llm import llm_blocks
 from vlaforge.progress import progress_bar
 from vlaforge.techniques.quantized_format import place
-from vlaforge.checkpoints.load import load_policy_model, weights_digest
 
 TERM_PREFIX = "distill_"
 
@@ -355,13 +355,15 @@ def init_from_teacher(student: nn.Module, teacher: nn.Module) -> list[str]:
         for name in ("vision", "projector", "action_head"):
             if _copy_matching(getattr(student, name), getattr(teacher, name)):
                 copied.append(name)
+        s_blocks, t_blocks = llm_blocks(student.llm), llm_blocks(teacher.llm)
+        # the blocks by identity: the decoder's, wherever its family keeps them (models/families.py)
+        in_blocks = {id(p) for p in s_blocks.parameters()}
         s_params, t_params = dict(student.llm.named_parameters()), dict(teacher.llm.named_parameters())
-        outside = [n for n, p in s_params.items() if not n.startswith("model.layers.")
+        outside = [n for n, p in s_params.items() if id(p) not in in_blocks
                    and n in t_params and t_params[n].shape == p.shape]
         for n in outside:
             s_params[n].copy_(t_params[n])
         copied += [f"llm.{n}" for n in outside]
-        s_blocks, t_blocks = llm_blocks(student.llm), llm_blocks(teacher.llm)
         k = max(1, len(t_blocks) // len(s_blocks))
         pairs = [(i, min(len(t_blocks) - 1, (i + 1) * k - 1)) for i in range(len(s_blocks))]
         if all(_copy_matching(s_blocks[i], t_blocks[j], dry=True) for i, j in pairs):
