@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launch import assert_matches, spawn_ranks, train_distributed, train_single
-from conftest import TINY_RECIPE
 from vlaforge.distributed.sequence_parallel import compact_order
+
+from conftest import TINY_RECIPE
+from launch import assert_matches, spawn_ranks, train_distributed, train_single
 
 
 def test_compacted_causal_attention_equals_the_masked_attention():
@@ -25,7 +26,7 @@ def test_compacted_causal_attention_equals_the_masked_attention():
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
     lay = compact_order(mask, 4)
     assert lay.padded == 12 and lay.length == n
-    pad = lambda t: F.pad(t, (0, 0, 0, lay.padded - n))  # noqa: E731
+    pad = lambda t: F.pad(t, (0, 0, 0, lay.padded - n))
     index = lay.order[:, None, :, None].expand(-1, h, -1, d)
     qc, kc, vc = (pad(t).gather(2, index) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
@@ -76,9 +77,8 @@ def test_tp2_times_cp2_with_sequence_parallel_on_four_ranks_matches_one_process(
 ])
 def test_impossible_context_parallel_layouts_are_one_line(args, message):
     from vlaforge.config.loading import load_config
-    from vlaforge.distributed.parallel_dims import World
+    from vlaforge.distributed.parallel_dims import World, check_layout
     from vlaforge.errors import VlaforgeError
-    from vlaforge.distributed.parallel_dims import check_layout
 
     cfg = load_config(TINY_RECIPE, [*args])
     with pytest.raises(VlaforgeError, match=message):
@@ -92,9 +92,10 @@ def _sp_worker(rank, world, port, out):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from conftest import make_batch, tiny_config
     from vlaforge.distributed.parallelize import apply_tensor_parallel
     from vlaforge.models.build import build_vla
+
+    from conftest import make_batch, tiny_config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

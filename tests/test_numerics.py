@@ -6,8 +6,13 @@ import warnings
 import pytest
 import torch
 
-from vlaforge.training.numerics import (FP16_TINY, GradientUnderflowWarning, NonFiniteGradientError,
-                                           NumericsMonitor, component_stats)
+from vlaforge.training.numerics import (
+    FP16_TINY,
+    GradientUnderflowWarning,
+    NonFiniteGradientError,
+    NumericsMonitor,
+    component_stats,
+)
 from vlaforge.training.step import StepGuards, train_step
 
 from conftest import make_batch, tiny_config

@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch import spawn_ranks
 from vlaforge.config.schema import ModelConfig, ParallelConfig
 from vlaforge.distributed.parallel_dims import LayoutError, ParallelDims, World, init_distributed, model_facts
+
+from launch import spawn_ranks
 
 
 def layout(dp_replicate=1, dp_shard=-1, tp=1, pp=1, cp=1, backend="fsdp2"):

@@ -31,9 +31,10 @@ def test_stage_plan_balances_work_and_gives_every_stage_blocks():
 
 
 def test_split_keeps_names_and_hands_every_parameter_to_exactly_one_stage():
-    from conftest import tiny_config
     from vlaforge.distributed.pipeline import Removed, plan_stages, split_model
     from vlaforge.models.build import build_vla
+
+    from conftest import tiny_config
 
     cfg = tiny_config()
     full = {n for n, _ in build_vla(cfg.model, cfg.loss).named_parameters()}

@@ -21,13 +21,23 @@ def check_equal_shards(length: int, group) -> None:
     key = (tuple(dist.get_process_group_ranks(group)), length)  # the same on every rank of the group
     if key in _EQUAL:
         return
-    both = torch.tensor([length, -length], dtype=torch.int64)
+    both = torch.tensor([length, -length], dtype=torch.int64, device=group_device(group))
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # (longest, -shortest)
     if int(both[0]) != -int(both[1]):
         raise ValueError(f"sequence shards differ in length across the {dist.get_world_size(group)} ranks (from "
                          f"{-int(both[1])} to {int(both[0])} tokens); pad the sequence to a multiple of the world size "
                          "(2 x the world size for zigzag) before sharding it")
     _EQUAL.add(key)
+
+
+def group_device(group) -> torch.device:
+    """The device whose tensors `group`'s collectives take: the CPU when a backend of the group serves it (gloo, or
+    a 'cpu:gloo,cuda:nccl' group), else this process's current accelerator (NCCL has no CPU collectives: a CPU
+    tensor all-reduced over it killed the first multi-GPU context-parallel run)."""
+    kind = dist.distributed_c10d._get_object_coll_device(group)  # torch's own rule for object collectives
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
 def expand_kv(kv: torch.Tensor, heads: int) -> torch.Tensor:

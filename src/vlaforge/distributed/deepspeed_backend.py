@@ -169,7 +169,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
-    except Exception as exc:  # json / yaml syntax errors
+    except Exception as exc:  # noqa: BLE001 - json / yaml syntax errors (yaml's own types)
         first = first_line(exc, None)
         raise VlaforgeError(f"--deepspeed {path}: not valid {path.suffix.lstrip('.') or 'JSON'} ({first}); fix the "
                             "file") from None

@@ -21,8 +21,16 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from vlaforge.distributed.attention_blocks import (block_backward, block_forward, check_equal_shards, expand_kv,
-                                                   fold_kv_grad, merge, places_or_positions, window_mask)
+from vlaforge.distributed.attention_blocks import (
+    block_backward,
+    block_forward,
+    check_equal_shards,
+    expand_kv,
+    fold_kv_grad,
+    merge,
+    places_or_positions,
+    window_mask,
+)
 
 # Test hook: called with ("send", step) when a transfer is issued and ("compute", step) before a block's math.
 trace: Callable[[str, int], None] | None = None

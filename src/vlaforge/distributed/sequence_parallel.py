@@ -202,9 +202,12 @@ class SequenceParallel:
     def enter(self, module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         """Forward pre-hook of the LLM: its full-layout `inputs_embeds` / `attention_mask` / `position_ids` become
         this rank's shard of the compacted layout (no mask: padding sits at the end, behind every real token)."""
-        mask = kwargs.pop("attention_mask").bool()
-        kwargs["inputs_embeds"], kwargs["position_ids"] = self.shard_layout(kwargs["inputs_embeds"], mask,
-                                                                            kwargs["position_ids"])
+        embeds, mask, positions = kwargs["inputs_embeds"], kwargs.pop("attention_mask"), kwargs["position_ids"]
+        if mask is None:  # a batch without padding (`Batch.full`): every place is a token, at its own position
+            mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+        if positions is None:
+            positions = torch.arange(embeds.shape[1], device=embeds.device).expand(embeds.shape[0], -1)
+        kwargs["inputs_embeds"], kwargs["position_ids"] = self.shard_layout(embeds, mask.bool(), positions)
         return args, kwargs
 
     def shard_layout(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor

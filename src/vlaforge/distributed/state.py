@@ -240,7 +240,7 @@ def load_sharded(folder, model: nn.Module, weighting: nn.Module | None = None,
         with _quiet_dcp():
             dcp.load(state, storage_reader=SafeReader(str(folder)),
                      planner=SafeLoadPlanner(allow_partial_load=True))
-    except (Exception, CheckpointException) as exc:  # files missing or cut (CheckpointException: a BaseException)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - files missing or cut (CheckpointException: a BaseException)
         raise _unreadable(folder, exc, "resume from another checkpoint") from None
     if missing:
         from vlaforge.errors import VlaforgeError
@@ -268,7 +268,7 @@ def consolidate_sharded(folder) -> dict[str, torch.Tensor]:
                  if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
         with _quiet_dcp():
             dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), no_dist=True)
-    except (Exception, CheckpointException) as exc:
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - as above
         raise _unreadable(folder, exc, "use another checkpoint") from None
     return {k[len("model."):]: v for k, v in state.items()}
 

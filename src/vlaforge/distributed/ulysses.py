@@ -12,11 +12,19 @@ Shapes: q (B, H, S_local, D); k, v (B, Hkv, S_local, D).
 from __future__ import annotations
 
 import torch
-
-from vlaforge.distributed.attention_blocks import (block_backward, block_forward, check_equal_shards, expand_kv,
-                                                   fold_kv_grad, merge, places_or_positions, window_mask)
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from vlaforge.distributed.attention_blocks import (
+    block_backward,
+    block_forward,
+    check_equal_shards,
+    expand_kv,
+    fold_kv_grad,
+    merge,
+    places_or_positions,
+    window_mask,
+)
 
 
 def _world(group) -> tuple[int, int]:

@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from vlaforge import COMPONENTS
+from vlaforge.errors import VlaforgeError
 from vlaforge.models.blocks import blocks_of
 from vlaforge.techniques import accounting as memory
-from vlaforge.errors import VlaforgeError
 
 PREFETCH = 2  # tensors read ahead in backward
 MIN_FREE_BYTES = 1 << 30  # an NVMe folder with less free space is refused before training
@@ -59,7 +59,12 @@ class _Offloader:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def eligible(self, t: torch.Tensor) -> bool:
-        if t.layout != torch.strided or memory.tensor_bytes(t) < self.min_bytes:
+        """Worth moving: a strided tensor of this offloader's device, not empty, at least `min_bytes`, not a
+        parameter, in a chosen block. NOTE: tensors of other devices stay where they are - torch 2.11's
+        non-reentrant checkpoint saves a 0-byte CPU dummy input, and a CPU tensor cannot go through the CUDA
+        side stream (`record_stream` raised on it in the first GPU run)."""
+        size = memory.tensor_bytes(t)
+        if t.layout != torch.strided or size == 0 or size < self.min_bytes or not _on(t, self.device):
             return False
         if memory.storage_key(t) in self.params:
             return False
@@ -148,6 +153,13 @@ class _Offloader:
             out.record_stream(current)  # allocated on the side stream, used on this one
             return out
         return h.value.to(h.device, non_blocking=True)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether `t` lives on `device` (a device without an index, e.g. `cuda`, means its current one)."""
+    if t.device.type != device.type:
+        return False
+    return device.index is None or t.device.index is None or t.device.index == device.index
 
 
 def _storage_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,19 @@ class MetricsLogger:
 
 
 def to_floats(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
-    """One host sync for all tensor metrics."""
-    keys = list(metrics)
-    tensors = [torch.as_tensor(metrics[k]).detach().float().reshape(()).cpu() for k in keys]
-    return dict(zip(keys, torch.stack(tensors).tolist())) if keys else {}
+    """The metrics as floats: one host read per device for all its tensors (stacked there first: a `.cpu()` per
+    metric would wait for the device once each). Metrics stay on their device until a logging step calls this."""
+    by_device: dict[torch.device, list[str]] = {}
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(k)
+        else:
+            out[k] = float(v)
+    for keys in by_device.values():
+        stacked = torch.stack([metrics[k].detach().float().reshape(()) for k in keys])
+        out.update(zip(keys, stacked.tolist()))
+    return {k: out[k] for k in metrics}
 
 
 def add_mean(sums: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], n: int) -> None:

@@ -77,14 +77,18 @@ def nonfinite_parameters(model: nn.Module) -> list[tuple[str, int, int]]:
     return found
 
 
-def nonfinite_error(model: nn.Module, precisions: dict[str, str], step: int, why: str) -> NonFiniteGradientError:
+def nonfinite_error(model: nn.Module, precisions: dict[str, str], step: int, why: str,
+                    components: list[str] = ()) -> NonFiniteGradientError:
+    """The stop, naming the parameters whose gradients on `model` are non-finite now, else `components` (those
+    whose gradient norm was non-finite at `step`, when the check ran at a later logging step)."""
     bad = nonfinite_parameters(model)
-    comps = sorted({n.split(".")[0] for n, _, _ in bad}, key=COMPONENTS.index)
+    comps = sorted({n.split(".")[0] for n, _, _ in bad} or set(components), key=COMPONENTS.index)
     shown = ", ".join(f"{n} ({i} inf, {q} nan)" for n, i, q in bad[:SHOWN_PARAMETERS])
     more = f" and {len(bad) - SHOWN_PARAMETERS} more" if len(bad) > SHOWN_PARAMETERS else ""
     where = ", ".join(f"components.{c} ({precisions.get(c, '?')})" for c in comps) or "the loss weighting"
+    shown = shown or ("non-finite gradient norm" if comps else "learned loss weights")
     return NonFiniteGradientError(
-        f"non-finite gradients at step {step} {why} in {where}: {shown or 'learned loss weights'}{more}; the "
+        f"non-finite gradients at step {step} {why} in {where}: {shown}{more}; the "
         f"optimizer step was not taken and the last checkpoint is intact; lower the learning rate or grad_clip, "
         f"check the data for inf/nan, or keep the component in bf16")
 

@@ -82,8 +82,26 @@ def build_optimizer(model: nn.Module, cfg, extra_params: list[nn.Parameter] = ()
     if projections:
         groups.append({"params": list(projections), "lr": cfg.components.llm.lr, "weight_decay": 0.0,
                        "name": "distill_projections", "component": "distill"})
-    # NOTE: foreach (multi-tensor) kernels; torch picks them by default on CUDA only.
-    return torch.optim.AdamW(groups, betas=cfg.train.betas, eps=cfg.train.eps, foreach=True)
+    if not fused_supported(groups):  # NOTE: foreach (multi-tensor) kernels; torch picks them on CUDA only
+        return torch.optim.AdamW(groups, betas=cfg.train.betas, eps=cfg.train.eps, foreach=True)
+    optimizer = torch.optim.AdamW(groups, betas=cfg.train.betas, eps=cfg.train.eps, fused=True)
+    for group in optimizer.param_groups:  # the schedule sets them on the device (`StepSchedule`)
+        group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=group["params"][0].device)
+    return optimizer
+
+
+FUSED_DEVICES = ("cpu", "cuda")
+
+
+def fused_supported(groups: list[dict]) -> bool:
+    """Fused AdamW (one kernel for every tensor of a device, step counters kept on the device, and a skipped step
+    decided on the device through `found_inf`): on CUDA and CPU, for floating-point parameters.
+
+    Why fused everywhere: the first H100 run measured ~17 ms of a 97 ms step in foreach AdamW's ten passes; on this
+    2-core CPU bench/optimizer.py measured fused 7-8x faster than foreach (tiny flavor's 0.74 M parameters: 20.6 vs
+    144 ms a step; small's 584 M: 2.1 vs 16.9 s)."""
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
@@ -96,9 +114,58 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg):
+    """`StepSchedule` for an optimizer whose learning rates are device tensors (`build_optimizer`'s fused AdamW);
+    else torch's LambdaLR (a DeepSpeed engine's optimizer)."""
     def factor(step: int) -> float:
         return lr_factor(step, train_cfg.steps, train_cfg.warmup_steps, train_cfg.lr_schedule,
                          train_cfg.min_lr_ratio)
 
+    if isinstance(optimizer.param_groups[0]["lr"], torch.Tensor):
+        return StepSchedule(optimizer, [factor(s) for s in range(train_cfg.steps + 1)])
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class StepSchedule:
+    """The learning-rate schedule on the device: each group's lr is its base lr times `factors[taken]`, where
+    `taken` counts the optimizer steps taken - a device counter that a skipped step (an overflow under loss
+    scaling, a non-finite gradient) does not advance, so the schedule stays where it was without the host reading
+    whether the step was skipped. `last_epoch` / `_step_count` read it (checkpoints, as LambdaLR names them)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factors: list[float]):
+        self.optimizer = optimizer
+        device = optimizer.param_groups[0]["lr"].device
+        self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self._bases = torch.tensor(self.base_lrs, dtype=torch.float64, device=device)
+        self._factors = torch.tensor(factors, dtype=torch.float64, device=device)  # per step, as LambdaLR's
+        self._taken = torch.zeros((), dtype=torch.int64, device=device)
+        self._lrs = [g["lr"] for g in optimizer.param_groups]
+        self._apply()
+
+    @property
+    def last_epoch(self) -> int:
+        return int(self._taken)
+
+    def step(self, skipped: torch.Tensor | None = None) -> None:
+        """One optimizer step: taken, or skipped where `skipped` (0-d, on the device) is nonzero."""
+        self._taken += 1 if skipped is None else (skipped == 0).long()
+        self._apply()
+
+    def _apply(self) -> None:
+        # NOTE: the optimizer's own lr tensors, refilled in place (a restored optimizer state replaced them)
+        for group, lr in zip(self.optimizer.param_groups, self._lrs):
+            group["lr"] = lr
+        # (a gather: indexing with a 0-d tensor would read it on the host)
+        factor = self._factors.gather(0, self._taken.clamp(max=len(self._factors) - 1).reshape(1))
+        torch._foreach_copy_(self._lrs, list((self._bases * factor).float().unbind()))
+
+    def get_last_lr(self) -> list[float]:
+        return [float(lr) for lr in self._lrs]
+
+    def state_dict(self) -> dict:
+        taken = self.last_epoch
+        return {"last_epoch": taken, "_step_count": taken + 1, "base_lrs": self.base_lrs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._taken.fill_(int(state["last_epoch"]))
+        self._apply()

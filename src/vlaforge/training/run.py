@@ -41,7 +41,7 @@ class Run:
     tokens_per_sample: int
     data: Data
     evaluate: Evaluator | None
-    lora_base: dict[str, Any] | None = None  # what names a LoRA run's frozen base (training/lora_checkpoint.py)
+    lora_base: dict[str, Any] | None = None  # what names a LoRA run's frozen base (checkpoints/lora.py)
 
 
 def global_batch(cfg: VLAConfig, dims: ParallelDims) -> int:

@@ -17,14 +17,20 @@ from vlaforge.checkpoints.load import load_checkpoint, load_trainer_state
 from vlaforge.checkpoints.save import save_checkpoint
 from vlaforge.config.loading import dump_toml
 from vlaforge.distributed.deepspeed_backend import full_weights, load_engine, save_engine
-from vlaforge.distributed.state import (full_model_state, full_optimizer_state, load_full_optimizer_state,
-                                        load_sharded, save_sharded)
+from vlaforge.distributed.state import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_optimizer_state,
+    load_sharded,
+    save_sharded,
+)
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import BACKBONES_FILE, backbone_configs
 from vlaforge.outputs import write_atomic
 from vlaforge.seeding import rng_state, set_rng_state
 from vlaforge.training.loss_scale import LossScaler
 from vlaforge.training.run import Run, global_batch
+
 
 def trainer_state(run: Run, step: int, optimizer: bool = True) -> dict[str, Any]:
     """Optimizer (full, keyed by parameter name; left out for sharded checkpoints, which hold it in their shards),

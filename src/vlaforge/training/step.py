@@ -2,7 +2,8 @@
 an `Executor` chosen once per run: in this process or through a pipeline schedule (`LocalExecutor`), or through a
 DeepSpeed engine (`DeepSpeedExecutor`). In this process: forward/backward over the micro-batches (loss-scaled when
 fp16 computes), unscaling, per-component gradient norms, numerics checks, clipping, optimizer and schedule. Returns a
-metrics dict of tensors; host syncs happen only for loss scaling (skip or not) and the non-finite check."""
+metrics dict of tensors; no device value is read on the host between the trainer's logging steps (see
+`StepGuards`, `optimizer_step`)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from torch import nn
 
 from vlaforge import COMPONENTS
 from vlaforge.data.batch import Batch
-from vlaforge.training.numerics import NumericsMonitor, nonfinite_error
-from vlaforge.training.loss_scale import LossScaler
 from vlaforge.models.losses import valid_counts
+from vlaforge.training.loss_scale import LossScaler
 from vlaforge.training.metrics import add_mean
+from vlaforge.training.numerics import NumericsMonitor, nonfinite_error
+from vlaforge.training.optim import StepSchedule
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -35,7 +37,9 @@ def local_grads(optimizer: torch.optim.Optimizer, reducer=None) -> list[torch.Te
 def grad_norms(optimizer: torch.optim.Optimizer, reducer=None) -> dict[str, torch.Tensor]:
     """L2 norm of the gradients of each component (from the optimizer's per-component groups; learned loss
     weights excluded), and of all of them ('total'). One fused norm kernel for all gradients; with sharded
-    gradients, one all-reduce of the per-component sums of squares and gradient counts."""
+    gradients, one all-reduce of the per-component sums of squares. Which gradient belongs to which component is
+    known on the host: no device value is read (with ranks, which components any rank holds is asked once per
+    layout, `_present_anywhere`)."""
     owners, grads, tp = [], [], []
     for group in optimizer.param_groups:
         if group["component"] in COMPONENTS:
@@ -46,32 +50,65 @@ def grad_norms(optimizer: torch.optim.Optimizer, reducer=None) -> dict[str, torc
                     tp.append(reducer is not None and reducer.tp_sharded(p.grad))
     device = optimizer.param_groups[0]["params"][0].device
     squares = torch.stack(torch._foreach_norm(grads)).square().float() if grads else torch.zeros(0, device=device)
-    # row 0: weights replicated over tensor parallel, row 1: TP-sharded ones (summed over the TP group too); then
-    # the number of gradients per component, so every rank reports the components any rank (pipeline stage) holds
+    # row 0: weights replicated over tensor parallel, row 1: TP-sharded ones (summed over the TP group too)
     c = len(COMPONENTS)
-    index = torch.tensor([2 * COMPONENTS.index(o) + t for o, t in zip(owners, tp)], device=squares.device)
-    per = torch.zeros(2 * c, device=squares.device).index_add_(0, index, squares).view(-1, 2)
-    counts = torch.tensor([float(owners.count(o)) for o in COMPONENTS], device=squares.device)
+    slots = tuple(2 * COMPONENTS.index(o) + t for o, t in zip(owners, tp))
+    per = torch.zeros(2 * c, device=squares.device).index_add_(0, _index(slots, squares.device), squares).view(-1, 2)
+    present = [o in owners for o in COMPONENTS]
     if reducer is not None:
-        both = reducer.combine(torch.cat([per[:, 0], counts]), torch.cat([per[:, 1], torch.zeros_like(counts)]))
-        per, counts = both[:c], both[c:]
+        per = reducer.combine(per[:, 0].contiguous(), per[:, 1].contiguous())
+        present = _present_anywhere(reducer, optimizer, present, squares.device)
     else:
         per = per.sum(1)
-    present = (counts > 0).tolist()  # one host sync
     norms = {comp: per[i].sqrt() for i, comp in enumerate(COMPONENTS) if present[i]}
     norms["total"] = per.sum().sqrt()
     return norms
 
 
+_INDEX: dict[tuple, torch.Tensor] = {}  # (device, slots) -> the index tensor: built once per layout of gradients
+_PRESENT: dict[tuple, tuple] = {}  # (reducer id, what trains) -> (the reducer, components any rank has gradients of)
+
+
+def _index(slots: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The per-gradient slot index on `device`, made once (a host list copied to the device every step would wait
+    for the device's queue)."""
+    key = (device, slots)
+    if key not in _INDEX:
+        _INDEX[key] = torch.tensor(slots, dtype=torch.long, device=device)
+    return _INDEX[key]
+
+
+def _present_anywhere(reducer, optimizer: torch.optim.Optimizer, mine: list[bool], device: torch.device
+                      ) -> list[bool]:
+    """The components whose gradients any rank holds (a pipeline stage holds some): one all-reduce and read the
+    first step, and again only when what trains changes (the same step on every rank: the config's schedule)."""
+    trains = tuple(any(p.requires_grad for p in g["params"]) for g in optimizer.param_groups)
+    key = (id(reducer), trains)
+    if key not in _PRESENT:  # (the reducer is kept, so that its id is not reused)
+        counts = reducer.sum_over_ranks(torch.tensor(mine, dtype=torch.float32, device=device))
+        _PRESENT[key] = (reducer, (counts > 0).tolist())
+    return _PRESENT[key][1]
+
+
+STOPS = ("no loss scaling", "at the minimum loss scale")  # why a step's non-finite gradients stop the run
+
+
 @dataclass
 class StepGuards:
-    """Per-step numerics: the loss scaler, the monitor, and whether the monitor measures this step."""
+    """Per-step numerics: the loss scaler, the monitor, and whether the monitor measures this step.
+
+    A step that must stop the run (non-finite gradients without loss scaling, or an overflow at the minimum loss
+    scale) is skipped on the device and recorded there (`note_stop`); `raise_pending` reads the record and raises.
+    Directly after the step by default; with `defer` (the trainer) at its next logging or checkpoint step, so that
+    no step between them waits for the device."""
 
     scaler: LossScaler = field(default_factory=lambda: LossScaler(enabled=False))
     monitor: NumericsMonitor | None = None
     step: int = 0
     reducer: "GradReducer | None" = None  # when gradients are sharded / replicated over ranks
     sync_every: int = 0  # train.sync_every: reduce gradients every k-th micro-step too (0: the last only)
+    defer: bool = False
+    _stop: torch.Tensor | None = None  # (first stopping step or -1, why: index into STOPS, one flag per component)
 
     @property
     def measure(self) -> bool:
@@ -80,6 +117,32 @@ class StepGuards:
     @property
     def check_finite(self) -> bool:
         return self.monitor is not None and self.monitor.cfg.check_finite
+
+    def note_stop(self, stop: torch.Tensor, why: int, norms: dict[str, torch.Tensor]) -> None:
+        """Record, on the device, the first step whose 0-d bool `stop` is true, with the components whose
+        gradient norm is non-finite."""
+        d = stop.device
+        bad = [~torch.isfinite(norms[c]) if c in norms else torch.zeros((), dtype=torch.bool, device=d)
+               for c in COMPONENTS]
+        # NOTE: torch.full, not torch.tensor: a host value copied to the device waits for the device's queue
+        row = torch.stack([torch.full((), self.step, device=d), torch.full((), why, device=d),
+                           *[b.long() for b in bad]])
+        if self._stop is None:
+            self._stop = torch.full_like(row, -1)
+        self._stop = torch.where(stop & (self._stop[0] < 0), row, self._stop)
+
+    def raise_pending(self, model: nn.Module) -> None:
+        """Raise `NonFiniteGradientError` for the first recorded stop, if any (one host read)."""
+        if self._stop is None:
+            return
+        step, why, *bad = self._stop.tolist()
+        if step < 0:
+            return
+        self._stop = None
+        later = f"; read at step {self.step}, the steps between were taken" if step != self.step else ""
+        precisions = self.monitor.precisions if self.monitor else {}
+        raise nonfinite_error(model, precisions, step, f"({STOPS[why]}{later})",
+                              [c for c, b in zip(COMPONENTS, bad) if b])
 
 
 def loss_denominators(model: nn.Module, micro_batches: list[Batch], reducer=None) -> dict[str, torch.Tensor]:
@@ -138,26 +201,19 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
 
 def local_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.optim.Optimizer, scheduler, weighting,
                grad_clip: float, guards: StepGuards, pipeline: "Pipeline | None" = None) -> dict[str, torch.Tensor]:
-    """Accumulate gradients over `micro_batches` (loss averaged over them), unscale, clip, step.
+    """Accumulate gradients over `micro_batches` (loss averaged over them), unscale, clip, step. No device value is
+    read on the host (unless `guards` measures numerics or checks right away, see `StepGuards`).
 
     With loss scaling, a step whose gradients overflow is skipped (no optimizer or schedule update). Without it,
-    `guards.check_finite` stops at a non-finite gradient before the optimizer step, naming the parameters.
+    `guards.check_finite` skips a step with a non-finite gradient and stops the run, naming the parameters.
     """
     scaler, reducer = guards.scaler, guards.reducer
     optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, torch.Tensor] = {}
-    n = len(micro_batches)
     denominators = loss_denominators(model, micro_batches, reducer)
     if pipeline is not None:  # the schedule runs every micro-batch and syncs gradients after the last
         sums = pipeline.run(micro_batches, weighting, scaler, denominators)
     else:
-        for i, batch in enumerate(micro_batches):
-            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce on the last micro-step (or every k-th)
-                every = guards.sync_every
-                model.set_requires_gradient_sync(i == n - 1 or (every > 0 and (i + 1) % every == 0))
-            loss, metrics = model.compute_loss(batch, weighting, denominators)
-            scaler.scale_loss(loss / n).backward()
-            add_mean(sums, metrics, n)
+        sums = forward_backward(model, micro_batches, weighting, scaler, denominators, guards.sync_every)
     if reducer is not None:
         reducer.sum_tp_partial()  # replicated weights that see a TP shard of the activations (q/k norms)
         reducer.sum_pp_tied()  # the embeddings the first and last pipeline stage share
@@ -171,25 +227,60 @@ def local_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
     norms = grad_norms(optimizer, reducer)
     if guards.measure:
         sums.update(guards.monitor.measure(model, scaler.scale, guards.step, reducer))
-    skipped = found_inf is not None and bool(found_inf)  # host sync, only with loss scaling
-    if found_inf is None and guards.check_finite and not bool(torch.isfinite(norms["total"])):
-        raise nonfinite_error(model, guards.monitor.precisions, guards.step, "(no loss scaling)")
-    scaler.update(skipped)
-    if skipped and scaler.at_floor() and scaler.hysteresis_left <= 0:
-        precisions = guards.monitor.precisions if guards.monitor else {}
-        raise nonfinite_error(model, precisions, guards.step, f"at the minimum loss scale {scaler.min_scale:g}")
-    if not skipped:
-        if grad_clip > 0:  # as torch.nn.utils.clip_grads_with_norm_, on local tensors (DTensor shards included)
-            coef = (grad_clip / (norms["total"] + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-        optimizer.step()
-        scheduler.step()
+    skip = found_inf
+    if found_inf is None and guards.check_finite:
+        skip = (~torch.isfinite(norms["total"])).float()
+        guards.note_stop(skip > 0, 0, norms)
+    stuck = scaler.update(found_inf)
+    if stuck is not None:
+        guards.note_stop(stuck, 1, norms)
+    if grad_clip > 0 and grads:  # as torch.nn.utils.clip_grads_with_norm_, on local tensors (DTensor shards too)
+        coef = (grad_clip / (norms["total"] + 1e-6)).clamp(max=1.0)
+        if skip is not None:  # a skipped step's gradients stay as they were (the stop names their inf / nan)
+            coef = torch.where(skip > 0, 1.0, coef)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    optimizer_step(optimizer, scheduler, skip)
+    if not guards.defer:
+        guards.raise_pending(model)
     weighting.end_step(reducer)
     sums.update({f"grad_norm/{k}": v for k, v in norms.items()})
     if scaler.enabled:
-        sums["precision/loss_scale"] = torch.tensor(scaler.scale)
-        sums["precision/skipped_steps"] = torch.tensor(float(scaler.skipped_steps))
+        sums["precision/loss_scale"] = scaler.scale_tensor(norms["total"].device)
+        sums["precision/skipped_steps"] = scaler.skipped_tensor(norms["total"].device)
     return sums
+
+
+def forward_backward(model: nn.Module, micro_batches: list[Batch], weighting, scaler: LossScaler,
+                     denominators: dict[str, torch.Tensor], sync_every: int) -> dict[str, torch.Tensor]:
+    """Forward and backward of every micro-batch in this process; returns their metrics' mean."""
+    sums: dict[str, torch.Tensor] = {}
+    n = len(micro_batches)
+    for i, batch in enumerate(micro_batches):
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce on the last micro-step (or every k-th)
+            model.set_requires_gradient_sync(i == n - 1 or (sync_every > 0 and (i + 1) % sync_every == 0))
+        loss, metrics = model.compute_loss(batch, weighting, denominators)
+        scaler.scale_loss(loss / n).backward()
+        add_mean(sums, metrics, n)
+    return sums
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scheduler, skip: torch.Tensor | None) -> None:
+    """The optimizer and schedule step, skipped where `skip` (0-d, 1.0 or 0.0, on the device) is set: on the device
+    for fused AdamW (its `found_inf`, as torch.amp.GradScaler hands it; `StepSchedule` does not advance), else
+    decided on the host (one read: a foreach optimizer cannot take it)."""
+    if skip is None:
+        optimizer.step()
+        scheduler.step()
+    elif optimizer.defaults.get("fused") and isinstance(scheduler, StepSchedule):
+        optimizer.found_inf = skip
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        scheduler.step(skip)
+    elif not bool(skip):
+        optimizer.step()
+        scheduler.step()
 
 
 def deepspeed_step(engine, micro_batches: list[Batch], weighting, reducer) -> dict[str, torch.Tensor]:

@@ -6,8 +6,8 @@ import json
 import shutil
 import time
 import warnings
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +18,8 @@ from vlaforge.checkpoints.load import load_weights
 from vlaforge.checkpoints.run_folder import check_run_folder, stopped_before_first_checkpoint
 from vlaforge.config.loading import dump_toml
 from vlaforge.config.schema import VLAConfig
-from vlaforge.config.shapes import describe as describe_shapes, resolve_shapes, resolve_terms
+from vlaforge.config.shapes import describe as describe_shapes
+from vlaforge.config.shapes import resolve_shapes, resolve_terms
 from vlaforge.data.loader import build_data, build_loader
 from vlaforge.distributed.apply import Applied, apply_techniques
 from vlaforge.distributed.deepspeed_backend import build_engine
@@ -85,7 +86,7 @@ def build_loss_weighting(cfg: VLAConfig, model: nn.Module, device: torch.device,
     terms = [t for t, w in cfg.loss.weights.items() if w > 0]
     if cfg.data.max_text_tokens == 0 and "language" in terms:
         terms.remove("language")
-    shared = lambda: [model.projector.mlp[-1].weight]  # the last layer every loss term flows through  # noqa: E731
+    shared = lambda: [model.projector.mlp[-1].weight]  # the last layer every loss term flows through
     weighting = build_weighting(cfg.loss.weighting, terms, cfg.loss, shared=shared)
     if teacher is not None:
         weighting = Distiller(cfg.distill, model, teacher, weighting)
@@ -190,6 +191,7 @@ def build_executor(cfg: VLAConfig, dims: ParallelDims, model: nn.Module, weighti
 
 
 def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Each component's learning rate (a float, or a 0-d tensor on the device for fused AdamW)."""
     return {f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups if not g["name"].endswith(".no_decay")}
 
 
@@ -200,8 +202,17 @@ def train(cfg: VLAConfig, evaluate: Evaluator | None = None) -> dict[str, float]
         return _train(cfg, evaluate)
 
 
+def drain(device: torch.device) -> float:
+    """Seconds spent waiting for the kernels queued so far (the steps between logging steps do not wait)."""
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
 def _train(cfg: VLAConfig, evaluate: Evaluator | None) -> dict[str, float]:
     run = build_run(cfg, evaluate)
+    run.guards.defer = True  # NOTE: a non-finite stop is raised at the next logging or checkpoint step
     cfg = run.cfg  # resolved
     t = cfg.train
     dp, main = run.dims.dp, run.world.is_main
@@ -233,8 +244,6 @@ def _train(cfg: VLAConfig, evaluate: Evaluator | None) -> dict[str, float]:
                                    run.world.rank) as recorded:
                     metrics = train_step(run.model, micro, run.optimizer, run.scheduler, run.weighting, t.grad_clip,
                                          run.guards, run.executor)
-                if run.device.type == "cuda":
-                    torch.cuda.synchronize(run.device)  # the step's kernels, not their launches, are timed
                 busy["data"], busy["step"] = busy["data"] + t1 - t0, busy["step"] + time.perf_counter() - t1
                 window_steps += 1
                 done = step + 1
@@ -243,12 +252,17 @@ def _train(cfg: VLAConfig, evaluate: Evaluator | None) -> dict[str, float]:
                 numerics = {k: v for k, v in metrics.items() if k.startswith("numerics/")}
                 if numerics and logger and not (done % t.log_every == 0 or done == t.steps):
                     logger.log(done, to_floats(numerics))
-                if done % t.log_every == 0 or done == t.steps:
+                logging = done % t.log_every == 0 or done == t.steps
+                if logging or (t.checkpoint_every and done % t.checkpoint_every == 0):
+                    busy["step"] += drain(run.device)  # the kernels the steps queued count as step time
+                    run.guards.raise_pending(run.model)  # a stop the steps recorded (one read)
+                if logging:
                     if run.guards.reducer is not None:  # every rank's losses, averaged (a collective: all ranks)
                         metrics = run.guards.reducer.mean_over_ranks(metrics)
                     elapsed = time.perf_counter() - window_start
                     samples = window_steps * global_batch(cfg, run.dims)
-                    last = {**to_floats(metrics), **group_lrs(run.optimizer), "perf/samples_per_s": samples / elapsed,
+                    last = {**to_floats({**metrics, **group_lrs(run.optimizer)}),  # one read per device
+                            "perf/samples_per_s": samples / elapsed,
                             "perf/tokens_per_s": samples * run.tokens_per_sample / elapsed,
                             # per optimizer step: compute (`vlaforge plan --calibrate` reads it) and data wait
                             "perf/step_s": busy["step"] / window_steps, "perf/data_s": busy["data"] / window_steps,
@@ -264,6 +278,7 @@ def _train(cfg: VLAConfig, evaluate: Evaluator | None) -> dict[str, float]:
                     busy = {"data": 0.0, "step": 0.0}
                 evaluate_now = cfg.eval.every and done % cfg.eval.every == 0
                 if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or evaluate_now:
+                    run.guards.raise_pending(run.model)  # nothing stopping is saved
                     path = save(run, done)
                     if evaluate_now and main:
                         scores = run.evaluate(path)
