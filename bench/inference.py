@@ -13,7 +13,14 @@ per second) at 1/8/32 sessions comes last.
 
 On a GPU (`--device cuda --dtype bf16`, bench/gpu/inference.sh) the models are `small` and `vla-7b-4l` (the
 vla-7b flavor's SigLIP-so400m and Llama-2-7B layer shapes, 4 blocks each, so it builds in seconds); attention runs
-through SDPA (the flash kernel where no padding mask is needed) and `--compile` compiles the two regions.
+through SDPA (the flash kernel where no padding mask is needed) and `--compile` compiles the two regions. Models
+are built on the device they run on.
+
+Order, most wanted first: latency at the first history for every model, then `--quantize` (latency, bytes and
+action cosine of quantized copies; each layout's timed predictions stop after `--quantize-max-s`, so a layout 15x
+slower than bf16 cannot eat the check), then the other histories, then `predict_batch`. Past `--budget-s` no new
+measurement starts (they are listed in `skipped`), and a compiled variant starts only while the time left covers
+the last compile warm-up measured for that model (`compile_s`).
 
     python bench/inference.py [--data data/metaworld_demo] [--models tiny small] [--steps 12] [--threads 2]
     python bench/inference.py --device cuda --dtype bf16 --models small vla-7b-4l --batches 1 8 32
@@ -32,17 +39,22 @@ import numpy as np
 import torch
 
 
-def _register_7b_layers() -> None:
-    """`vla-7b-4l`: vla-7b's layer shapes, 4 vision and 4 LLM blocks."""
+def layer_shapes_flavor(name: str) -> str:
+    """Register `<flavor>-<N>l` when `name` is one and is not registered yet: the flavor's layer shapes with N vision
+    and N LLM blocks (vla-7b-4l: SigLIP-so400m and Llama-2-7B layers, 4 + 4), so it builds and compiles in seconds
+    while each matmul keeps its full size. Returns `name` (bench/mfu.py's fp8 check builds the same)."""
     import dataclasses
+    import re
 
     from vlaforge.config.flavors import FLAVORS
 
-    if "vla-7b-4l" not in FLAVORS:
-        f = FLAVORS.get("vla-7b")
-        FLAVORS.add("vla-7b-4l", dataclasses.replace(f, description="vla-7b layer shapes, 4 + 4 blocks",
-                                                      vision=f.vision | {"num_hidden_layers": 4},
-                                                      llm=f.llm | {"num_hidden_layers": 4}))
+    match = re.fullmatch(r"(?P<base>.+)-(?P<blocks>\d+)l", name)
+    if match and name not in FLAVORS and match["base"] in FLAVORS:
+        f, blocks = FLAVORS.get(match["base"]), int(match["blocks"])
+        FLAVORS.add(name, dataclasses.replace(f, description=f"{f.description}: {blocks} + {blocks} blocks",
+                                              vision=f.vision | {"num_hidden_layers": blocks},
+                                              llm=f.llm | {"num_hidden_layers": blocks}, nominal_params={}))
+    return name
 
 
 def _config(model: str, history: int):
@@ -52,11 +64,10 @@ def _config(model: str, history: int):
     if model == "tiny":
         m = {"flavor": "tiny", "image_size": 96, "cameras": ["corner", "topview"]}
     else:
-        if model == "vla-7b-4l":
-            _register_7b_layers()
-        m = {"flavor": model, "cameras": ["corner"]}
+        m = {"flavor": layer_shapes_flavor(model), "cameras": ["corner"]}
     m |= {"frames": history, "action_chunk": 8, "state_dim": 4, "action_dim": 4}
-    return load_config("recipes/tiny_synthetic.toml", deep_merge({"model": m}, {"data": {"max_instruction_tokens": 12}}))
+    return load_config("recipes/tiny_synthetic.toml",
+                       deep_merge({"model": m}, {"data": {"max_instruction_tokens": 12}}))
 
 
 def _frames(data: str | None, cams: list[str], steps: int, size: int) -> list[dict[str, np.ndarray]]:
@@ -89,6 +100,28 @@ def _pct(values: list[float]) -> dict[str, float]:
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+class Budget:
+    """The seconds left of `--budget-s`, and the compile warm-up last measured per model."""
+
+    def __init__(self, seconds: float | None = None):
+        self.end = time.monotonic() + (seconds if seconds is not None else float("inf"))
+        self.compile_s: dict[str, float] = {}
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def allows_compile(self, name: str) -> bool:
+        return self.left() > self.compile_s.get(name, 0.0)
+
+
+def _build(cfg, device: str):
+    """The model built where it runs (a GPU's model is not initialized on the host's CPU and then copied)."""
+    from vlaforge.models.build import build_vla
+
+    with torch.device(device):
+        return build_vla(cfg.model, cfg.loss).eval()
 
 
 def _eager(model, spec, tokenizer, frames, state, instruction, device="cpu", dtype=torch.float32) -> list[float]:
@@ -128,16 +161,16 @@ def _measure(runtime, frames, state, instruction, session="s") -> tuple[list[flo
 
 
 def bench_model(name: str, history: int, data: str | None, steps: int, warm: int, compile_mode: str,
-                device: str = "cpu", dtype: str = "fp32") -> dict:
+                device: str = "cpu", dtype: str = "fp32", budget: Budget | None = None) -> dict:
     from vlaforge.data.tokenizer import train_bpe
     from vlaforge.data.transforms import ObservationSpec
     from vlaforge.inference.feature_cache import CacheConfig
     from vlaforge.inference.runtime import PolicyRuntime
-    from vlaforge.models.build import build_vla
 
+    budget = budget or Budget()
     cfg = _config(name, history)
     torch.manual_seed(0)
-    model = build_vla(cfg.model, cfg.loss).eval()
+    model = _build(cfg, device)
     cams = list(cfg.model.cameras)
     size = model.layout.image_size
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -148,13 +181,18 @@ def bench_model(name: str, history: int, data: str | None, steps: int, warm: int
     tokenizer = train_bpe(["press the button from the top", "reach the goal"], 300)
     frames = _frames(data, cams, warm + steps, size)
     state, instruction = np.zeros(4, np.float32), "press the button from the top"
-    out: dict = {"model": name, "device": device, "dtype": dtype, "history": history, "cameras": len(cams), "image_size": size,
+    out: dict = {"model": name, "device": device, "dtype": dtype, "history": history, "cameras": len(cams),
+                 "image_size": size,
                  "vision_tokens": history * len(cams) * model.layout.patches_per_frame}
     eager = _eager(model, spec, tokenizer, frames, state, instruction, device, torch_dtype)[warm:]
     out["eager"] = _pct(eager)
     variants = {"runtime": ("none", "off"), f"runtime_compiled_{compile_mode}": ("none", compile_mode),
                 "exact": ("exact", "off"), "frame": ("frame", "off"), "token": ("token", "off")}
     for label, (mode, comp) in variants.items():
+        if comp != "off" and not budget.allows_compile(name):
+            out[label] = {"skipped": f"budget: {max(budget.left(), 0):.0f} s left, the last compile took "
+                                     f"{budget.compile_s.get(name, 0):.0f} s"}
+            continue
         t0 = time.perf_counter()
         rt = PolicyRuntime(model, spec, tokenizer, device=device, dtype=dtype, compile=comp,
                            cache=CacheConfig(mode=mode))
@@ -162,8 +200,8 @@ def bench_model(name: str, history: int, data: str | None, steps: int, warm: int
         times, cache = _measure(rt, frames, state, instruction)
         out[label] = _pct(times[warm:]) | {"hit_rate": cache["hit_rate"],
                                           "reused_token_share": cache["reused_token_share"]}
-        if comp != "off":
-            out[label]["compile_s"] = round(load_s, 1)
+        if comp != "off":  # (the runtime compiles and warms up as it is made)
+            out[label]["compile_s"] = budget.compile_s[name] = round(load_s, 1)
     base = out["eager"]["p50_ms"]
     out["speedup_vs_eager_p50"] = {k: round(base / v["p50_ms"], 2) for k, v in out.items()
                                    if isinstance(v, dict) and "p50_ms" in v and k != "eager"}
@@ -176,10 +214,9 @@ def bench_batch(name: str, sizes: list[int], repeats: int, device: str = "cpu", 
     from vlaforge.data.tokenizer import train_bpe
     from vlaforge.data.transforms import ObservationSpec
     from vlaforge.inference.runtime import Observation, PolicyRuntime
-    from vlaforge.models.build import build_vla
 
     cfg = _config(name, 1)
-    model = build_vla(cfg.model, cfg.loss).eval()
+    model = _build(cfg, device)
     cams = list(cfg.model.cameras)
     size = model.layout.image_size
     spec = ObservationSpec(cameras=[f"observation.images.{c}" for c in cams], frames=1, frame_stride=1,
@@ -207,21 +244,21 @@ def bench_batch(name: str, sizes: list[int], repeats: int, device: str = "cpu", 
 
 
 def bench_quantized(name: str, layouts: list[str], steps: int, warm: int, device: str = "cpu",
-                    dtype: str = "fp32") -> dict:
+                    dtype: str = "fp32", max_s: float | None = None) -> dict:
     """Per-prediction latency, weight bytes and action cosine of quantized copies of the model (`vlaforge quantize`
-    layouts, e.g. vision=int8,projector=fp16,llm=int4) next to the unquantized one, in one process."""
+    layouts, e.g. vision=int8,projector=fp16,llm=int4) next to the unquantized one, in one process. A layout's timed
+    predictions stop after `max_s` seconds (at least 3 are timed; `predictions` says how many were)."""
     import copy
 
     from vlaforge.data.tokenizer import train_bpe
     from vlaforge.data.transforms import ObservationSpec
     from vlaforge.inference.runtime import Observation, PolicyRuntime
-    from vlaforge.models.build import build_vla
     from vlaforge.techniques.quantize import QuantPolicy, apply_quantization
     from vlaforge.techniques.quantized_format import resident_bytes
 
     cfg = _config(name, 1)
     torch.manual_seed(0)
-    model = build_vla(cfg.model, cfg.loss).eval()
+    model = _build(cfg, device)
     cams, size = list(cfg.model.cameras), model.layout.image_size
     spec = ObservationSpec(cameras=[f"observation.images.{c}" for c in cams], frames=1, frame_stride=1,
                            image_size=size, render_size=size, instruction_tokens=12, text_tokens=0, chunk=8,
@@ -240,14 +277,17 @@ def bench_quantized(name: str, layouts: list[str], steps: int, warm: int, device
             p = rt.predict(Observation(v, state, instruction), "s")
             times.append(p.timings["total_ms"])
             chunks.append(p.actions)
+            if max_s is not None and len(times) >= warm + 3 and sum(times[warm:]) / 1000 > max_s:
+                break
         held = resident_bytes(rt.model)
-        row = _pct(times[warm:]) | {"weight_bytes": sum(held.values()), "per_component": held}
+        row = _pct(times[warm:]) | {"predictions": len(times) - warm, "weight_bytes": sum(held.values()),
+                                    "per_component": held}
         if device.startswith("cuda"):
             row["peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         return row, np.stack(chunks)
 
-    model.to({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])  # quantized from the
-    # runtime's dtype, so its int8 components compute in it as the unquantized one does
+    model.to(dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])  # quantized from
+    # the runtime's dtype, so its int8 components compute in it as the unquantized one does
     base, ref = run(copy.deepcopy(model))
     out = {"model": name, "device": device, "dtype": dtype, "base": base}
     for text in layouts:
@@ -256,7 +296,8 @@ def bench_quantized(name: str, layouts: list[str], steps: int, warm: int, device
         apply_quantization(q, {c: QuantPolicy(m) for c, m in modes.items()}, device,
                            allow_action_head="action_head" in modes)
         row, chunks = run(q)
-        a, b = ref.reshape(len(ref), -1), chunks.reshape(len(chunks), -1)
+        n = min(len(ref), len(chunks))  # (a layout cut short by max_s)
+        a, b = ref[:n].reshape(n, -1), chunks[:n].reshape(n, -1)
         row["action_cosine_min"] = round(float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) *
                                                                   np.linalg.norm(b, axis=1))).min()), 5)
         row["latency_vs_base_p50"] = round(row["p50_ms"] / base["p50_ms"], 3)
@@ -285,26 +326,42 @@ def main() -> None:
     ap.add_argument("--quantize-only", action="store_true", help="only the --quantize measurement")
     ap.add_argument("--quantize-models", nargs="+", default=None, help="models of the --quantize measurement "
                                                                        "(default: --models)")
+    ap.add_argument("--quantize-max-s", type=float, default=None, help="timed seconds per quantized layout")
     ap.add_argument("--big-batches", action="store_true", help="all --batches for every model (else <= 8 past tiny)")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no new measurement after this many seconds")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    budget = Budget(args.budget_s)
     result = {"host": platform.processor() or platform.machine(), "threads": args.threads,
               "torch": torch.__version__, "frames": args.data or "synthetic moving square", "latency": [],
-              "batch": {}}
-    for name in (args.quantize_models or args.models) if args.quantize else []:
-        result.setdefault("quantized", {})[name] = bench_quantized(name, args.quantize, args.steps, args.warm,
-                                                                   args.device, args.dtype)
-        _save(args.out, result)
-    for name in args.models if not args.quantize_only else []:
-        for h in args.histories:
-            result["latency"].append(bench_model(name, h, args.data, args.steps, args.warm, args.compile,
-                                                 args.device, args.dtype))
+              "batch": {}, "skipped": []}
+    models = [] if args.quantize_only else args.models
+    # most wanted first: every model's latency at the first history, quantization, the other histories, batches
+    plan = [("latency", m, args.histories[0]) for m in models]
+    plan += [("quantized", m, None) for m in (args.quantize_models or args.models) if args.quantize]
+    plan += [("latency", m, h) for h in args.histories[1:] for m in models]
+    plan += [("batch", m, None) for m in models]
+    for kind, name, history in plan:
+        if budget.left() <= 0:
+            result["skipped"].append(f"{kind} {name}" + (f" history {history}" if history else ""))
+            continue
+        if kind == "latency":
+            result["latency"].append(bench_model(name, history, args.data, args.steps, args.warm, args.compile,
+                                                 args.device, args.dtype, budget))
             print(json.dumps(result["latency"][-1]), file=sys.stderr, flush=True)
-            _save(args.out, result)
-        sizes = args.batches if name == "tiny" or args.big_batches else [b for b in args.batches if b <= 8]
-        result["batch"][name] = bench_batch(name, sizes, 2 if name == "tiny" else 1, args.device, args.dtype)
-        if args.device != "cpu" and args.compile != "off":
-            result["batch"][f"{name}_compiled"] = bench_batch(name, sizes, 2, args.device, args.dtype, args.compile)
+        elif kind == "quantized":
+            result.setdefault("quantized", {})[name] = bench_quantized(name, args.quantize, args.steps, args.warm,
+                                                                       args.device, args.dtype, args.quantize_max_s)
+        else:
+            sizes = args.batches if name == "tiny" or args.big_batches else [b for b in args.batches if b <= 8]
+            result["batch"][name] = bench_batch(name, sizes, 2 if name == "tiny" else 1, args.device, args.dtype)
+            if args.device != "cpu" and args.compile != "off":
+                _save(args.out, result)
+                if budget.allows_compile(name):
+                    result["batch"][f"{name}_compiled"] = bench_batch(name, sizes, 2, args.device, args.dtype,
+                                                                      args.compile)
+                else:
+                    result["skipped"].append(f"batch {name} compiled")
         _save(args.out, result)
     print(json.dumps(result, indent=1))
 

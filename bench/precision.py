@@ -1,22 +1,29 @@
 """Per-component precision: step time, peak memory and final loss of fp32, bf16, fp16 + dynamic loss scaling and
-bf16 + fp8 LLM linears, as ratios to fp32 measured in one invocation. Prints JSON.
+bf16 + fp8 LLM linears, as ratios to fp32 and to bf16 (whichever ran) measured in one invocation. Prints JSON.
 
-Each configuration trains in its own process (same seed, same batches, same number of steps) so peak memory is
-its own: CUDA's max_memory_allocated on GPU; on CPU the rise of peak RSS over the process's RSS before the model
-is built (weights, optimizer state, activations and allocator slack). The final loss is the mean `loss/total`
-over the last 5 steps.
+Every configuration trains from the same seed on the same batches for the same number of steps. On a GPU they run
+in ONE process (`--processes one`, the default there): each builds its model on the device (no host-side
+initialization and copy), compiles its blocks (`--compile`, the default there) and ends with `torch._dynamo.reset()`,
+so the next configuration's blocks compile afresh and dynamo's recompile limit is never reached; peak memory is
+CUDA's max_memory_allocated over that configuration's steps. On CPU each configuration runs in its own process
+(`--processes each`, the default there), because its peak memory is the rise of the process's peak RSS over its RSS
+before the model is built (weights, optimizer state, activations and allocator slack); in one CPU process the peak
+is not measured. The final loss is the mean `loss/total` over the last 5 steps. Past `--budget-s` no new
+configuration starts (the ones left are listed in `skipped`).
 
     python bench/precision.py [--flavors tiny] [--steps 60] [--batch 4] [--device auto|cpu|cuda]
                               [--configs fp32 bf16 fp16 fp8] [--fp8-recipe tensorwise|rowwise]
+                              [--processes one|each] [--compile | --no-compile] [--budget-s 50]
 
 On CPU, fp8 matmuls are an emulation (`torch._scaled_mm` at ~0.1 s per call on the tiny model): the fp8 run checks
-accuracy, not speed. The speed claim (bf16 + fp8 LLM >= 1.2x faster than bf16 on the `small` flavor) needs an
-FP8-capable GPU: `python bench/precision.py --flavors small --device cuda --steps 30`.
+accuracy, not speed. fp8 does not pay on `small` either (its LLM is 896 wide: 0.37-0.80x bf16's speed on an H100,
+2026-12-06): `bench/mfu.py`'s fp8 check measures it on vla-7b layer shapes.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import resource
 import statistics
@@ -41,7 +48,8 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def worker(flavor: str, config: str, steps: int, batch_size: int, device_name: str, recipe: str) -> dict:
+def worker(flavor: str, config: str, steps: int, batch_size: int, device_name: str, recipe: str,
+           compile_: bool = False) -> dict:
     import torch
 
     from vlaforge.config import load_config
@@ -52,9 +60,11 @@ def worker(flavor: str, config: str, steps: int, batch_size: int, device_name: s
     from vlaforge.training.step import train_step
     from vlaforge.training.trainer import build_guards, build_loss_weighting, build_model, resolve_device
 
-    components = {c: {"precision": p, "fp8_recipe": recipe} for c, p in CONFIGS[config].items()}
+    components = {c: {"precision": p, **({"fp8_recipe": recipe} if p == "fp8" else {})}  # read by fp8 only
+                  for c, p in CONFIGS[config].items()}
     overrides = {"model": {"flavor": flavor}, "components": components,
-                 "train": {"batch_size": batch_size, "lr_schedule": "constant", "warmup_steps": 0},
+                 "train": {"batch_size": batch_size, "lr_schedule": "constant", "warmup_steps": 0,
+                           "compile": compile_},
                  "numerics": {"every": 10}}
     if flavor != "tiny":
         overrides["model"]["image_size"] = None
@@ -62,9 +72,12 @@ def worker(flavor: str, config: str, steps: int, batch_size: int, device_name: s
     device = resolve_device(device_name)
     torch.manual_seed(0)
     base_rss = rss_bytes()
+    start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, setup = build_model(cfg, device)
+        with torch.device(device):  # initialized where it runs, not on the host's CPU and then copied
+            model, setup = build_model(cfg, device)
+        build_s = time.perf_counter() - start
         guards = build_guards(cfg, setup)
         weighting = build_loss_weighting(cfg, model, device)
         opt = build_optimizer(model, cfg, list(weighting.parameters()))
@@ -77,28 +90,65 @@ def worker(flavor: str, config: str, steps: int, batch_size: int, device_name: s
         times, losses = [], []
         for step in range(steps):
             guards.step = step
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             metrics = train_step(model, [batches[step % len(batches)]], opt, sched, weighting, cfg.train.grad_clip,
                                  guards)
             loss = float(metrics["loss/total"])  # syncs the device
-            times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - t0)
             losses.append(loss)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
-    timed = times[min(3, steps - 1):]  # the first steps warm up kernels and allocators
+    timed = times[min(3, steps - 1):]  # the first steps warm up kernels and allocators (and compile)
     return {"step_s": statistics.median(timed), "peak_bytes": peak, "final_loss": statistics.fmean(losses[-LAST:]),
+            "wall_s": round(time.perf_counter() - start, 1), "build_s": round(build_s, 1),
+            "first_step_s": round(times[0], 2),
             "first_loss": losses[0], "skipped_steps": guards.scaler.skipped_steps, "loss_scale": guards.scaler.scale,
             "underflow_warnings": sum(issubclass(w.category, GradientUnderflowWarning) for w in caught),
             "fp8_linears": sum(len(r.converted) for r in setup.fp8.values())}
 
 
 def run_one(flavor: str, config: str, args) -> dict:
+    """One configuration in its own process (`--processes each`)."""
     cmd = [sys.executable, __file__, "--worker", flavor, config, str(args.steps), str(args.batch), args.device,
-           args.fp8_recipe]
+           args.fp8_recipe, str(int(args.compile))]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_here(flavor: str, config: str, args) -> dict:
+    """One configuration in this process (`--processes one`), then dynamo's and the allocator's caches emptied."""
+    import torch
+
+    try:
+        row = worker(flavor, config, args.steps, args.batch, args.device, args.fp8_recipe, args.compile)
+    except Exception as exc:  # noqa: BLE001 - record it (OOM, no torchao) and go on to the next configuration
+        row = {"error": f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"}
+    torch._dynamo.reset()  # NOTE: the next configuration's linears differ (dtype, Float8Linear): a fresh compile
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if args.device != "cuda" and "peak_bytes" in row:
+        row["peak_bytes"] = None  # a process-wide RSS peak says nothing about one configuration
+    return row
+
+
+def ratios(runs: dict) -> None:
+    """Time, memory and final loss of every configuration against fp32 and bf16, where those ran."""
+    for ref_name in ("fp32", "bf16"):
+        ref = runs.get(ref_name, {})
+        if "step_s" not in ref:
+            continue
+        for r in runs.values():
+            if "step_s" not in r:
+                continue
+            r[f"time_vs_{ref_name}"] = r["step_s"] / ref["step_s"]
+            if r["peak_bytes"] and ref["peak_bytes"]:
+                r[f"memory_vs_{ref_name}"] = r["peak_bytes"] / ref["peak_bytes"]
+            r[f"final_loss_diff_vs_{ref_name}"] = (r["final_loss"] - ref["final_loss"]) / ref["final_loss"]
+    if "step_s" in runs.get("fp8", {}) and "step_s" in runs.get("bf16", {}):
+        runs["fp8"]["speedup_vs_bf16"] = runs["bf16"]["step_s"] / runs["fp8"]["step_s"]
 
 
 def main() -> None:
@@ -109,30 +159,39 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--fp8-recipe", default="rowwise", choices=["tensorwise", "rowwise"])
-    ap.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--processes", choices=["one", "each"], default=None,
+                    help="one process for all configurations (default on GPU) or one each (default on CPU)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="train.compile (default: on GPU)")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no new configuration after this")
+    ap.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        flavor, config, steps, batch, device, recipe = args.worker
-        print(json.dumps(worker(flavor, config, int(steps), int(batch), device, recipe)))
+        flavor, config, steps, batch, device, recipe, compile_ = args.worker
+        print(json.dumps(worker(flavor, config, int(steps), int(batch), device, recipe, bool(int(compile_)))))
         return
 
     import torch
 
-    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    hardware = torch.cuda.get_device_name(0) if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    args.device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    gpu = args.device == "cuda"
+    args.processes = args.processes or ("one" if gpu else "each")
+    args.compile = gpu if args.compile is None else args.compile
+    deadline = time.monotonic() + (args.budget_s if args.budget_s is not None else float("inf"))
+    hardware = torch.cuda.get_device_name(0) if gpu else f"CPU ({torch.get_num_threads()} threads)"
     results = {"bench": "precision", "hardware": hardware, "torch": torch.__version__, "steps": args.steps,
-               "batch": args.batch, "fp8_recipe": args.fp8_recipe, "flavors": {}}
+               "batch": args.batch, "fp8_recipe": args.fp8_recipe, "processes": args.processes,
+               "compile": args.compile, "flavors": {}, "skipped": []}
+    run = run_here if args.processes == "one" else run_one
     for flavor in args.flavors:
-        runs = {c: run_one(flavor, c, args) for c in args.configs}
-        ref = runs.get("fp32", {})
-        for name, r in runs.items():
-            if "error" in r or "error" in ref or not ref:
+        runs = {}
+        for c in args.configs:
+            if time.monotonic() > deadline:
+                results["skipped"].append(f"{flavor}/{c}")
                 continue
-            r["time_vs_fp32"] = r["step_s"] / ref["step_s"]
-            r["memory_vs_fp32"] = r["peak_bytes"] / ref["peak_bytes"]
-            r["final_loss_diff_vs_fp32"] = (r["final_loss"] - ref["final_loss"]) / ref["final_loss"]
-        if "fp8" in runs and "bf16" in runs and "error" not in runs["fp8"] and "error" not in runs["bf16"]:
-            runs["fp8"]["speedup_vs_bf16"] = runs["bf16"]["step_s"] / runs["fp8"]["step_s"]
+            runs[c] = run(flavor, c, args)
+            print(json.dumps({f"{flavor}/{c}": runs[c]}), file=sys.stderr, flush=True)
+        ratios(runs)
         results["flavors"][flavor] = runs
     print(json.dumps(results, indent=2))
 

@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from vlaforge.evaluation.closed_loop import InferenceOptions, eval_tasks, evaluate  # noqa: E402
-from vlaforge.evaluation.quantization import QuantizeOptions, quantize_run  # noqa: E402
+from vlaforge.evaluation.closed_loop import InferenceOptions, eval_tasks, evaluate
+from vlaforge.evaluation.quantization import QuantizeOptions, quantize_run
 
 
 def layout(text: str) -> dict[str, str]:
@@ -87,8 +87,8 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/vlaforge_bench_quant")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    from vlaforge.config import load_config
     from vlaforge.checkpoints.layout import CONFIG_FILE, resolve_checkpoint
+    from vlaforge.config import load_config
 
     run, work = resolve_checkpoint(args.run, ".", what="--run"), Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -129,8 +129,8 @@ def recovery(v: dict, ptq: str) -> dict:
         return None if abs(lost) < 1e-12 else round((get(v[ptq]) - get(v[key])) / lost, 3)
 
     err = lambda d: d["expert_mse_normalized"]["quantized"] if "expert_mse_normalized" in d \
-        else v[ptq]["expert_mse_normalized"]["float"]  # noqa: E731 - the float policy's own error
-    succ = lambda d: -d["closed_loop"]["mean_success_rate"]  # noqa: E731 - loss = lower success
+        else v[ptq]["expert_mse_normalized"]["float"]
+    succ = lambda d: -d["closed_loop"]["mean_success_rate"]
     return {k: {"expert_error": share(k, err), "success": share(k, succ)} for k in ("qat", "finetune + ptq")}
 
 

@@ -4,7 +4,8 @@ The folder loads like any checkpoint (`vlaforge eval`, `vlaforge serve`, `Policy
 policy.json and the tokenizer are copied, the weights are `techniques/quantized_format.py`'s safetensors plus
 manifest. `quantize.json` holds the costs: bytes per component before and after (on disk, and held in memory),
 per-prediction latency of both through `PolicyRuntime` on this machine, the action error against the float policy on
-dataset frames (normalized units), and with `eval` closed-loop success per task of both.
+dataset frames (normalized units), the devices where the layout is known to be smaller but slower
+(`techniques.quantize.SPEED_FACTS`), and with `eval` closed-loop success per task of both.
 
 Calibration (`calibrate` > 0 frames, disjoint from the measured ones): for each int4 / int3 / int2 component not
 trained with fake quantization, both torchao scale algorithms (min-max `affine`, HQQ's scale-only optimisation) are
@@ -25,11 +26,10 @@ import numpy as np
 import torch
 
 from vlaforge import COMPONENTS
-from vlaforge.outputs import write_atomic
 from vlaforge.errors import VlaforgeError
-from vlaforge.outputs import check_replaceable, replace_folder, stamp
 from vlaforge.inference.runtime import Observation, PolicyRuntime
-from vlaforge.techniques.quantize import INTX_BITS, QuantPolicy, apply_quantization, parse_policies
+from vlaforge.outputs import check_replaceable, replace_folder, stamp, write_atomic
+from vlaforge.techniques.quantize import INTX_BITS, QuantPolicy, apply_quantization, known_slower, parse_policies
 from vlaforge.techniques.quantized_format import resident_bytes, save_quantized, tensor_bytes
 
 REPORT = "quantize.json"
@@ -187,6 +187,9 @@ def quantize_run(checkpoint: str | Path, out: str | Path, options: QuantizeOptio
     loaded = PolicyRuntime.load(tmp, device="cpu", cache="none")  # what eval / serve will run: the file
     report |= {"layout": quant_rt.model.quantization.to_json(), "qat_trained": sorted(trained),
                **_measure(float_rt, loaded, measured), "bytes": _bytes(float_rt.model, loaded.model, disk)}
+    # where this layout is known to be smaller but slower (measured on each device; this run's device first)
+    here = report["layout"]["device"]
+    report["known_slower"] = [f.to_json() for f in sorted(known_slower(policies), key=lambda f: f.device != here)]
     write_atomic(tmp / REPORT, json.dumps(report, indent=1) + "\n")
     stamp(tmp, OWNER)
     replace_folder(tmp, out)
@@ -226,8 +229,8 @@ def side_by_side(reference: PolicyRuntime, candidate: PolicyRuntime, frames: lis
 def _measure(float_rt: PolicyRuntime, quant_rt: PolicyRuntime, frames: list[Frame]) -> dict[str, Any]:
     """Action error and per-prediction latency of both runtimes on the same frames."""
     ref, actions, t_float, t_quant = side_by_side(float_rt, quant_rt, frames)
-    p50 = lambda v: round(float(np.percentile(v, 50)), 3)  # noqa: E731
-    p99 = lambda v: round(float(np.percentile(v, 99)), 3)  # noqa: E731
+    p50 = lambda v: round(float(np.percentile(v, 50)), 3)
+    p99 = lambda v: round(float(np.percentile(v, 99)), 3)
     expert = np.stack([f.expert for f in frames])
     return {"action_error": action_error(ref, actions),
             "expert_mse_normalized": {"float": float(np.mean((ref - expert) ** 2)),
@@ -279,6 +282,9 @@ def render(report: dict[str, Any]) -> str:
                  f"{e['cosine_min']:.4f}, normalized MSE {e['mse_normalized']:.3g}")
     lines.append(f"latency p50: float {lat['float']['p50']} ms, quantized {lat['quantized']['p50']} ms "
                  f"({lat['speedup_p50']}x, {lat['device']})")
+    if report.get("known_slower"):
+        lines.append("smaller, not faster - measured slower than the unquantized policy:")
+        lines += [f"  {fact['line']}" for fact in report["known_slower"]]
     for name, run in report.get("closed_loop", {}).items():
         tasks = ", ".join(f"{k} {v['success_rate']:.0%}" for k, v in run["tasks"].items())
         lines.append(f"closed loop {name}: mean {run['mean_success_rate']:.1%} ({tasks})")

@@ -13,6 +13,10 @@ embeddings), position tables (small, and every token reads them), and grouped mo
 not a multiple of the group size. The action head is quantized only with `allow_action_head` (it regresses
 continuous actions through a few small layers: bytes saved are small and its error reaches the robot directly).
 
+Smaller is not faster everywhere: `SPEED_FACTS` holds measured latencies of layouts against the unquantized policy
+per device (date and source on each row), and `known_slower` gives the rows a chosen layout contains, which
+`vlaforge quantize` prints and reports (docs/quantization.md shows the same table).
+
 A quantized or cast component runs inside a dtype boundary: its floating inputs are cast to the dtype it computes
 in and its floating outputs back to the caller's, so the components of one model may compute in fp32, fp16 and
 bf16 side by side. `prepare_qat` inserts the same quantization as fake quantization for training (torchao's
@@ -116,6 +120,60 @@ class QuantReport:
         return " ".join(parts)
 
 
+@dataclass(frozen=True)
+class SpeedFact:
+    """One measured latency of a quantized layout against the unquantized policy on one device. A range (low, high)
+    where the source gave one for several layouts together; `bytes_ratio` None where it gave none."""
+
+    device: str  # "cpu" | "cuda": where the layout's kernels ran
+    hardware: str
+    layout: str  # component=mode pairs, e.g. "vision=int8,projector=fp16,llm=int4"
+    reference: str  # the unquantized policy's dtype
+    latency_ratio: tuple[float, float]  # p50 per prediction / the reference's
+    bytes_ratio: tuple[float, float] | None  # weight bytes held in memory / the reference's
+    date: str
+    source: str
+
+    def modes(self) -> dict[str, str]:
+        return dict(part.split("=", 1) for part in self.layout.split(","))
+
+    def line(self) -> str:
+        span = lambda r: f"{r[0]:g}x" if r[0] == r[1] else f"{r[0]:g}-{r[1]:g}x"
+        size = f" at {span(self.bytes_ratio)} its weight bytes" if self.bytes_ratio else ""
+        return (f"slower on {self.device} ({self.hardware}): {self.layout} measured {span(self.latency_ratio)} "
+                f"{self.reference}'s latency per prediction{size} ({self.date}, {self.source})")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"line": self.line()}
+
+
+_CPU = "the 2-core CPU this project is built on, 2 threads"
+_H100 = "NVIDIA H100 80GB HBM3, torch 2.11 + torchao 0.18"
+_CPU_SRC = "bench/quantization.py, docs/quantization.md 'Measured'"
+_H100_SRC = "bench/gpu/run_all.sh inference check, `small` through PolicyRuntime, eager"
+# NOTE: the H100 run reported its three weight-only layouts together (1.4-1.6x latency, 0.41-0.56x bytes); each row
+# holds that range rather than a figure it did not report. The CPU rows are per layout, against fp32.
+SPEED_FACTS: tuple[SpeedFact, ...] = (
+    SpeedFact("cpu", _CPU, "vision=int8,projector=fp16,llm=int4", "fp32", (1.28, 1.28), (0.380, 0.380),
+              "2026-12-01", _CPU_SRC),
+    SpeedFact("cpu", _CPU, "vision=int2,projector=int2,llm=int2", "fp32", (1.52, 1.52), (0.375, 0.375),
+              "2026-12-01", _CPU_SRC),
+    SpeedFact("cuda", _H100, "vision=int8,projector=fp16,llm=int4", "bf16", (1.4, 1.6), (0.41, 0.56),
+              "2026-12-06", _H100_SRC),
+    SpeedFact("cuda", _H100, "llm=int4", "bf16", (1.4, 1.6), (0.41, 0.56), "2026-12-06", _H100_SRC),
+    SpeedFact("cuda", _H100, "llm=int8", "bf16", (1.4, 1.6), (0.41, 0.56), "2026-12-06", _H100_SRC),
+    SpeedFact("cuda", _H100, "vision=int8,llm=int8_dynamic", "bf16", (15.0, 15.0), None, "2026-12-06", _H100_SRC),
+)
+
+
+def known_slower(policies: Mapping[str, QuantPolicy | str], device: str | None = None) -> list[SpeedFact]:
+    """The measured rows (on `device`, or on every device) slower than the unquantized policy whose layout the chosen
+    one contains: each of the row's component modes is chosen too (group size and scale algorithm aside)."""
+    chosen = {c: p.mode if isinstance(p, QuantPolicy) else p for c, p in policies.items()}
+    return [f for f in SPEED_FACTS if f.latency_ratio[0] > 1 and (device is None or f.device == device)
+            and all(chosen.get(c) == m for c, m in f.modes().items())]
+
+
 def parse_policies(policies: Mapping[str, QuantPolicy | str], allow_action_head: bool = False
                    ) -> dict[str, QuantPolicy]:
     """Every component's policy (missing ones: `none`); the action head's must be `none` unless allowed."""
@@ -198,8 +256,12 @@ def layer_plan(model: nn.Module, component: str, policy: QuantPolicy) -> tuple[d
 
 def torchao_config(policy: QuantPolicy, kind: str, device: torch.device):
     """The torchao config of one layer kind ("linear" | "embedding") under `policy` on `device`."""
-    from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,
-                                      Int8WeightOnlyConfig, IntxWeightOnlyConfig)
+    from torchao.quantization import (
+        Int4WeightOnlyConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        IntxWeightOnlyConfig,
+    )
     from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.quantization.quantize_.workflows import IntxChooseQParamsAlgorithm
 
