@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vlaforge import COMPONENTS
-from vlaforge.techniques import accounting as memory
 from vlaforge.errors import VlaforgeError
+from vlaforge.techniques import accounting as memory
 from vlaforge.techniques import offload as off
 from vlaforge.training.trainer import build_model
 
@@ -26,7 +26,7 @@ def _cfg(tmp_path, strategy="none", place="none", **extra):
     for c in COMPONENTS:
         blocks = c in ("vision", "llm")
         comps[c] = {"checkpointing": strategy if blocks else "none", "offload": place, "offload_min_bytes": 0,
-                    "offload_path": str(tmp_path / "nvme"), **extra}
+                    **({"offload_path": str(tmp_path / "nvme")} if place == "nvme" else {}), **extra}
     return tiny_config(tmp_path, components=comps)
 
 
@@ -211,7 +211,7 @@ def test_accounting_under_fake_tensors_matches_real(tmp_path):
 def test_profile_cli_tiny_json_and_budget(tmp_path):
     from conftest import TINY_RECIPE, run_cli
 
-    out = run_cli("profile", str(TINY_RECIPE), "--json", "--repeats", "1", "--budget-gb", "1", "--offload",
+    out = run_cli("profile", str(TINY_RECIPE), "--json", "--repeats", "2", "--budget-gb", "1", "--offload",
                   "--components.llm.offload_min_bytes=0")
     assert out.returncode == 0, out.stderr
     import json
@@ -222,6 +222,11 @@ def test_profile_cli_tiny_json_and_budget(tmp_path):
     assert rows["full"]["activation_bytes"] < rows["selective"]["activation_bytes"] < rows["none"]["activation_bytes"]
     assert rows["none+cpu_offload"]["per_component"].get("llm", 0) == 0  # all of it left the device
     assert all("step_s" in r and "overhead_vs_none" in r for r in rows.values())
+    # the spread beside each figure: min and median of the timed steps, and how many there were
+    for r in rows.values():
+        assert r["repeats"] == len(r["step_times_s"]) == 2
+        assert r["step_s"] == r["step_min_s"] == min(r["step_times_s"]) <= r["step_median_s"]
+    assert report["timing"]["statistic"] == "min" and report["timing"]["warmup_steps"] == 1
     assert report["recommendation"]["strategy"] in rows
 
 
@@ -275,13 +280,14 @@ def test_profile_table_keeps_wide_columns_apart():
     row = {"activation_bytes": 9.5e9, "per_component": {"llm": 9e9, "vision": 4e8}, "activation_vs_none": 1.0,
            "per_block": {"llm": {"0": 9.5e7, "1": 9.5e7}, "vision": {"0": 2.731e10, "1": 2.784e10}},
            "offloaded_bytes": 0, "weight_cast_bytes": 0, "peak_bytes": 1.2e10, "peak_source": "fake",
-           "step_s": 1.5, "overhead_vs_none": 0.0}
+           "step_s": 1.5, "step_min_s": 1.5, "step_median_s": 1.625, "repeats": 3, "overhead_vs_none": 0.0}
     text = render({"flavor": "small", "device": "cpu", "batch_size": 2, "tokens_per_sample": 1024,
                    "strategies": {"none": row}})
     header, line = text.splitlines()[1:3]
-    two_word = ("vs none", "peak GB", "step s")  # header labels of two words
+    two_word = ("vs none", "peak GB", "min s")  # header labels of two words
     assert all(w in header for w in two_word)
-    assert len(line.split()) == len(header.split()) - len(two_word) == 15  # no two cells run together
+    assert len(line.split()) == len(header.split()) - len(two_word) == 17  # no two cells run together
+    assert line.split()[-4:] == ["1.500", "1.625", "3", "+0%"]  # min, median, n timed steps, overhead
     assert "0.095 27.31-27.84" in line
 
 
@@ -309,3 +315,99 @@ def test_fake_profile_ranks_by_the_planners_step_time_calibrated_when_it_can(tmp
     assert all(cal["strategies"][k]["predicted_step_s"] > rows[k]["predicted_step_s"] for k in rows)
     tight = rows["full"]["peak_bytes"] / 1e9 * 1.001  # only full (and what is smaller) fits
     assert profile(cfg, fake=True, budget_gb=tight, gpu="cpu")["recommendation"]["strategy"] == "full"
+
+
+def test_profile_warms_up_every_strategy_then_interleaves_the_timed_steps(tmp_path, monkeypatch):
+    """Every strategy steps once untimed, then the timed steps go in rounds, each the reverse of the one before
+    (s1 s2 s3, s3 s2 s1): no strategy pays alone for the first allocations, a slow spell of the machine hits all of
+    them, and a steady drift favours no slot. Recorded through the step function, with synthetic seconds: no
+    wall-clock value is asserted."""
+    from vlaforge.diagnostics import profile as prof
+
+    calls: list[str] = []
+    weights: set[int] = set()
+    real_step = prof.step
+
+    def recording_step(run, device, backward=True):
+        real_step(run, device, backward)
+        calls.append(run.label)
+        weights.add(run.model.llm.get_input_embeddings().weight.data_ptr())
+        return float(len(calls))  # "seconds": the call's position
+
+    monkeypatch.setattr(prof, "step", recording_step)
+    assert prof.schedule(["a", "b"], 2) == [("a", False), ("b", False), ("a", True), ("b", True), ("b", True),
+                                            ("a", True)]
+    report = prof.profile(tiny_config(tmp_path), strategies=("full", "selective"), repeats=2, budget_gb=1,
+                          device=CPU)
+    order = ["full", "selective", "none"]
+    assert calls == order * 2 + order[::-1]  # the warm-up round, then two timed rounds
+    assert len(weights) == 1  # all three models alive at once, with one copy of the weights
+    rows = report["strategies"]
+    for i, name in enumerate(order):  # the warm-up call (position i + 1) is not among the timed ones
+        assert rows[name]["step_times_s"] == [i + 4.0, 9.0 - i]
+        assert (rows[name]["step_min_s"], rows[name]["step_median_s"], rows[name]["repeats"]) == (i + 4, 6.5, 2)
+    assert report["recommendation"]["strategy"] == "full"  # the smallest min
+    assert rows["selective"]["overhead_vs_none"] == 5.0 / 6.0 - 1
+
+
+def test_spread_larger_than_the_differences_is_said():
+    """When strategies' step times lie closer together than their own steps vary (min to median), the output says
+    so and how to get a ranking that holds; apart, nothing is said; one timed step has no spread to judge by."""
+    from vlaforge.diagnostics.profile import render, spread_notes
+
+    def rows(**times):
+        return {k: {"step_times_s": v, "step_min_s": min(v), "step_median_s": sorted(v)[len(v) // 2]}
+                for k, v in times.items()}
+
+    close = spread_notes(rows(none=[10.0, 10.6, 13.0], full=[10.2, 10.3, 10.4], selective=[12.0, 12.1, 12.2]))
+    assert close == ["the differences between none and full are within the measurement spread (min to median of "
+                     "3 steps each): repeat with --repeats 6 or on a quiet machine"]
+    assert spread_notes(rows(none=[10.0, 10.1, 10.2], full=[11.0, 11.1, 11.2])) == []
+    assert "--repeats 3" in spread_notes(rows(none=[10.0], full=[10.5]))[0]
+
+    row = {"activation_bytes": 1e6, "per_component": {"llm": 1e6}, "activation_vs_none": 1.0,
+           "per_block": {"llm": {"0": 1e6}}, "offloaded_bytes": 0, "weight_cast_bytes": 0, "peak_bytes": 1e7,
+           "peak_source": "x", "overhead_vs_none": 0.0}
+    timed = rows(none=[10.0, 10.6, 13.0], full=[10.2, 10.3, 10.4])
+    text = render({"flavor": "tiny", "device": "cpu", "batch_size": 1, "tokens_per_sample": 48,
+                   "strategies": {k: {**row, **timed[k], "step_s": timed[k]["step_min_s"], "repeats": 3}
+                                  for k in timed},
+                   "timing": {"why": "the min", "notes": spread_notes(timed)}})
+    assert "\nnote: the differences between none and full are within the measurement spread" in text
+
+
+def test_profile_asks_the_model_which_components_have_blocks(tmp_path, monkeypatch):
+    """The strategies checkpoint, and the table shows per block, the components the model says have blocks
+    (`models.blocks.components_with_blocks`), not a list written in the profiler."""
+    from vlaforge.diagnostics import profile as prof
+
+    monkeypatch.setattr(prof, "components_with_blocks", lambda model: ("llm",))
+    report = prof.profile(tiny_config(tmp_path), fake=True, strategies=("full",), gpu="cpu")
+    rows = report["strategies"]
+    assert list(rows["full"]["per_block"]) == ["llm"]
+    assert rows["full"]["per_component"]["vision"] == rows["none"]["per_component"]["vision"]  # not checkpointed
+    assert rows["full"]["per_component"]["llm"] < rows["none"]["per_component"]["llm"]
+    header = prof.render(report).splitlines()[1]
+    assert "llm/block" in header and "vis/block" not in header
+
+
+def test_the_selective_policy_decides_before_the_op_runs():
+    """torch 2.11 calls a selective-checkpoint policy before the op runs, with no `ctx.op_output` (2.13 calls it
+    after): the policy decides from the op alone (the first H100 run crashed here on `ctx.op_output`); the kept
+    outputs reach the accounting through the recorder below the SAC mode (the byte tests above)."""
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from vlaforge.techniques import checkpointing as ck
+
+    before_the_op = SimpleNamespace(is_recompute=False)  # what 2.11's SelectiveCheckpointContext carries
+    a = torch.ones(2, 2)
+    ck._region.append("attn")
+    try:
+        assert ck.selective_policy(before_the_op, torch.ops.aten.mm.default, a, a) == CheckpointPolicy.MUST_SAVE
+        assert ck.selective_policy(before_the_op, torch.ops.aten.mul.Tensor, a, a) == \
+            CheckpointPolicy.PREFER_RECOMPUTE
+    finally:
+        ck._region.pop()
+    assert ck.selective_policy(before_the_op, torch.ops.aten.mm.default, a, a) == CheckpointPolicy.PREFER_RECOMPUTE

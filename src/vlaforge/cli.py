@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -35,10 +35,10 @@ OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 def _load(config: Optional[Path], ctx: typer.Context, resume: Optional[str] = None, first: list[str] = ()):
     """The config from a recipe (or a resumed checkpoint's), then `first` overrides, then the command line's."""
-    from vlaforge.config import load_config
     from vlaforge.checkpoints.layout import CONFIG_FILE, resolve_checkpoint, run_folder_of
+    from vlaforge.config import load_config
 
-    overrides = [*first, *ctx.args]
+    overrides, ckpt = [*first, *ctx.args], None
     if config is not None and str(config).startswith("--"):  # an override, not a recipe path
         overrides.insert(0, str(config))
         config = None
@@ -52,7 +52,8 @@ def _load(config: Optional[Path], ctx: typer.Context, resume: Optional[str] = No
             if not any(a.startswith("--train.output_dir=") for a in overrides):  # NOTE: not the saved output_dir,
                 # which may be another run (the one this folder was copied from)
                 overrides.append(f"--train.output_dir={json.dumps(str(run_folder_of(ckpt)))}")
-    return load_config(config, overrides)
+    saved = ckpt is not None and config == ckpt / CONFIG_FILE  # a run's record, not a recipe
+    return load_config(config, overrides, saved=saved)
 
 
 @app.command(context_settings=OVERRIDES)
@@ -96,9 +97,11 @@ def distill(ctx: typer.Context,
 
 def _train_and_report(cfg) -> None:
     """Train as `cfg` says (evaluating during training when eval.every is set); rank 0 prints one summary line."""
+    from vlaforge.config.lora import check_pretrained_base
     from vlaforge.distributed.parallel_dims import world_from_env
     from vlaforge.training.trainer import train as run_training
 
+    check_pretrained_base(cfg)  # LoRA over a random base is refused before anything is built
     evaluate = None
     if cfg.eval.every:
         from vlaforge.evaluation.closed_loop import during_training
@@ -120,8 +123,12 @@ def profile(ctx: typer.Context,
             seq_len: Optional[int] = typer.Option(None, min=1, help="LLM tokens per sample (instruction padded "
                                                                     "to reach it); default: the config's"),
             batch_size: int = typer.Option(1, min=1, help="samples in the profiled batch"),
-            offload: bool = typer.Option(False, help="also run each strategy with CPU offload of vision + llm"),
-            repeats: int = typer.Option(3, min=1, help="timed steps per strategy (after one warm-up)"),
+            offload: bool = typer.Option(False, help="also run each strategy with CPU offload of the components "
+                                                     "with blocks (vision, llm)"),
+            repeats: int = typer.Option(3, min=1, help="timed steps per strategy, in rounds over the strategies "
+                                                       "(each round the reverse of the one before) after one "
+                                                       "untimed warm-up step of each; the table shows "
+                                                       "their min and median, and ranks by the min"),
             gpu: str = typer.Option("h100-80", help="with --fake: the catalog GPU whose step times the planner "
                                                     "predicts (see vlaforge plan --gpu)"),
             calibration: Optional[Path] = typer.Option(None, help="with --fake: a `vlaforge plan --calibrate` TOML; "
@@ -129,9 +136,10 @@ def profile(ctx: typer.Context,
             catalog: Optional[Path] = typer.Option(None, help="with --fake: TOML with [gpu.<name>] entries"),
             as_json: bool = typer.Option(False, "--json", help="print JSON")):
     """Activation memory and step time of every checkpointing strategy on the config's model (measured; with --fake
-    predicted by the planner)."""
+    predicted by the planner). Says when the measured differences are within the spread of the timed steps."""
     from vlaforge.config.shapes import resolve_shapes
-    from vlaforge.diagnostics.profile import profile as run_profile, render
+    from vlaforge.diagnostics.profile import profile as run_profile
+    from vlaforge.diagnostics.profile import render
 
     report = run_profile(resolve_shapes(_load(config, ctx))[0], fake=fake, budget_gb=budget_gb, seq_len=seq_len,
                          batch_size=batch_size, offload=offload, repeats=repeats, gpu=gpu,
@@ -152,7 +160,8 @@ def diagnose(run: Path = typer.Argument(..., help="a run folder (its metrics.jso
     """What went wrong in a run and what to try: loss spikes, divergence, a loss that does not move, oscillation,
     learning rates far apart, a dominating loss term, fp16 underflow / overflow, loss-scale trouble, data stalls,
     straggler ranks, step time and memory against the planner. Writes RUN/diagnose.json and the HTML report."""
-    from vlaforge.diagnostics.diagnose import diagnose as run_diagnose, render
+    from vlaforge.diagnostics.diagnose import diagnose as run_diagnose
+    from vlaforge.diagnostics.diagnose import render
     from vlaforge.diagnostics.report import write_reports
 
     report, signals = run_diagnose(run, compare, gpu, str(calibration) if calibration else None)
@@ -175,7 +184,8 @@ def plan(model: str = typer.Option("vla-7b", help=f"a flavor ({' | '.join(FLAVOR
          cameras: Optional[int] = typer.Option(None, min=1, help="cameras per time step"),
          image_size: Optional[int] = typer.Option(None, min=8, help="pixels per side"),
          text_tokens: Optional[int] = typer.Option(None, min=1, help="instruction tokens per sample"),
-         seq: Optional[int] = typer.Option(None, min=1, help="LLM tokens per sample (instruction padded to reach it)"),
+         seq: Optional[int] = typer.Option(None, "--seq-len", "--seq", min=1, help="LLM tokens per sample (instruction "
+                                                                                "padded to reach it)"),
          micro_batch: Optional[int] = typer.Option(None, min=1, help="pin the micro-batch (train.batch_size)"),
          global_batch: int = typer.Option(256, min=1, help="samples per optimizer step, all GPUs together"),
          fix: list[str] = typer.Option([], help="KEY=VALUE pins a config field (repeatable), e.g. --fix "
@@ -200,8 +210,11 @@ def plan(model: str = typer.Option("vla-7b", help=f"a flavor ({' | '.join(FLAVOR
          as_json: bool = typer.Option(False, "--json", help="print JSON"),
          measure: bool = typer.Option(False, help="also run the best (or the fixed) configuration's model under fake "
                                                   "tensors and print analytic vs measured activation bytes"),
-         write_config: Optional[Path] = typer.Option(None, help="write the best candidate as a vlaforge train recipe"),
-         plot: Optional[Path] = typer.Option(None, help="save the best candidate's per-GPU memory chart (PNG)"),
+         write_config: Optional[Path] = typer.Option(None, help="write the best candidate as a vlaforge train recipe; "
+                                                                "an existing file is replaced only if plan wrote it "
+                                                                "(its '# vlaforge plan:' first line), else refused"),
+         plot: Optional[Path] = typer.Option(None, help="save the best candidate's per-GPU memory chart (PNG); an "
+                                                        "existing file is replaced only if plan wrote it"),
          whitepaper: Optional[Path] = typer.Option(None, help="generate the configuration white paper (SmolVLA, "
                                                               "pi0, Qwen2.5-VL-3B, OpenVLA-7B, 7B/30B/70B x 1/8 "
                                                               "frames x 8xA100-80, 8xH100, 4x8xH100) to this Markdown "
@@ -209,9 +222,8 @@ def plan(model: str = typer.Option("vla-7b", help=f"a flavor ({' | '.join(FLAVOR
     """Plan memory and throughput per GPU for a VLA on a cluster, and recommend the fastest configuration that fits:
     layout (FSDP2 / HSDP / DDP, tp, pp, cp), precision, checkpointing, offload, micro-batch and accumulation (and,
     with --lora R, LoRA / QLoRA of rank R)."""
-    from vlaforge.planner import cli as planner_cli
-
     from vlaforge.planner import calibrate as calib
+    from vlaforge.planner import cli as planner_cli
 
     if calibrate:
         report = calib.calibrate(calibrate, gpu, calibration or Path("calibration.toml"), catalog,
@@ -238,9 +250,8 @@ def config_show(ctx: typer.Context, config: Optional[Path] = typer.Argument(None
     """Print the resolved configuration (recipe + overrides + defaults; 'auto' model shapes from the dataset when
     it exists) as TOML, then, as comments, the tokens of one sample and of each context-parallel rank."""
     from vlaforge.config import dump_toml
-    from vlaforge.distributed.sequence_parallel import token_summary
-
     from vlaforge.config.shapes import resolve_shapes, resolve_terms
+    from vlaforge.distributed.sequence_parallel import token_summary
 
     cfg, _ = resolve_shapes(_load(config, ctx), required=False)  # "auto" shapes, when the dataset is there
     cfg, _ = resolve_terms(cfg, required=False)
@@ -266,9 +277,11 @@ def model_summary(flavor: str = typer.Argument("tiny", help=f"{' | '.join(FLAVOR
 @data_app.command("generate")
 def data_generate(
         out: Path = typer.Option(..., help="new dataset folder (LeRobotDataset v3)"),
-        tasks: Optional[str] = typer.Option(None, help="comma-separated Meta-World tasks; task:N records N episodes of "
-                                                       "that task (default: the demo's four tasks)"),
-        suite: Optional[str] = typer.Option(None, help="libero_object: LIBERO-Object's ten tasks, recorded by its "
+        tasks: Optional[str] = typer.Option(None, help="comma-separated tasks; task:N records N episodes of that task. "
+                                                       "Meta-World's (default: the demo's four tasks), or with --suite "
+                                                       "the suite's by LIBERO's names, e.g. pick_up_the_milk_and_place_"
+                                                       "it_in_the_basket (default: all ten)"),
+        suite: Optional[str] = typer.Option(None, help="libero_object: LIBERO-Object's tasks, recorded by its "
                                                        "scripted expert from LIBERO's placement sampler in the "
                                                        "LeRobot / openpi LIBERO layout (docs/libero.md)"),
         episodes: int = typer.Option(20, min=1, help="successful episodes per task without its own :N"),
@@ -280,12 +293,16 @@ def data_generate(
                                                          "image,wrist_image"),
         seed: int = typer.Option(0, min=0, max=MAX_ENV_SEED, help="base seed of the initial positions"),
         workers: int = typer.Option(2, min=1, help="recording processes"),
-        max_steps: int = typer.Option(200, min=1, help="steps before an expert attempt counts as failed (LIBERO: "
-                                                       "at most the suite's limit)"),
-        hide_distractors: bool = typer.Option(False, help="render the tasks' distractor bodies (reach's puck) "
-                                                          "invisible; recorded, and `vlaforge eval` renders alike"),
-        steer_tcp: bool = typer.Option(False, help="reach's expert steers the fingertips (what its success test "
-                                                   "measures) to the goal instead of the hand body; recorded"),
+        max_steps: Optional[int] = typer.Option(None, min=1, help="steps before an expert attempt counts as failed, "
+                                                                  "at most the simulator's episode limit (Meta-World: "
+                                                                  "500; libero_object: 280); default 200, with "
+                                                                  "--suite the suite's limit"),
+        hide_distractors: bool = typer.Option(False, help="Meta-World: render the tasks' distractor bodies (reach's "
+                                                          "puck) invisible; recorded, and `vlaforge eval` renders "
+                                                          "alike"),
+        steer_tcp: bool = typer.Option(False, help="Meta-World: reach's expert steers the fingertips (what its "
+                                                   "success test measures) to the goal instead of the hand body; "
+                                                   "recorded"),
         overwrite: bool = typer.Option(False, help="replace a non-empty --out"),
         progress: bool = typer.Option(True, help="show a progress bar")):
     """Record scripted-expert demonstrations in Meta-World or LIBERO-Object (successful episodes only)."""
@@ -297,14 +314,20 @@ def data_generate(
 
         if suite != "libero_object":
             raise VlaforgeError(f"--suite {suite!r}: vlaforge has a scripted expert for libero_object only")
-        if tasks is not None:
-            raise VlaforgeError("--tasks and --suite exclude each other: --suite records all of the suite's tasks")
-        counts = {t.id: episodes for t in libero.suite_tasks(suite)}
+        meta_only = [name for name, given in (("--hide-distractors", hide_distractors), ("--steer-tcp", steer_tcp))
+                     if given]
+        if meta_only:
+            raise VlaforgeError(f"{' and '.join(meta_only)} apply to Meta-World's tasks, not to --suite {suite}; "
+                                "drop them")
+        names = tasks or ",".join(t.name for t in libero.suite_tasks(suite))
+        counts = libero.parse_task_counts(suite, names, episodes)
         cams = libero.parse_cameras(cameras or list(libero.CAMERAS))
         size = libero.RENDER_SIZE if image_size is None else image_size
+        max_steps = libero.MAX_STEPS[suite] if max_steps is None else max_steps
     else:
         counts = parse_task_counts(tasks or ",".join(DEMO_TASKS), episodes)
         cams, size = parse_cameras(cameras or "corner,behindGripper"), 96 if image_size is None else image_size
+        max_steps = 200 if max_steps is None else max_steps
     if size % 2:
         raise VlaforgeError(f"--image-size {size} must be even (the videos use yuv420p)")
     summary = generate(counts, episodes, out, cameras=cams, image_size=size, seed=seed, workers=workers,
@@ -342,9 +365,8 @@ def _terminated(signum, frame) -> None:
 def main() -> None:
     """Run the CLI: user errors (ours and bad command-line usage) end with one line on stderr and exit code 2; a
     SIGTERM or Ctrl-C ends with "interrupted" and exit code 130 after the commands have cleaned up."""
-    import signal
-
     import os
+    import signal
 
     if os.environ.get("WORLD_SIZE", "1") == "1":  # NOTE: not under torchrun: a rank blocked in a collective must
         # die at the launcher's SIGTERM, and a Python handler would wait for the collective to return
