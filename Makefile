@@ -23,7 +23,7 @@ DEMO_CAMERAS ?= corner,topview,behindGripper
 # extra `vlaforge train` overrides, e.g. the README's seed spread: make demo DEMO_RUN=runs/seed2 DEMO_ARGS=--train.seed=2
 DEMO_ARGS ?=
 
-.PHONY: venv libero lerobot-env test test-fast bench demo demo-long quickstart clean
+.PHONY: venv libero lerobot-env lint test test-fast bench demo demo-long quickstart clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,10 @@ venv: $(VENV)/.installed
 libero: $(VENV)/.libero
 
 lerobot-env: $(LEROBOT_SITE)/.installed
+
+# ruff over the package, the tests and the benchmarks (rules in pyproject.toml [tool.ruff]); CI runs it first
+lint: venv
+	$(VENV)/bin/ruff check src tests bench
 
 # two pytest workers on the two cores, one torch thread each; tests that start gloo ranks share one xdist group
 # (`distributed`) and run one at a time beside the other worker's tests (docs/testing.md)

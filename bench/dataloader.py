@@ -20,9 +20,9 @@ import torch
 
 from vlaforge.config import load_config
 from vlaforge.data.loader import build_data, build_loader
-from vlaforge.training.trainer import build_loss_weighting, build_model
 from vlaforge.training.optim import build_optimizer, build_scheduler
 from vlaforge.training.step import train_step
+from vlaforge.training.trainer import build_loss_weighting, build_model
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_metaworld.toml"
 

@@ -24,16 +24,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from vlaforge.config.loading import load_config  # noqa: E402
-from vlaforge.evaluation.closed_loop import InferenceOptions, eval_tasks, evaluate  # noqa: E402
-from vlaforge.evaluation.quantization import action_error, dataset_frames, side_by_side  # noqa: E402
-from vlaforge.inference.runtime import PolicyRuntime  # noqa: E402
-from vlaforge.outputs import write_atomic  # noqa: E402
-from vlaforge.models.build import parameter_counts  # noqa: E402
-from vlaforge.checkpoints.layout import CONFIG_FILE, resolve_checkpoint  # noqa: E402
+from vlaforge.checkpoints.layout import CONFIG_FILE, resolve_checkpoint
+from vlaforge.config.loading import load_config
+from vlaforge.evaluation.closed_loop import InferenceOptions, eval_tasks, evaluate
+from vlaforge.evaluation.quantization import action_error, dataset_frames, side_by_side
+from vlaforge.inference.runtime import PolicyRuntime
+from vlaforge.models.build import parameter_counts
+from vlaforge.outputs import write_atomic
 
 # variant -> the [distill] overrides of the student (None: no teacher)
 VARIANTS = {
@@ -90,7 +90,7 @@ def offline(teacher_rt: PolicyRuntime, run: Path, frames, rounds: int) -> dict:
     rt = PolicyRuntime.load(run, device="cpu")
     ref, got, t_teacher, t_mine = side_by_side(teacher_rt, rt, frames, seed=0, rounds=rounds)
     expert = np.stack([f.expert for f in frames])
-    p50 = lambda v: float(np.percentile(v, 50))  # noqa: E731
+    p50 = lambda v: float(np.percentile(v, 50))
     return {"params": parameter_counts(rt.model),
             "latency_ms_p50": round(p50(t_mine), 3), "teacher_latency_ms_p50": round(p50(t_teacher), 3),
             "speedup_vs_teacher": round(p50(t_teacher) / p50(t_mine), 3),
@@ -139,7 +139,7 @@ def main() -> None:
             write_atomic(done, json.dumps(row) + "\n")  # a killed bench leaves no half-written row
         print(json.dumps({name: row}), flush=True)
     t_mean = report["runs"]["teacher"]["closed_loop"]["mean_success_rate"]
-    for name, row in report["runs"].items():
+    for row in report["runs"].values():
         row["success_vs_teacher"] = round(row["closed_loop"]["mean_success_rate"] / max(t_mean, 1e-9), 4)
     if "scratch" in report["runs"] and "distilled" in report["runs"]:
         s, d = (report["runs"][k]["closed_loop"]["mean_success_rate"] for k in ("scratch", "distilled"))

@@ -30,18 +30,18 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from inference import _config, _frames, _pct  # noqa: E402 - bench scripts share their model shapes
+from inference import _config, _frames, _pct
 
 
 def write_checkpoint(name: str, folder: Path):
     """A checkpoint folder of the `name` model at random weights (seed 0), as training writes one."""
+    from safetensors.torch import save_model
+
+    from vlaforge.checkpoints.layout import CONFIG_FILE, MODEL_FILE
     from vlaforge.config.loading import dump_toml
     from vlaforge.data.tokenizer import train_bpe
     from vlaforge.data.transforms import ObservationSpec
     from vlaforge.models.build import build_vla
-    from safetensors.torch import save_model
-
-    from vlaforge.checkpoints.layout import CONFIG_FILE, MODEL_FILE
 
     cfg = _config(name, 1)
     torch.manual_seed(0)

@@ -33,7 +33,7 @@ SUITE = "libero_object"
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
 
-from lora import vlaforge  # noqa: E402
+from lora import vlaforge
 
 
 def _expert_episode(job: tuple[str, int, str, int, int]) -> dict:
@@ -50,7 +50,7 @@ def _expert_episode(job: tuple[str, int, str, int, int]) -> dict:
     else:
         env.reset(episode_seed("train", index, k))
     expert, success, steps = libero.ObjectExpert(env), False, 0
-    for steps in range(1, env.max_steps + 1):
+    for steps in range(1, env.max_steps + 1):  # noqa: B007 - the count is read after the loop
         _, success = env.step(expert.act())
         if render:
             env.views()

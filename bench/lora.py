@@ -176,7 +176,7 @@ def peak_memory(run: Path, data: Path) -> dict:
         r = build_run(cfg)
         batches = iter(build_loader(r.data.dataset, cfg.train.batch_size, cfg.train.seed, start_sample=0,
                                     num_workers=0))
-        step = lambda batch: train_step(r.model, [batch], r.optimizer, r.scheduler, r.weighting,  # noqa: E731
+        step = lambda batch: train_step(r.model, [batch], r.optimizer, r.scheduler, r.weighting,
                                         cfg.train.grad_clip, r.guards, r.executor)
         step(next(batches))
         batch = next(batches)
@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=50)
     ap.add_argument("--data-scale", type=float, default=1.0, help="times the recorded episodes (a quick smoke run)")
     args = ap.parse_args()
-    scale = lambda tasks: {t: max(2, round(n * args.data_scale)) for t, n in tasks.items()}  # noqa: E731
+    scale = lambda tasks: {t: max(2, round(n * args.data_scale)) for t, n in tasks.items()}
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}

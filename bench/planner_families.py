@@ -22,11 +22,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def measure(folder: Path, precision: str, strategy: str) -> float | str:
-    from conftest import tiny_config
     from vlaforge import COMPONENTS
     from vlaforge.errors import VlaforgeError
     from vlaforge.planner.measure import side_by_side
     from vlaforge.planner.types import PlanModel
+
+    from conftest import tiny_config
 
     comps = {c: {"precision": precision} for c in COMPONENTS}
     for c in ("vision", "llm"):

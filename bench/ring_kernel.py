@@ -55,15 +55,15 @@ def main() -> None:
                    for _ in range(3))
         grad = torch.randn_like(q)
 
-        def run(attend):
+        def run(attend, q=q, k=k, v=v, grad=grad):  # this length's tensors, bound now
             def step():
-                out = attend()
+                out = attend(q, k, v)
                 out.backward(grad)
                 q.grad = k.grad = v.grad = None
             return step
 
-        sdpa = timed(run(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), args.repeats, cuda)
-        ring = timed(run(lambda: ring_attention(q, k, v, causal=True)), args.repeats, cuda)
+        sdpa = timed(run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)), args.repeats, cuda)
+        ring = timed(run(lambda q, k, v: ring_attention(q, k, v, causal=True)), args.repeats, cuda)
         rows[str(n)] = {"sdpa_s": round(sdpa, 5), "ring_s": round(ring, 5), "ring_vs_sdpa": round(ring / sdpa, 3)}
     dist.destroy_process_group()
     if os.path.exists(store.name):  # the file store may remove it itself

@@ -77,7 +77,8 @@ def worker(rank: int, world: int, port: int, backend: str, args, out) -> None:
         times.append(time.perf_counter() - start)
     params = list(model.parameters())
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    out[(backend, world, rank)] = {"param_bytes": local_bytes(params), "grad_bytes": local_bytes(p.grad for p in params),
+    out[(backend, world, rank)] = {"param_bytes": local_bytes(params),
+                                   "grad_bytes": local_bytes(p.grad for p in params),
                                    "optimizer_bytes": local_bytes(state), "step_s": statistics.median(times[1:])}
     if world > 1:
         dist.destroy_process_group()
@@ -110,7 +111,8 @@ def main() -> None:
         base = one["param_bytes"] + one["grad_bytes"] + one["optimizer_bytes"]
         r |= {"state_bytes_per_rank_vs_one": state / base, "step_time_vs_one": r["step_s"] / one["step_s"]}
         results[backend] = r
-    results["fsdp2_within_1_over_n_plus_5pct"] = results["fsdp2"]["state_bytes_per_rank_vs_one"] <= 1 / args.ranks + 0.05
+    share = results["fsdp2"]["state_bytes_per_rank_vs_one"]
+    results["fsdp2_within_1_over_n_plus_5pct"] = share <= 1 / args.ranks + 0.05
     print(json.dumps(results, indent=2))
 
 

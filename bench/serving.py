@@ -28,6 +28,8 @@ import numpy as np
 
 def serve_random(flavor: str, port: int, max_batch: int, max_wait_ms: float, protocol: str = "openpi") -> None:
     """The server side (run in the subprocess)."""
+    import torch
+
     from vlaforge.config import load_config
     from vlaforge.config.loading import deep_merge
     from vlaforge.data.tokenizer import train_bpe
@@ -35,8 +37,6 @@ def serve_random(flavor: str, port: int, max_batch: int, max_wait_ms: float, pro
     from vlaforge.inference.runtime import PolicyRuntime
     from vlaforge.models.build import build_vla
     from vlaforge.serving.server import PolicyServer, ServeOptions
-
-    import torch
 
     torch.manual_seed(0)
     cfg = load_config("recipes/tiny_synthetic.toml", deep_merge({"model": {
@@ -84,8 +84,9 @@ def _grpc_client(address: str, http: str, requests: int, seed: int, size: int) -
 
     m = messages()
     channel = grpc.insecure_channel(address)
-    call = lambda name, req, rep, kind="unary_unary": getattr(channel, kind)(  # noqa: E731
-        f"/{SERVICE}/{name}", request_serializer=lambda x: x.SerializeToString(), response_deserializer=m[rep].FromString)
+    call = lambda name, req, rep, kind="unary_unary": getattr(channel, kind)(
+        f"/{SERVICE}/{name}", request_serializer=lambda x: x.SerializeToString(),
+        response_deserializer=m[rep].FromString)
     call("Ready", "Empty", "Empty")(m["Empty"]())
     joints = [f"j{i}.pos" for i in range(8)]
     features = {"observation.state": {"dtype": "float32", "shape": (8,), "names": joints}}

@@ -31,7 +31,7 @@ torch.set_num_threads(1)
 # deadlocks the child that takes it: tqdm's monitor thread (started by the first progress bar, e.g. transformers'
 # weight loading, and taking tqdm's lock every few seconds) and tokenizers' Rust pool; neither starts here.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-import tqdm  # noqa: E402
+import tqdm  # noqa: E402 - after the environment variable above, which tokenizers reads at import
 
 tqdm.tqdm.monitor_interval = 0
 

@@ -157,8 +157,8 @@ def test_the_vla_knows_nothing_of_parallelism_or_memory_techniques():
 
 def test_apply_techniques_runs_in_designs_order(monkeypatch):
     """Every step recorded with a layout of every kind (tp, cp, pp, data parallel): precision (fp8 converters),
-    LoRA adapters, pipeline split, tensor then context parallel, checkpointing, offload, compile, data-parallel sharding, then the
-    pipeline's tied weights registered with the sharded model's reducer."""
+    LoRA adapters, pipeline split, tensor then context parallel, checkpointing, offload, compile, data-parallel
+    sharding, then the pipeline's tied weights registered with the sharded model's reducer."""
     from vlaforge.distributed import apply
 
     calls: list[str] = []

@@ -8,12 +8,13 @@ import re
 import pytest
 import torch
 
-from conftest import TINY_RECIPE, run_cli
-from launch import assert_same_weights, train_distributed, weights
 from vlaforge.config import load_config
 from vlaforge.config.loading import ConfigError
 from vlaforge.distributed.deepspeed_backend import check_resolved, config_overrides, engine_config, read_config_file
 from vlaforge.errors import VlaforgeError
+
+from conftest import TINY_RECIPE, run_cli
+from launch import assert_same_weights, train_distributed, weights
 
 DS_FILE = {"train_batch_size": 16, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
@@ -150,7 +151,8 @@ def test_transformers_form_deepspeed_files_train(tmp_path, form):
                    "--train.batch_size=4", "--train.progress=false", f"--train.output_dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr[-2000:]
     saved = load_config(tmp_path / "run" / "config.toml")
-    assert (saved.parallel.backend, saved.parallel.zero_stage, saved.train.batch_size) == ("deepspeed", int(form[-1]), 4)
+    got = (saved.parallel.backend, saved.parallel.zero_stage, saved.train.batch_size)
+    assert got == ("deepspeed", int(form[-1]), 4)
     assert (tmp_path / "run" / "checkpoints" / "step_00000002" / "deepspeed").is_dir()
 
 

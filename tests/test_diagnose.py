@@ -59,7 +59,7 @@ def test_stuck_agrees_with_the_numbers_it_quotes():
     from vlaforge.diagnostics.loss_curve import instability
 
     g = np.random.default_rng(3)
-    fast = lambda n: np.r_[np.geomspace(2.8, 0.62, n // 5), 0.61 + 0.01 * g.normal(size=n - n // 5)]  # noqa: E731
+    fast = lambda n: np.r_[np.geomspace(2.8, 0.62, n // 5), 0.61 + 0.01 * g.normal(size=n - n // 5)]
     should_not = {
         "fast fall then flat": fast(200),
         "fast fall, a dozen points": fast(12),
@@ -72,7 +72,7 @@ def test_stuck_agrees_with_the_numbers_it_quotes():
         "flat with a fast start": np.r_[np.full(40, 1.0), 1.0 + 0.02 * g.normal(size=160)],
         "rising slowly": np.linspace(1.0, 1.1, 100) * np.exp(0.01 * g.normal(size=100)),
     }
-    series = lambda x: Series(np.arange(len(x)) * 10, x)  # noqa: E731
+    series = lambda x: Series(np.arange(len(x)) * 10, x)
     for name, x in should_not.items():
         healthy = name != "blow-up and recovery"
         kinds = {f.kind for check in (stuck, divergence, oscillation, instability) + ((spikes,) if healthy else ())

@@ -21,6 +21,7 @@ from vlaforge.errors import VlaforgeError
 from conftest import run_cli
 from fake_lerobot import CAMS, SIZE, TASKS, VideoWriter, _episode, write_dataset
 
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds") / "demo"

@@ -1,4 +1,4 @@
-"""LoRA / QLoRA (techniques/lora.py, training/lora_checkpoint.py): only the adapters train and the base stays bit for
+"""LoRA / QLoRA (techniques/lora.py, checkpoints/lora.py): only the adapters train and the base stays bit for
 bit; a LoRA checkpoint holds the adapters and a record of its base, resumes bit-exact and refuses another base in
 one line; the merged policy equals the unmerged model; an NF4 base holds NF4's bytes; 2-rank FSDP2 and DDP equal one
 process; the compositions not carried yet are refused in one line."""
@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY_RECIPE, make_batch, run_cli, tiny_config, train_on_dataset
-from fake_lerobot import CAMS, write_dataset
 from vlaforge.config import load_config
 from vlaforge.errors import VlaforgeError
+
+from conftest import TINY_RECIPE, make_batch, run_cli, tiny_config, train_on_dataset
+from fake_lerobot import CAMS, write_dataset
 
 ALL_LORA = ['--components.vision.lora={rank=4}', '--components.projector.lora={rank=4}',
             '--components.llm.lora={rank=4,base="nf4"}', '--components.action_head.lora={rank=4}']
@@ -146,12 +147,11 @@ def test_another_base_is_refused_in_one_line(runs, tmp_path):
 def test_merged_policy_equals_the_unmerged_model(runs):
     """What eval / serve / quantize / export load (the adapters merged into fp32 linears) predicts what the trained
     LoRA model predicts (fp32, within 1e-5); `vlaforge export --format safetensors` writes those merged weights."""
+    from vlaforge.checkpoints.layout import MODEL_FILE
+    from vlaforge.checkpoints.load import load_policy_model, rebuild_base
+    from vlaforge.checkpoints.lora import load_lora_weights
     from vlaforge.distributed.apply import apply_techniques
     from vlaforge.inference.runtime import PolicyRuntime
-    from vlaforge.checkpoints.layout import MODEL_FILE
-    from vlaforge.checkpoints.load import load_policy_model
-    from vlaforge.checkpoints.load import rebuild_base
-    from vlaforge.checkpoints.lora import load_lora_weights
 
     tmp, base, lora = runs
     ckpt = _step(lora, 4)
@@ -215,6 +215,7 @@ def test_two_ranks_with_lora_equal_one_process(tmp_path, layout, lora):
     at the end equal one process taking the same global batch as 2 micro-batches."""
     from launch import metrics, train_distributed, train_single, weights
 
+    lora = [*lora, "--train.lora_random_base=true"]  # an equality check: the base needs no pretraining
     single = train_single(tmp_path / "single", *lora, "--train.grad_accum=2")
     train_distributed(tmp_path / "dp", *layout, *lora)
     bf16 = "bf16" in lora[0]
@@ -240,3 +241,21 @@ def test_quantized_bases_data_parallel_cannot_carry_are_refused(base, replicate,
         check_lora_storage(cfg, SimpleNamespace(dp_replicate=replicate))
     check_lora_storage(tiny_config(components={"llm": {"lora": {"base": "fp32"}}}),
                        SimpleNamespace(dp_replicate=replicate))
+
+
+def test_a_lora_checkpoint_without_its_record_is_refused_not_exported_raw(runs, tmp_path):
+    """A LoRA checkpoint that lost lora.json holds adapters and no base: export and loading refuse it in one line
+    (before: export wrote the raw lora_A / lora_B tensors with exit 0), and --out is not written."""
+    import shutil
+
+    from test_safety import one_line
+
+    _, _, lora = runs
+    damaged = tmp_path / "step"
+    shutil.copytree(_step(lora, 4), damaged)
+    (damaged / "lora.json").unlink()
+    out = tmp_path / "merged.safetensors"
+    one_line(run_cli("export", str(damaged), f"--out={out}"), "holds LoRA adapters", "lora.json")
+    assert not out.exists()
+    one_line(run_cli("train", str(TINY_RECIPE), f"--train.init_from={damaged}", "--train.steps=1",
+                     f"--train.output_dir={tmp_path / 'run'}"), "holds LoRA adapters")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY_RECIPE, run_cli
+from conftest import ROOT, run_cli
 from fake_lerobot import write_dataset
 from test_safety import _ckpt, _copy, _train, dataset, hashes, one_line, runs  # noqa: F401 - the fixtures too
 

@@ -8,10 +8,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from launch import spawn_ranks
 from vlaforge.distributed import ring
 from vlaforge.distributed.ring import causal_work, ring_attention, zigzag_shard, zigzag_unshard
 from vlaforge.distributed.ulysses import allgather_attention, ulysses_attention
+
+from launch import spawn_ranks
 
 # (method, causal, heads, kv_heads)
 CASES = [(m, c, h, kv) for m in ("ring", "ring_zigzag", "ulysses", "allgather") for c in (False, True)
@@ -170,8 +171,8 @@ def test_ulysses_that_cannot_split_heads_is_a_config_error():
 def _llm_worker(rank, world, port, out):
     from transformers import LlamaConfig, LlamaModel
 
-    from vlaforge.distributed.sequence_parallel import register_attention
     from vlaforge.config.flavors import FLAVORS
+    from vlaforge.distributed.sequence_parallel import register_attention
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -264,7 +265,7 @@ def _autocast_worker(rank, world, port, out):
     out["sdpa"] = (str(sdpa[0]), sdpa[1])
     for method in ("ring", "ulysses", "allgather"):
         attend = attention_function(method, dist.group.WORLD)
-        got = saved(lambda q, k, v: attend(module, q, k, v, None)[0])
+        got = saved(lambda q, k, v, attend=attend: attend(module, q, k, v, None)[0])
         out[method] = (str(got[0]), got[1])
     dist.destroy_process_group()
 
@@ -319,13 +320,14 @@ def _planner_worker(rank, world, port, out):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from conftest import make_batch, tiny_config
     from vlaforge.config.flavors import FLAVORS
     from vlaforge.distributed.sequence_parallel import apply_sequence_parallel
     from vlaforge.models.build import tokens_per_sample
     from vlaforge.planner.activations import activation_parts, sequence_of
     from vlaforge.techniques import accounting as memory
     from vlaforge.training.trainer import build_model
+
+    from conftest import make_batch, tiny_config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -35,9 +35,10 @@ def test_sharded_resume_then_export_equals_the_full_format_run(resumed_sharded, 
 
 
 def test_sharded_checkpoint_loads_for_inference_without_export(resumed_sharded, full_run, tmp_path):
-    from conftest import tiny_config
-    from vlaforge.models.build import build_vla
     from vlaforge.checkpoints.load import load_weights
+    from vlaforge.models.build import build_vla
+
+    from conftest import tiny_config
 
     ckpt = tmp_path / "ckpt"
     src = resumed_sharded / "checkpoints" / "step_00000003"

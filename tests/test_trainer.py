@@ -107,8 +107,8 @@ def test_checkpoint_with_a_scalar_logit_scale_still_loads(tmp_path):
     """Checkpoints from before FSDP2 support stored projector.logit_scale as a 0-d tensor."""
     from safetensors.torch import save_file
 
-    from vlaforge.models.build import build_vla
     from vlaforge.checkpoints.load import load_weights
+    from vlaforge.models.build import build_vla
 
     cfg = tiny_config(tmp_path)
     model = build_vla(cfg.model, cfg.loss)

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_RECIPE, fit, make_batch, policy_grads, run_cli, tiny_config
-from families import VLM_STATS, vlm_folder
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.build import build_vla
 from vlaforge.models.vision import vision_blocks
+
+from conftest import TINY_RECIPE, fit, make_batch, policy_grads, run_cli, tiny_config
+from families import VLM_STATS, vlm_folder
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +127,11 @@ SAVED = {"llava": (2, {"hidden": 64, "layers": 2, "merge": 1, "bias": True, "nor
 
 @pytest.mark.parametrize("name", list(SAVED))
 def test_a_run_on_a_vlm_carries_its_tokenizer_and_configs_and_predicts_without_the_folder(vlms, name, tmp_path):
-    from fake_lerobot import write_dataset
     from transformers import AutoConfig, AutoTokenizer
 
     from vlaforge.inference.runtime import Observation, PolicyRuntime
+
+    from fake_lerobot import write_dataset
 
     folder = shutil.copytree(vlms(name), tmp_path / name)
     write_dataset(tmp_path / "ds")

@@ -23,23 +23,25 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                                                              "libero_goal, libero_10) under LIBERO's protocol: all "
                                                              "its tasks, 50 episodes each from the fixed initial "
                                                              "states, the suite's step limit (docs/libero.md)"),
-          tasks: Optional[str] = typer.Option(None, help="comma-separated Meta-World tasks; default: eval.tasks of "
-                                                         "the checkpoint's config, else the dataset's tasks. With "
+          tasks: Optional[str] = typer.Option(None, help="comma-separated Meta-World tasks, each once; default: "
+                                                         "eval.tasks of the checkpoint's config, else the dataset's "
+                                                         "tasks. With "
                                                          "--benchmark: the first N tasks, or task indices / names "
                                                          "(a reduced protocol)"),
           episodes: Optional[int] = typer.Option(None, min=1, help="held-out episodes per task" + _DEFAULT +
                                                  "; with --benchmark: 50 (fewer is a reduced protocol)"),
           execute: Optional[int] = typer.Option(None, min=1, help="actions executed per predicted chunk" + _DEFAULT),
           max_steps: Optional[int] = typer.Option(None, min=1, help="steps before failure" + _DEFAULT +
-                                                  "; with --benchmark: the suite's"),
+                                                  "; with --benchmark: the suite's. At most the "
+                                                  "simulator's episode limit (Meta-World: 500; a LIBERO suite's)"),
           workers: Optional[int] = typer.Option(None, min=1, help="rollout processes" + _DEFAULT),
           seed: Optional[int] = typer.Option(None, min=0, max=MAX_ENV_SEED, help="base seed of held-out positions"
                                                                                   + _DEFAULT),
           out: Optional[Path] = typer.Option(None, help="report folder (default CHECKPOINT/eval)"),
           video: Optional[bool] = typer.Option(None, help="write one MP4 per task" + _DEFAULT),
           cache: str = typer.Option("exact", help="frame-feature cache: none, exact (each frame encoded once; same "
-                                                  "actions), frame (reuse a similar frame's features), token (recompute "
-                                                  "only changed patches)"),
+                                                  "actions), frame (reuse a similar frame's features), token "
+                                                  "(recompute only changed patches)"),
           cache_threshold: Optional[float] = typer.Option(None, help="similarity at or above which the cache "
                                                                       "reuses: frame mode's frame cosine (default "
                                                                       "0.99), token mode's patch cosine (0.996)"),
@@ -63,11 +65,12 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     """Closed-loop success rate per task in Meta-World or on a LIBERO suite (--benchmark), with Wilson 95% intervals;
     writes report.json with the inference options and figures (latency p50/p99 per prediction, cache hit rates, robot
     idle fraction)."""
+    from vlaforge.checkpoints.layout import saved_config
     from vlaforge.data import libero
+    from vlaforge.data.generate import check_step_limit
     from vlaforge.data.metaworld import parse_tasks
     from vlaforge.evaluation.closed_loop import InferenceOptions, eval_tasks, evaluate, libero_protocol, render_table
     from vlaforge.inference.runtime import resolve_policy
-    from vlaforge.checkpoints.layout import saved_config
 
     ckpt = resolve_policy(checkpoint)
     cfg = saved_config(ckpt)
@@ -75,14 +78,20 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     scenes = {"auto": None, "shown": False, "hidden": True}
     if distractors not in scenes:
         raise VlaforgeError(f"--distractors {distractors!r} is not one of auto, shown, hidden")
-    pick = lambda v, d: d if v is None else v  # noqa: E731
+    pick = lambda v, d: d if v is None else v
     protocol = None
     if benchmark is None:
         names = parse_tasks(tasks) if tasks else eval_tasks(cfg)
         if all(libero.is_libero_task(t) for t in names):
             benchmark = names[0].partition("/")[0]  # a run trained on `data generate --suite`: its suite's protocol
     if benchmark is not None:
+        if distractors != "auto":
+            raise VlaforgeError(f"--distractors {distractors} applies to Meta-World's tasks, not to LIBERO's "
+                                f"{benchmark}; drop it")
         names, episodes, max_steps, protocol = libero_protocol(benchmark, tasks, episodes, max_steps)
+    else:
+        check_step_limit(names[0], pick(max_steps, e.max_steps),
+                         "--max-steps" if max_steps is not None else "eval.max_steps of the checkpoint's config")
     options = InferenceOptions(cache=cache, compile=compile, dtype=dtype, device=device,
                                execute=pick(execute, e.execute), asynchronous=asynchronous, merge=merge,
                                latency_ms=latency_ms, cache_options=_cache_threshold(cache, cache_threshold),
@@ -110,7 +119,8 @@ def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                                                          "the --adapter runs beside it; a client names its adapter "
                                                          "(docs/lora.md)"),
           adapter: list[str] = typer.Option([], help="NAME=RUN: another LoRA run over the same base, served as NAME "
-                                                     "(repeatable; needs --keep-adapters)"),
+                                                     "(repeatable, each NAME once and not the served run's own "
+                                                     "name; needs --keep-adapters)"),
           http_port: Optional[int] = typer.Option(None, min=0, max=65535, help="HTTP port for POST /act (default: "
                                                                                "port + 1; 0: none)"),
           max_batch: int = typer.Option(8, min=1, max=256, help="predictions per batched forward"),
@@ -138,14 +148,14 @@ def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                    "policy; set --api-key or VLAFORGE_API_KEY", err=True)
     if adapter and not keep_adapters:
         raise VlaforgeError("--adapter NAME=RUN serves LoRA runs side by side; add --keep-adapters")
-    named = {}
-    for item in adapter:
-        name, sep, run = item.partition("=")
-        if not sep or not name or not run:
-            raise VlaforgeError(f"--adapter {item!r}: write NAME=RUN (a LoRA run over the same base)")
-        named[name] = run
+    named = None
+    if keep_adapters:
+        from vlaforge.checkpoints.layout import resolve_checkpoint
+        from vlaforge.inference.adapters import parse_adapters, run_name
+
+        named = parse_adapters(adapter, run_name(resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT")))
     runtime = PolicyRuntime.load(checkpoint, device=device, dtype=dtype, compile=compile, cache=cache,
-                                 backend=backend, adapters=named if keep_adapters else None)
+                                 backend=backend, adapters=named)
     options = ServeOptions(host=host, port=port, http_port=http_port, max_batch=max_batch, max_wait_ms=max_wait_ms,
                            api_key=api_key, max_message_bytes=int(max_message_mb * 2**20),
                            max_connections=max_connections, idle_timeout_s=idle_timeout_s, protocol=protocol,
@@ -195,9 +205,10 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
            dtype: str = typer.Option("fp32", help="onnx: fp32 or fp16 graphs"),
            quantized: bool = typer.Option(False, "--quantized", help="onnx: int8 QDQ graphs (ONNX Runtime static "
                                                                      "quantization, calibrated on dataset frames)"),
-           calibrate: int = typer.Option(256, min=1, help="onnx --quantized: calibration frames"),
-           frames: int = typer.Option(32, min=1, help="onnx: dataset frames the package is checked on against the "
-                                                      "checkpoint"),
+           calibrate: Optional[int] = typer.Option(None, min=1, help="onnx --quantized: calibration frames "
+                                                                     "[default: 256]"),
+           frames: Optional[int] = typer.Option(None, min=1, help="onnx: dataset frames the package is checked on "
+                                                                  "against the checkpoint [default: 32]"),
            data: Optional[str] = typer.Option(None, help="onnx: the dataset of those frames (default: the run's "
                                                          "data.path; none: random observations)")):
     """Consolidate a checkpoint's weights into one safetensors file (a sharded checkpoint's shards are read in this
@@ -210,9 +221,11 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
 
     if format == "safetensors":
         onnx_only = [name for name, given in (("--dtype", dtype != "fp32"), ("--quantized", quantized),
-                                               ("--data", data is not None)) if given]
+                                               ("--data", data is not None), ("--calibrate", calibrate is not None),
+                                               ("--frames", frames is not None)) if given]
         if onnx_only:
-            raise VlaforgeError(f"{', '.join(onnx_only)} apply to --format onnx")
+            raise VlaforgeError(f"{', '.join(onnx_only)} apply to --format onnx|executorch (packages), not to "
+                                "--format safetensors; drop them or give --format onnx")
         path = export_weights(resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT"), out)
         typer.echo(f"wrote {path}")
         return
@@ -220,8 +233,11 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
         raise VlaforgeError(f"--format {format} needs --out DIR (the package folder to write)")
     from vlaforge.export.package import export_package, render
 
-    report = export_package(checkpoint, out, format=format, dtype=dtype, int8=quantized, calibrate=calibrate,
-                            frames=frames, data=data)
+    if calibrate is not None and not quantized:
+        raise VlaforgeError("--calibrate sets the calibration frames of --quantized; drop it or add --quantized")
+    report = export_package(checkpoint, out, format=format, dtype=dtype, int8=quantized,
+                            calibrate=256 if calibrate is None else calibrate, frames=32 if frames is None else frames,
+                            data=data)
     typer.echo(render(report))
 
 

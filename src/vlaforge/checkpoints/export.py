@@ -9,8 +9,8 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from vlaforge.checkpoints.layout import DCP_DIR, MODEL_FILE, STATE_FILE, is_sharded
-from vlaforge.checkpoints.load import load_policy_model
-from vlaforge.checkpoints.lora import is_lora
+from vlaforge.checkpoints.load import check_finite, load_policy_model
+from vlaforge.checkpoints.lora import check_adapters_described, is_lora
 from vlaforge.checkpoints.save import save_full_weights
 from vlaforge.errors import VlaforgeError, first_line
 
@@ -42,6 +42,7 @@ def export_weights(ckpt: Path, out: Path | None = None) -> Path:
         if out.resolve() == default.resolve():
             raise VlaforgeError(f"checkpoint {ckpt} already holds {MODEL_FILE} (it is not sharded); give --out to "
                                 "copy it elsewhere")
+        check_adapters_described(ckpt, default)
         _check_export_target(out)
         from safetensors.torch import load_file
 
@@ -56,6 +57,7 @@ def export_weights(ckpt: Path, out: Path | None = None) -> Path:
         from vlaforge.distributed.state import consolidate_sharded
 
         state = consolidate_sharded(ckpt / DCP_DIR)
+    check_finite(ckpt, state)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

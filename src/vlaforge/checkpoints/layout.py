@@ -42,7 +42,7 @@ def finish_interrupted_saves(root: Path, keep: Path | None = None) -> None:
     complete) is finished: the new folder renamed into place, `latest` pointed at it, the aside copy removed. A
     .step_X.tmp saved no further is removed (but `keep`, the folder the current save's ranks are writing)."""
     latest = root / "latest"
-    named = lambda: latest.read_text().strip() if latest.is_file() else ""  # noqa: E731
+    named = lambda: latest.read_text().strip() if latest.is_file() else ""
     for tmp in sorted(root.glob(".step_*.tmp")):
         name = tmp.name[1:-len(".tmp")]
         if tmp == keep or not tmp.is_dir():
@@ -146,4 +146,4 @@ def saved_config(folder: Path, what: str = "CHECKPOINT"):
     if not (Path(folder) / CONFIG_FILE).is_file():
         raise VlaforgeError(f"{what} {folder} has no {CONFIG_FILE}; the checkpoint is incomplete: use another "
                             "checkpoint of the run")
-    return load_config(Path(folder) / CONFIG_FILE)
+    return load_config(Path(folder) / CONFIG_FILE, saved=True)

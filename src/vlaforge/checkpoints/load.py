@@ -14,11 +14,19 @@ from safetensors.torch import load_model
 from torch import nn
 
 from vlaforge.checkpoints.layout import CONFIG_FILE, DCP_DIR, MODEL_FILE, STATE_FILE, is_sharded, resolve_run
-from vlaforge.checkpoints.lora import check_base, is_lora, load_lora_weights, optional_keys, read_record
-from vlaforge.techniques.lora import apply_lora, base_digest, lora_components, merge_lora
-from vlaforge.techniques.precision import master_dtype
+from vlaforge.checkpoints.lora import (
+    check_adapters_described,
+    check_base,
+    is_lora,
+    load_lora_weights,
+    optional_keys,
+    read_record,
+)
 from vlaforge.errors import VlaforgeError, first_line, load_refusal
 from vlaforge.seeding import seed_everything
+from vlaforge.techniques.lora import apply_lora, base_digest, lora_components, merge_lora
+from vlaforge.techniques.precision import master_dtype
+
 
 def load_checkpoint(ckpt: Path, model: torch.nn.Module, sharded: bool = False) -> dict[str, Any]:
     """Load weights into `model` (strict; `sharded`: a parallelized model, loaded from the full state on every
@@ -36,8 +44,11 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, sharded: bool = False) -
         from vlaforge.distributed.state import load_full_model_state
 
         _upgrade_legacy(ckpt / MODEL_FILE)
+        check_adapters_described(ckpt, ckpt / MODEL_FILE)
         optional = optional_keys(model, read_record(ckpt)) if is_lora(ckpt) else set()
-        load_full_model_state(model, load_file(str(ckpt / MODEL_FILE)), optional=optional)
+        state = load_file(str(ckpt / MODEL_FILE))
+        check_finite(ckpt, state)  # NOTE: the file, the same on every rank (the loaded model is sharded)
+        load_full_model_state(model, state, optional=optional)
     else:
         load_weights(ckpt, model)
     return load_trainer_state(ckpt)
@@ -53,7 +64,7 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
         raise VlaforgeError(f"checkpoint {ckpt} has no {STATE_FILE}; resume from another checkpoint")
     try:
         state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch.load raises many types for damaged files (and refuses foreign objects)
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many types for damaged files (and refuses foreign objects)
         why = load_refusal(exc)
         what = "is refused" if why.startswith("it holds") else "is truncated or corrupt"
         raise VlaforgeError(f"checkpoint file {ckpt / STATE_FILE} {what} ({why}); resume from another checkpoint"
@@ -111,15 +122,18 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
         raise VlaforgeError(f"checkpoint {ckpt} has no {MODEL_FILE}; give a checkpoints/step_* folder")
     if is_lora(ckpt) and getattr(model, "lora", None):  # resuming: the same adapters over the rebuilt base
         load_lora_weights(ckpt, model, ckpt / MODEL_FILE)
+        check_finite(ckpt, model.state_dict())
         return
     if is_lora(ckpt):  # a plain model (init_from, a teacher): the adapters merged into their base
         merged = load_merged(ckpt, resolve_run(ckpt)[1]).state_dict()
+        check_finite(ckpt, merged)
         try:
             model.load_state_dict(merged)
         except RuntimeError as exc:
             raise VlaforgeError(f"checkpoint {ckpt} does not match the model ({first_line(exc, 160)}); use the "
                                 "config saved in that checkpoint") from None
         return
+    check_adapters_described(ckpt, ckpt / MODEL_FILE)
     try:
         _upgrade_legacy(ckpt / MODEL_FILE)
         missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
@@ -133,6 +147,24 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
         raise VlaforgeError(f"checkpoint {ckpt} does not match the model ({len(missing)} missing, "
                             f"{len(unexpected)} unexpected tensors, e.g. {(missing or unexpected)[0]}); "
                             "use the config saved in that checkpoint")
+    check_finite(ckpt, model.state_dict())
+
+
+def check_finite(ckpt: Path, state: dict[str, torch.Tensor]) -> None:
+    """Refuse weights with NaN or infinite values at load, named, rather than as "non-finite gradients" at the first
+    step (or as NaN actions). Plain tensors only: a sharded (DTensor) or quantized tensor subclass is checked where
+    it is still a plain file tensor.
+
+    Raises:
+        VlaforgeError: naming the tensors and how many of their values are not finite.
+    """
+    bad = {k: int((~torch.isfinite(v)).sum()) for k, v in state.items()
+           if type(v) is torch.Tensor and v.is_floating_point() and not bool(torch.isfinite(v).all())}
+    if bad:
+        name, count = next(iter(bad.items()))
+        raise VlaforgeError(f"checkpoint {ckpt} holds non-finite weights ({len(bad)} tensors, e.g. {name}: {count} "
+                            "NaN / inf values): the run diverged before this save or the file was altered; use an "
+                            "earlier checkpoint of the run")
 
 
 def _shape_mismatch(path: Path, model: torch.nn.Module) -> str:

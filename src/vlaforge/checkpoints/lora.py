@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlaforge.outputs import write_atomic
 from vlaforge.errors import VlaforgeError
+from vlaforge.outputs import write_atomic
 from vlaforge.techniques.lora import adapter_state, base_digest, is_adapter, is_base, lora_components
 
 LORA_FILE = "lora.json"
@@ -25,6 +25,28 @@ LORA_FILE = "lora.json"
 
 def is_lora(ckpt: Path) -> bool:
     return (Path(ckpt) / LORA_FILE).is_file()
+
+
+def check_adapters_described(ckpt: Path, weights: Path) -> None:
+    """Refuse a weights file that holds LoRA adapter tensors in a checkpoint without the lora.json that names their
+    base: without it the adapters can be neither merged nor loaded, and the file has no base weights to stand alone.
+
+    Raises:
+        VlaforgeError: adapters without their record.
+    """
+    from safetensors import safe_open
+
+    if is_lora(ckpt):
+        return
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            adapters = [k for k in f.keys() if is_adapter(k)]
+    except Exception:  # noqa: BLE001 - a damaged header: the caller's load reports it
+        return
+    if adapters:
+        raise VlaforgeError(f"checkpoint {ckpt} holds LoRA adapters ({len(adapters)} tensors, e.g. {adapters[0]}) but "
+                            f"no {LORA_FILE} naming the base they were trained over; the checkpoint is incomplete: "
+                            f"use another checkpoint of the run, or put back its {LORA_FILE}")
 
 
 def base_record(cfg, model: nn.Module) -> dict[str, Any] | None:

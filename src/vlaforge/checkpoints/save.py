@@ -11,8 +11,15 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save_file, save_model
 
-from vlaforge.checkpoints.layout import (CONFIG_FILE, MODEL_FILE, STATE_FILE, move_into_place,
-                                         finish_interrupted_saves, temporary_folder)
+from vlaforge.checkpoints.layout import (
+    CONFIG_FILE,
+    MODEL_FILE,
+    STATE_FILE,
+    finish_interrupted_saves,
+    move_into_place,
+    temporary_folder,
+)
+
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any], config_toml: str,
                     keep: int, extra: Callable[[Path], None] | None = None,

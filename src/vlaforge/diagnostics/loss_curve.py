@@ -215,7 +215,7 @@ def stuck(series: Series, name: str) -> list[Finding]:
     positive = bool(np.all(x > 0))
     y = np.log(x) if positive else x
     sigma = 1.4826 * float(np.median(np.abs(np.diff(y[len(y) // 2:])))) / np.sqrt(2) + 1e-12  # one value's noise
-    fall = (lambda a: float(np.log(a / last))) if positive else (lambda a: a - last)  # noqa: E731
+    fall = (lambda a: float(np.log(a / last))) if positive else (lambda a: a - last)
     floor = 0.02 if positive else 0.02 * abs(first)
     # a fall from the first quarter's median (beyond the noise of two q-value medians: 1.2533 sigma sqrt(2 / q)),
     # or from the first logged value (a short run can fall within its first quarter)

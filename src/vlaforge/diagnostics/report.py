@@ -112,8 +112,8 @@ def write_reports(report: dict[str, Any], runs: list[RunSignals], run: Path, htm
     Raises:
         VlaforgeError: a file cannot be written (one line naming it).
     """
-    from vlaforge.outputs import write_atomic
     from vlaforge.errors import VlaforgeError
+    from vlaforge.outputs import write_atomic
 
     try:
         report["html"] = str(write_html(report, runs, html_path or Path(run) / "report.html"))

@@ -13,6 +13,7 @@ from vlaforge.errors import first_line
 from vlaforge.inference.packages import GRAPHS, MANIFEST, OrtGraph, PteGraph, file_sha256
 from vlaforge.outputs import write_atomic
 
+
 class Region(torch.nn.Module):
     """One traced region of the model (export needs a module whose forward is the region)."""
 

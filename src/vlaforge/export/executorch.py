@@ -21,8 +21,8 @@ MAX_BATCH = 64
 def available() -> str | None:
     """None when ExecuTorch can export here, else why not (one line)."""
     try:
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner  # noqa: F401
-        from executorch.exir import to_edge_transform_and_lower  # noqa: F401
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner  # noqa: F401 - is it there
+        from executorch.exir import to_edge_transform_and_lower  # noqa: F401 - is it there
     except ImportError as exc:
         return (f"--format executorch needs the executorch package ({exc.name or exc} is missing): pip install "
                 "executorch==1.5.1 (it runs beside torch 2.13)")

@@ -57,7 +57,7 @@ TRACE_BATCH = 2
 
 def _regions(model: torch.nn.Module) -> dict[str, Any]:
     head = model.action_head
-    mask = lambda m: m.bool()  # noqa: E731 - int64 0/1 on the wire (every runtime has it), bool inside
+    mask = lambda m: m.bool()
     out = {"vision": lambda m, pixels: m.encode_frames(pixels)}
     if getattr(head, "supports_prefix", False):
         out["encoder"] = lambda m, tokens, ids, msk, state: m.action_head.condition(
@@ -112,8 +112,8 @@ def export_package(checkpoint: str | Path, out: str | Path, *, format: str = "on
     returns the report (also `out/export.json`): export seconds, bytes per graph, and on `frames` dataset frames the
     action error of the package against the PyTorch policy (normalized units) and both latencies. Written into a
     temporary folder beside `out` and renamed when complete; a failure leaves `out` as it was."""
-    from vlaforge.inference.runtime import PolicyRuntime
     from vlaforge.checkpoints.layout import resolve_checkpoint
+    from vlaforge.inference.runtime import PolicyRuntime
 
     if format not in FORMATS:
         raise VlaforgeError(f"--format {format!r} is not one of safetensors, {', '.join(FORMATS)}")
@@ -180,9 +180,8 @@ def check_parity(report: dict[str, Any]) -> None:
 def _write_package(ckpt: Path, tmp: Path, source, format: str, dtype: str, int8: bool, calibrate: int, frames: int,
                    data: str | None, seed: int) -> dict[str, Any]:
     from vlaforge import __version__
-    from vlaforge.inference.runtime import PolicyRuntime
     from vlaforge.checkpoints.layout import CONFIG_FILE
-
+    from vlaforge.inference.runtime import PolicyRuntime
     from vlaforge.models.vision import vision_family
 
     model, spec = source.model, source.spec
@@ -293,7 +292,7 @@ def measure(reference, package, frames: list) -> dict[str, Any]:
     from vlaforge.evaluation.quantization import action_error, side_by_side
 
     ref, got, t_ref, t_pkg = side_by_side(reference, package, frames, seed=0)
-    p50 = lambda v: round(float(np.percentile(v, 50)), 3)  # noqa: E731
+    p50 = lambda v: round(float(np.percentile(v, 50)), 3)
     return {"frames": len(frames), "action_error": action_error(ref, got) | {
                 "max_abs_normalized": float(np.abs(ref - got).max())},
             "latency_ms": {"pytorch_p50": p50(t_ref), "package_p50": p50(t_pkg),

@@ -105,7 +105,7 @@ def _check_hashed(folder: Path, path: Path, what: str, entry: Any) -> None:
 
 def signature(session) -> dict[str, dict[str, Any]]:
     """{"inputs": {name: {dtype, shape}}, "outputs": ...} of an ONNX Runtime session, as the manifest writes it."""
-    arg = lambda a: {"dtype": ONNX_TYPES.get(a.type, a.type), "shape": list(a.shape)}  # noqa: E731
+    arg = lambda a: {"dtype": ONNX_TYPES.get(a.type, a.type), "shape": list(a.shape)}
     return {"inputs": {a.name: arg(a) for a in session.get_inputs()},
             "outputs": {a.name: arg(a) for a in session.get_outputs()}}
 

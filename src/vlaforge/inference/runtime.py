@@ -134,8 +134,9 @@ class PolicyRuntime:
             if self.cache_config.mode == "token" else None
         self.adapters = adapters  # an inference.adapters.AdapterSet: several LoRA runs over this base, unmerged
         specs = {n: a.spec for n, a in adapters.adapters.items()} if adapters is not None else {None: spec}
-        self._norms = {n: {k: torch.tensor(getattr(sp, k), device=self.device)
-                           for k in ("state_mean", "state_std", "action_mean", "action_std")} for n, sp in specs.items()}
+        keys = ("state_mean", "state_std", "action_mean", "action_std")
+        self._norms = {n: {k: torch.tensor(getattr(sp, k), device=self.device) for k in keys}
+                       for n, sp in specs.items()}
         self._norm = next(iter(self._norms.values()))
         self.compile_s = 0.0
         if compile != "off":
@@ -179,8 +180,8 @@ class PolicyRuntime:
         if is_package(checkpoint):
             raise VlaforgeError(f"{checkpoint} is an exported package, not a checkpoint; drop --backend torch (auto "
                                 "runs it in its runtime)")
-        from vlaforge.data.tokenizer import load_tokenizer
         from vlaforge.checkpoints.load import load_policy_model
+        from vlaforge.data.tokenizer import load_tokenizer
 
         model, cfg, ckpt = load_policy_model(checkpoint, pick_device(device))
         spec = ObservationSpec.load(ckpt)
@@ -190,14 +191,16 @@ class PolicyRuntime:
 
     @classmethod
     def _load_adapters(cls, checkpoint, adapters, device, dtype, compile, cache, backend) -> "PolicyRuntime":
-        from vlaforge.inference.adapters import load_adapter_set
         from vlaforge.checkpoints.layout import resolve_checkpoint
+        from vlaforge.inference.adapters import load_adapter_set, run_name
 
         if backend not in ("auto", "torch") or compile != "off":
             raise VlaforgeError("--keep-adapters runs the PyTorch model (peft layers switch adapters): drop --backend "
                                 "and --compile")
         ckpt = resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT")
-        main = ckpt.parent.parent.name if ckpt.parent.name == "checkpoints" else ckpt.name
+        main = run_name(ckpt)
+        if main in adapters:  # the served run would be replaced by the other: its requests would get that one's
+            raise VlaforgeError(f"adapter {main!r} is the served run's own name; name the other adapter otherwise")
         model, _, aset = load_adapter_set({main: ckpt, **adapters}, pick_device(device))
         first = aset.adapters[aset.default]
         return cls(model, first.spec, first.tokenizer, device=device, dtype=dtype, cache=cache, source=str(ckpt),
@@ -391,7 +394,7 @@ class PolicyRuntime:
         actions = self._act(vision, ids, mask, state, **head)
         actions = (actions.float() * self._norm["action_std"] + self._norm["action_mean"]).cpu().numpy()
         t3 = time.perf_counter()
-        ms = lambda a, b: round((b - a) * 1000, 3)  # noqa: E731
+        ms = lambda a, b: round((b - a) * 1000, 3)
         out = []
         for k, req in enumerate(requests):
             total = ms(t0, t3)
@@ -417,8 +420,8 @@ class PolicyRuntime:
 
 def resolve_policy(path: str | Path) -> Path:
     """A policy folder: an exported package as it is, else the checkpoint folder of a run (`resolve_checkpoint`)."""
-    from vlaforge.inference.packages import is_package
     from vlaforge.checkpoints.layout import resolve_checkpoint
+    from vlaforge.inference.packages import is_package
 
     return Path(path) if is_package(path) else resolve_checkpoint(str(path), ".", what="CHECKPOINT")
 

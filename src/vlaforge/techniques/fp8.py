@@ -80,6 +80,7 @@ def warn_if_slow(device: torch.device) -> None:
     if fp8_matmul_available(device) or device.type in _warned:
         return
     _warned.add(device.type)
-    what = "CPU" if device.type == "cpu" else f"this GPU (compute capability {torch.cuda.get_device_capability(device)})"
+    what = "CPU" if device.type == "cpu" else \
+        f"this GPU (compute capability {torch.cuda.get_device_capability(device)})"
     warnings.warn(f"{what} has no FP8 matmul units: fp8 layers run for correctness only and are slower than bf16; "
                   "use bf16 here and fp8 on H100/H200/B200-class GPUs", Fp8SlowWarning, stacklevel=3)

@@ -102,7 +102,8 @@ def apply_lora(model: nn.Module, policies: Mapping[str, Any], shards: int = 1) -
 
 
 def _inject(model: nn.Module, name: str, cfg, shards: int) -> LoraReport:
-    from peft import LoraConfig as PeftLoraConfig, inject_adapter_in_model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
 
     layers = target_linears(model, name, cfg.targets)
     if not layers:
@@ -160,7 +161,8 @@ def _fake_safe_moves():
 def add_adapter(model: nn.Module, policies: Mapping[str, Any], name: str) -> None:
     """A second set of adapters, named `name`, beside the ones `apply_lora` injected (the same ranks and targets):
     one base serving several LoRA runs (inference/adapters.py)."""
-    from peft import LoraConfig as PeftLoraConfig, inject_adapter_in_model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
 
     for component in lora_components(policies):
         cfg = policies[component].lora

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from vlaforge import COMPONENTS
-from vlaforge.outputs import write_atomic
 from vlaforge.errors import VlaforgeError, first_line
+from vlaforge.outputs import write_atomic
 from vlaforge.techniques.quantize import INTX_BITS, QuantReport, apply_quantization
 
 MANIFEST = "quantization.json"
