@@ -66,10 +66,7 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     writes report.json with the inference options and figures (latency p50/p99 per prediction, cache hit rates, robot
     idle fraction)."""
     from vlaforge.checkpoints.layout import saved_config
-    from vlaforge.data import libero
-    from vlaforge.data.generate import check_step_limit
-    from vlaforge.data.metaworld import parse_tasks
-    from vlaforge.evaluation.closed_loop import InferenceOptions, eval_tasks, evaluate, libero_protocol, render_table
+    from vlaforge.evaluation.closed_loop import InferenceOptions, evaluate, render_table
     from vlaforge.inference.runtime import resolve_policy
 
     ckpt = resolve_policy(checkpoint)
@@ -79,19 +76,7 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     if distractors not in scenes:
         raise VlaforgeError(f"--distractors {distractors!r} is not one of auto, shown, hidden")
     pick = lambda v, d: d if v is None else v
-    protocol = None
-    if benchmark is None:
-        names = parse_tasks(tasks) if tasks else eval_tasks(cfg)
-        if all(libero.is_libero_task(t) for t in names):
-            benchmark = names[0].partition("/")[0]  # a run trained on `data generate --suite`: its suite's protocol
-    if benchmark is not None:
-        if distractors != "auto":
-            raise VlaforgeError(f"--distractors {distractors} applies to Meta-World's tasks, not to LIBERO's "
-                                f"{benchmark}; drop it")
-        names, episodes, max_steps, protocol = libero_protocol(benchmark, tasks, episodes, max_steps)
-    else:
-        check_step_limit(names[0], pick(max_steps, e.max_steps),
-                         "--max-steps" if max_steps is not None else "eval.max_steps of the checkpoint's config")
+    names, episodes, max_steps, protocol = _eval_tasks(cfg, benchmark, tasks, episodes, max_steps, distractors)
     options = InferenceOptions(cache=cache, compile=compile, dtype=dtype, device=device,
                                execute=pick(execute, e.execute), asynchronous=asynchronous, merge=merge,
                                latency_ms=latency_ms, cache_options=_cache_threshold(cache, cache_threshold),
@@ -102,6 +87,29 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
                       hide_distractors=scenes[distractors], protocol=protocol)
     typer.echo(render_table(report))
     typer.echo(f"report: {report['report']}")
+
+
+def _eval_tasks(cfg, benchmark: str | None, tasks: str | None, episodes: int | None, max_steps: int | None,
+                distractors: str):
+    """What `vlaforge eval` rolls out: (task names, episodes, step limit, LIBERO protocol or None). A LIBERO suite's
+    protocol for --benchmark or for a run trained on `data generate --suite`; else Meta-World's tasks under the
+    checkpoint's step limit."""
+    from vlaforge.data import libero
+    from vlaforge.data.generate import check_step_limit
+    from vlaforge.data.metaworld import parse_tasks
+    from vlaforge.evaluation.closed_loop import eval_tasks, libero_protocol
+
+    if benchmark is None:
+        names = parse_tasks(tasks) if tasks else eval_tasks(cfg)
+        if not all(libero.is_libero_task(t) for t in names):
+            check_step_limit(names[0], cfg.eval.max_steps if max_steps is None else max_steps,
+                             "--max-steps" if max_steps is not None else "eval.max_steps of the checkpoint's config")
+            return names, episodes, max_steps, None
+        benchmark = names[0].partition("/")[0]  # a run trained on `data generate --suite`: its suite's protocol
+    if distractors != "auto":
+        raise VlaforgeError(f"--distractors {distractors} applies to Meta-World's tasks, not to LIBERO's "
+                            f"{benchmark}; drop it")
+    return libero_protocol(benchmark, tasks, episodes, max_steps)
 
 
 @app.command()

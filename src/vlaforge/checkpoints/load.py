@@ -13,7 +13,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model
 from torch import nn
 
-from vlaforge.checkpoints.layout import CONFIG_FILE, DCP_DIR, MODEL_FILE, STATE_FILE, is_sharded, resolve_run
+from vlaforge.checkpoints.layout import (
+    CONFIG_FILE,
+    DCP_DIR,
+    MODEL_FILE,
+    STATE_FILE,
+    is_sharded,
+    resolve_checkpoint,
+    resolve_run,
+)
 from vlaforge.checkpoints.lora import (
     check_adapters_described,
     check_base,
@@ -259,7 +267,6 @@ def rebuild_base(cfg) -> nn.Module:
     random state is left as it was."""
     import random
 
-    from vlaforge.checkpoints.layout import resolve_checkpoint
     from vlaforge.models.build import build_vla
 
     state = random.getstate()
@@ -267,9 +274,14 @@ def rebuild_base(cfg) -> nn.Module:
         seed_everything(cfg.train.seed)
         model = build_vla(cfg.model, cfg.loss)
     random.setstate(state)
+    load_init_from(cfg, model)
+    return model
+
+
+def load_init_from(cfg, model: nn.Module) -> None:
+    """Load `train.init_from`'s weights into the bare `model`, when the run names one."""
     if cfg.train.init_from:
         load_weights(resolve_checkpoint(cfg.train.init_from, ".", what="train.init_from"), model)
-    return model
 
 
 def load_merged(ckpt: Path, cfg) -> nn.Module:

@@ -16,6 +16,12 @@ Checkpointing = Literal["none", "full", "selective", "selective_attn", "selectiv
 Offload = Literal["none", "cpu", "nvme"]
 
 
+# The components the config knows to have no transformer blocks today: selective checkpointing and the per-block
+# settings are refused on them (config/unused.py). NOTE: a config cannot ask the model (`models.blocks.blocks_of`);
+# the pretrained policies' action expert will take action_head off this list.
+BLOCKLESS = ("projector", "action_head")
+
+
 class ComponentConfig(Section):
     """Per-component policy: precision, memory techniques, optimizer settings, freezing."""
 
@@ -91,7 +97,7 @@ class ComponentsConfig(Section):
             raise ValueError("vision.precision = 'fp8' is refused: vision gradients are 10-100x smaller than the "
                              "LLM's and fp8 (e5m2 gradients, 2-3 mantissa bits) loses them; use 'bf16', or set "
                              "components.allow_fp8_vision = true to accept it")
-        for name in ("projector", "action_head"):
+        for name in BLOCKLESS:
             strategy = getattr(self, name).checkpointing
             if strategy not in ("none", "full"):
                 raise ValueError(f"{name}.checkpointing = {strategy!r}: the {name} has no transformer blocks to "

@@ -16,12 +16,11 @@ from functools import cache
 from typing import Any, Callable
 
 from vlaforge import COMPONENTS
+from vlaforge.config.components import BLOCKLESS
 from vlaforge.config.lora import random_bases
 from vlaforge.config.schema import VLAConfig
 from vlaforge.errors import ConfigError
 
-# The components without transformer blocks (ComponentsConfig refuses selective checkpointing on them likewise).
-BLOCKLESS = ("projector", "action_head")
 LOSS_SCALING = ("initial", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale")
 DISTILL_TUNING = ("weights", "temperature", "action", "flow_target", "layers", "projections", "teacher_dtype", "cache",
                   "init")

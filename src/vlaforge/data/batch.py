@@ -77,21 +77,18 @@ class Batch:
     @classmethod
     def _join(cls, parts: list["Batch"], join) -> "Batch":
         """Each field joined across `parts` with `join` (torch.stack / torch.cat); optional fields stay None; `full`
-        from the parts' own (a sample's masks read here, on the host, where the batch is made)."""
-        out = {}
-        for f in fields(cls):
-            values = [getattr(b, f.name) for b in parts]
-            if f.name != "full":
-                out[f.name] = None if values[0] is None else join(values)
-        known = all(b.full is not None or b.instruction_mask.device.type == "cpu" for b in parts)
-        out["full"] = all(_full(b) for b in parts) if known else None  # (reading CPU masks costs no device sync)
-        return cls(**out)
+        from the parts' own, else read once from the joined masks where they are on the host (where the batch is
+        made: no device sync)."""
+        out = {f.name: None if getattr(parts[0], f.name) is None else join([getattr(b, f.name) for b in parts])
+               for f in fields(cls) if f.name != "full"}
+        joined = cls(**out)
+        if all(b.full is not None for b in parts):
+            joined.full = all(b.full for b in parts)
+        elif joined.instruction_mask.device.type == "cpu":
+            joined.full = bool(joined.instruction_mask.all()) and (joined.text_mask is None
+                                                                  or bool(joined.text_mask.all()))
+        return joined
 
-def _full(b: Batch) -> bool:
-    """No padding in `b`'s instruction or text (its own `full`, else read from its CPU masks)."""
-    if b.full is not None:
-        return b.full
-    return bool(b.instruction_mask.all()) and (b.text_mask is None or bool(b.text_mask.all()))
 
 
 def _expect(t: torch.Tensor | None, name: str, rank: int, batch: int, floating: bool = False,

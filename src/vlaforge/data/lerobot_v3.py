@@ -139,8 +139,11 @@ class LeRobotDataset:
     def _read_columns(self, files: list[Path]) -> dict[str, np.ndarray]:
         import pyarrow as pa
 
-        self._check_images_stored(files)
-        tables = [_read_parquet(f, skip=self.images) for f in files]
+        tables = []
+        for f in files:  # each file's schema read once: the image check, then every column but the images
+            names = _schema_names(f)
+            self._check_images_stored(f, names)
+            tables.append(_read_parquet(f, only=[c for c in names if c not in self.images]))
         # where each row's image cells are: (data file, row in it), reordered with the rows below
         self._files = files
         self._image_rows = (np.repeat(np.arange(len(files)), [len(t) for t in tables]),
@@ -193,17 +196,17 @@ class LeRobotDataset:
             cols.update(persistent_columns(rows, np.asarray(times, np.float64), cols["episode_index"]))
         return cols
 
-    def _check_images_stored(self, files: list[Path]) -> None:
-        """An `image` feature's frames are a column of every data file; one stored as video is info.json's error."""
-        for f in files:
-            missing = [k for k in self.images if k not in _schema_names(f)]
-            if missing:
-                key = missing[0]
-                video = any(key in v.parts for v in self.root.glob("videos/**/*.mp4"))
-                where = " - its frames are video files under videos/ (declare it 'video')" if video else ""
-                raise VlaforgeError(f"{self.root / 'meta/info.json'} declares {key!r} as dtype 'image' (frames in the "
-                                    f"data files), but data file {f} has no such column{where}; fix its dtype in "
-                                    "info.json or regenerate the dataset")
+    def _check_images_stored(self, f: Path, names: list[str]) -> None:
+        """An `image` feature's frames are a column of every data file (`f`, whose columns are `names`); one stored
+        as video is info.json's error."""
+        missing = [k for k in self.images if k not in names]
+        if missing:
+            key = missing[0]
+            video = any(key in v.parts for v in self.root.glob("videos/**/*.mp4"))
+            where = " - its frames are video files under videos/ (declare it 'video')" if video else ""
+            raise VlaforgeError(f"{self.root / 'meta/info.json'} declares {key!r} as dtype 'image' (frames in the "
+                                f"data files), but data file {f} has no such column{where}; fix its dtype in "
+                                "info.json or regenerate the dataset")
 
     def _vector(self, name: str, col: np.ndarray | None, stored) -> np.ndarray:
         """A state / action column as (N, width) float32: numbers as info.json declares them (LeRobot stores a
@@ -393,26 +396,26 @@ def read_info(root: Path) -> dict[str, Any]:
     return _read_json(Path(root) / "meta" / "info.json")
 
 
-def _read_parquet(path: Path, skip: list[str] = (), only: list[str] | None = None):
-    """A parquet table: all columns, those but `skip`, or `only` these."""
-    import pyarrow as pa
+def _read_parquet(path: Path, only: list[str] | None = None):
+    """A parquet table: all columns, or `only` these."""
     import pyarrow.parquet as pq
 
-    try:
-        if skip:
-            only = [c for c in pq.read_schema(path).names if c not in skip]
-        return pq.read_table(path, columns=only)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise VlaforgeError(f"parquet file {path} cannot be read ({str(exc).splitlines()[0][:120]}); it is "
-                            "corrupt or truncated - regenerate the dataset") from None
+    return _parquet(path, lambda: pq.read_table(path, columns=only))
 
 
 def _schema_names(path: Path) -> list[str]:
-    import pyarrow as pa
+    """The column names of a parquet file (its footer only)."""
     import pyarrow.parquet as pq
 
+    return _parquet(path, lambda: pq.read_schema(path).names)
+
+
+def _parquet(path: Path, read):
+    """`read()` of parquet file `path`, a damaged file named in one line."""
+    import pyarrow as pa
+
     try:
-        return pq.read_schema(path).names
+        return read()
     except (pa.ArrowInvalid, OSError) as exc:
         raise VlaforgeError(f"parquet file {path} cannot be read ({str(exc).splitlines()[0][:120]}); it is "
                             "corrupt or truncated - regenerate the dataset") from None

@@ -14,7 +14,7 @@ from torch import nn
 
 from vlaforge.checkpoints import lora as lora_checkpoint
 from vlaforge.checkpoints.layout import resolve_checkpoint
-from vlaforge.checkpoints.load import load_weights
+from vlaforge.checkpoints.load import load_init_from
 from vlaforge.checkpoints.run_folder import check_run_folder, stopped_before_first_checkpoint
 from vlaforge.config.loading import dump_toml
 from vlaforge.config.schema import VLAConfig
@@ -113,8 +113,8 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
     seed_everything(cfg.train.seed)  # the same on every rank: identical initial weights before sharding
     model = build_bare(cfg, device)
     lora = lora_components(dict(cfg.components.items()))
-    if cfg.train.init_from and (resume_from is None or lora):  # a LoRA checkpoint holds no base: rebuilt here
-        load_weights(resolve_checkpoint(cfg.train.init_from, ".", what="train.init_from"), model)
+    if resume_from is None or lora:  # a LoRA checkpoint holds no base: rebuilt here
+        load_init_from(cfg, model)
     lora_base = lora_checkpoint.base_record(cfg, model)
     if resume_from is not None and lora_base is not None and lora_checkpoint.is_lora(resume_from):
         lora_checkpoint.check_base(resume_from, lora_checkpoint.read_record(resume_from), lora_base["digest"])
@@ -202,6 +202,26 @@ def train(cfg: VLAConfig, evaluate: Evaluator | None = None) -> dict[str, float]
         return _train(cfg, evaluate)
 
 
+def window_metrics(run: Run, metrics: dict[str, torch.Tensor], steps: int, busy: dict[str, float],
+                   elapsed: float) -> dict[str, float]:
+    """The logged figures of a window of `steps` steps: the last step's metrics (averaged over ranks), learning
+    rates, throughput, time per step in compute and data wait, stragglers, peak memory. One read per device."""
+    if run.guards.reducer is not None:  # every rank's losses, averaged (a collective: all ranks)
+        metrics = run.guards.reducer.mean_over_ranks(metrics)
+    samples = steps * global_batch(run.cfg, run.dims)
+    last = {**to_floats({**metrics, **group_lrs(run.optimizer)}),
+            "perf/samples_per_s": samples / elapsed, "perf/tokens_per_s": samples * run.tokens_per_sample / elapsed,
+            # per optimizer step: compute (`vlaforge plan --calibrate` reads it) and data wait
+            "perf/step_s": busy["step"] / steps, "perf/data_s": busy["data"] / steps,
+            "perf/world_size": float(run.world.size)}
+    if run.guards.reducer is not None:  # stragglers: every rank's own step time (vlaforge diagnose)
+        hi, lo, slowest = run.guards.reducer.spread(busy["step"] / steps, run.device)
+        last |= {"perf/step_s_rank_max": hi, "perf/step_s_rank_min": lo, "perf/slowest_rank": slowest}
+    if run.device.type == "cuda":  # this rank's peak, for `plan --calibrate`'s memory comparison
+        last["perf/peak_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
+    return last
+
+
 def drain(device: torch.device) -> float:
     """Seconds spent waiting for the kernels queued so far (the steps between logging steps do not wait)."""
     t0 = time.perf_counter()
@@ -249,36 +269,23 @@ def _train(cfg: VLAConfig, evaluate: Evaluator | None) -> dict[str, float]:
                 done = step + 1
                 if recorded and logger:
                     logger.log(done, recorded)
-                numerics = {k: v for k, v in metrics.items() if k.startswith("numerics/")}
-                if numerics and logger and not (done % t.log_every == 0 or done == t.steps):
-                    logger.log(done, to_floats(numerics))
                 logging = done % t.log_every == 0 or done == t.steps
-                if logging or (t.checkpoint_every and done % t.checkpoint_every == 0):
+                evaluate_now = cfg.eval.every and done % cfg.eval.every == 0
+                saving = (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or evaluate_now
+                numerics = {k: v for k, v in metrics.items() if k.startswith("numerics/")}
+                if numerics and logger and not logging:
+                    logger.log(done, to_floats(numerics))
+                if logging or saving:
                     busy["step"] += drain(run.device)  # the kernels the steps queued count as step time
-                    run.guards.raise_pending(run.model)  # a stop the steps recorded (one read)
+                    run.guards.raise_pending(run.model)  # a stop the steps recorded (one read): nothing stopping
+                    # is logged as a step or saved
                 if logging:
-                    if run.guards.reducer is not None:  # every rank's losses, averaged (a collective: all ranks)
-                        metrics = run.guards.reducer.mean_over_ranks(metrics)
-                    elapsed = time.perf_counter() - window_start
-                    samples = window_steps * global_batch(cfg, run.dims)
-                    last = {**to_floats({**metrics, **group_lrs(run.optimizer)}),  # one read per device
-                            "perf/samples_per_s": samples / elapsed,
-                            "perf/tokens_per_s": samples * run.tokens_per_sample / elapsed,
-                            # per optimizer step: compute (`vlaforge plan --calibrate` reads it) and data wait
-                            "perf/step_s": busy["step"] / window_steps, "perf/data_s": busy["data"] / window_steps,
-                            "perf/world_size": float(run.world.size)}
-                    if run.guards.reducer is not None:  # stragglers: every rank's own step time (vlaforge diagnose)
-                        hi, lo, slowest = run.guards.reducer.spread(busy["step"] / window_steps, run.device)
-                        last |= {"perf/step_s_rank_max": hi, "perf/step_s_rank_min": lo, "perf/slowest_rank": slowest}
-                    if run.device.type == "cuda":  # this rank's peak, for `plan --calibrate`'s memory comparison
-                        last["perf/peak_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
+                    last = window_metrics(run, metrics, window_steps, busy, time.perf_counter() - window_start)
                     if logger:
                         logger.log(done, last)
                     window_start, window_steps = time.perf_counter(), 0
                     busy = {"data": 0.0, "step": 0.0}
-                evaluate_now = cfg.eval.every and done % cfg.eval.every == 0
-                if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or evaluate_now:
-                    run.guards.raise_pending(run.model)  # nothing stopping is saved
+                if saving:
                     path = save(run, done)
                     if evaluate_now and main:
                         scores = run.evaluate(path)
