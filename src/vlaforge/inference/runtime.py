@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -22,87 +21,22 @@ import torch
 from vlaforge.data.transforms import ObservationSpec, to_model_images
 from vlaforge.errors import VlaforgeError
 from vlaforge.inference.feature_cache import CacheConfig, SessionCache, TokenReuseEncoder
+from vlaforge.inference.observation import (  # noqa: F401 - re-exported: the runtime's public types
+    DTYPES,
+    Observation,
+    ObservationError,
+    Prediction,
+    Session,
+    _Request,
+    check_image,
+    latency_summary,
+    pick_device,
+    pick_dtype,
+)
 from vlaforge.techniques.quantized_format import place
 
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BACKENDS = ("auto", "torch", "onnx", "executorch")
-
-
-class ObservationError(VlaforgeError):
-    """An observation that does not fit the policy; the message names the field."""
-
-
-@dataclass
-class Observation:
-    """One robot observation: images per camera name (uint8 H x W x 3, any size), state, instruction text."""
-
-    images: Mapping[str, Any]
-    state: Any
-    instruction: str
-    adapter: str | None = None  # with several LoRA adapters served (inference/adapters.py): the one to run with
-
-
-@dataclass
-class Prediction:
-    """A denormalized action chunk (T, A) float32 and where the time went (milliseconds)."""
-
-    actions: np.ndarray
-    timings: dict[str, float]
-
-
-@dataclass
-class _Request:
-    session: "Session"
-    slots: list[tuple[str, int, torch.Tensor]]  # (camera, frame index, uint8 frame) in layout order
-    state: torch.Tensor
-    prefix: tuple[torch.Tensor, torch.Tensor] | None  # normalized (T, A) committed actions, (T,) weights
-
-
-@dataclass
-class Session:
-    """One robot episode's state: frame history, tokenized instruction, feature cache, latencies."""
-
-    name: str
-    cache: SessionCache
-    frames: dict[str, deque] = field(default_factory=dict)  # camera -> (index, uint8 frame)
-    count: int = 0  # frames observed this episode
-    instruction: str | None = None
-    tokens: tuple[torch.Tensor, torch.Tensor, int] | None = None  # ids, mask, real length
-    latencies_ms: list[float] = field(default_factory=list)
-    adapter: str | None = None  # the LoRA adapter it runs with, when the runtime holds several
-
-    def report(self) -> dict[str, Any]:
-        """Per-session figures: predictions, latency p50/p99, cache statistics."""
-        lat = self.latencies_ms
-        return {"predictions": len(lat), **latency_summary(lat), "cache": self.cache.stats.as_dict()}
-
-
-def latency_summary(values_ms: Sequence[float]) -> dict[str, float | None]:
-    if not values_ms:
-        return {"p50_ms": None, "p99_ms": None}
-    return {"p50_ms": round(float(np.percentile(values_ms, 50)), 3),
-            "p99_ms": round(float(np.percentile(values_ms, 99)), 3)}
-
-
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise VlaforgeError(f"device {device!r} is not a torch device; use auto, cpu or cuda[:N]") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise VlaforgeError(f"device {device!r} asked for but no CUDA device is present; use --device cpu")
-    return dev
-
-
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise VlaforgeError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
 
 
 class PolicyRuntime:
@@ -161,12 +95,15 @@ class PolicyRuntime:
     @classmethod
     def load(cls, checkpoint: str | Path, *, device: str = "auto", dtype: str = "auto", compile: str = "off",
              cache: CacheConfig | str = "exact", backend: str = "auto",
-             adapters: Mapping[str, str | Path] | None = None) -> "PolicyRuntime":
+             adapters: Mapping[str, str | Path] | None = None,
+             lerobot: Mapping[str, str] | None = None) -> "PolicyRuntime":
         """Any checkpoint `vlaforge eval` takes (a run folder or a checkpoints/step_* folder; full or sharded), or an
         exported package (`vlaforge export --format onnx|executorch`). `backend`: auto (the package's runtime for
         a package, else torch), torch, onnx or executorch (which then need a package of that runtime).
         `adapters`: name -> LoRA run to serve beside `checkpoint` (a LoRA run too, named after its folder), each
-        kept unmerged over the one base (inference/adapters.py); {} keeps `checkpoint`'s own adapters unmerged."""
+        kept unmerged over the one base (inference/adapters.py); {} keeps `checkpoint`'s own adapters unmerged.
+        A LeRobot policy folder (SmolVLA, pi0) loads too (inference/lerobot_policy.py); `lerobot`: its `model.lerobot`
+        settings (vlm, tokenizer, sizes) where the folder needs them."""
         from vlaforge.inference.packages import is_package, load_package
 
         if backend not in BACKENDS:
@@ -183,7 +120,13 @@ class PolicyRuntime:
         from vlaforge.checkpoints.load import load_policy_model
         from vlaforge.data.tokenizer import load_tokenizer
 
-        model, cfg, ckpt = load_policy_model(checkpoint, pick_device(device))
+        model, cfg, ckpt = load_policy_model(checkpoint, pick_device(device), lerobot=dict(lerobot or {}))
+        from vlaforge.models.policies.reader import is_lerobot_folder
+
+        if is_lerobot_folder(ckpt):  # a LeRobot folder as LeRobot wrote it: its own pipelines (a fine-tuned run of
+
+            return LeRobotRuntime(model, *model.pipelines, str(ckpt), device=device, dtype=dtype,  # one predicts
+                                  compile=compile, cache=cache)  # through policy.json, below)
         spec = ObservationSpec.load(ckpt)
         tokenizer = load_tokenizer(ckpt, cfg.model.text_folder)
         return cls(model, spec, tokenizer, device=device, dtype=dtype, compile=compile, cache=cache,
@@ -290,8 +233,11 @@ class PolicyRuntime:
         return s
 
     def request(self, obs: Observation, session: str = "default", prefix: np.ndarray | None = None,
-                prefix_weight: np.ndarray | None = None) -> _Request:
+                prefix_weight: np.ndarray | None = None, noise: np.ndarray | None = None) -> _Request:
         """Record `obs` and snapshot what its prediction needs (safe to run in another thread afterwards)."""
+        if noise is not None:
+            raise VlaforgeError("noise= is taken by LeRobot policies (pi0, SmolVLA); a vlaforge action head draws its "
+                                "noise from torch's generator: seed it instead")
         frames, state = self.check(obs)
         s = self._record(self._session_for(session, obs), frames, obs.instruction)
         spec = self.spec
@@ -313,9 +259,10 @@ class PolicyRuntime:
 
     # ---- prediction --------------------------------------------------------------------------------------
     def predict(self, obs: Observation, session: str = "default", prefix: np.ndarray | None = None,
-                prefix_weight: np.ndarray | None = None) -> Prediction:
-        """The denormalized action chunk (T, A) for `obs` in `session` (its frame history and cache)."""
-        return self.run([self.request(obs, session, prefix, prefix_weight)])[0]
+                prefix_weight: np.ndarray | None = None, noise: np.ndarray | None = None) -> Prediction:
+        """The denormalized action chunk (T, A) for `obs` in `session` (its frame history and cache). `noise`: a
+        LeRobot policy's starting noise (chunk_size x max_action_dim), to compare with LeRobot's actions."""
+        return self.run([self.request(obs, session, prefix, prefix_weight, noise=noise)])[0]
 
     def predict_batch(self, observations: Sequence[Observation], sessions: Sequence[str]) -> list[Prediction]:
         """One prediction per (observation, session), in one forward of each region; sessions must differ."""
@@ -426,14 +373,43 @@ def resolve_policy(path: str | Path) -> Path:
     return Path(path) if is_package(path) else resolve_checkpoint(str(path), ".", what="CHECKPOINT")
 
 
-def check_image(img: Any, name: str) -> torch.Tensor:
-    """A camera image as a uint8 (H, W, 3) tensor, or ObservationError naming `name`."""
-    arr = img.numpy() if isinstance(img, torch.Tensor) else np.asarray(img)
-    if arr.dtype != np.uint8:
-        raise ObservationError(f"{name}: dtype {arr.dtype}; send uint8 RGB images (H x W x 3, values 0-255)")
-    if arr.ndim != 3 or arr.shape[2] != 3:
-        raise ObservationError(f"{name}: shape {tuple(arr.shape)}; send H x W x 3 RGB images")
-    if arr.shape[0] == 0 or arr.shape[1] == 0:
-        raise ObservationError(f"{name}: empty image of shape {tuple(arr.shape)}")
-    arr = np.ascontiguousarray(arr)
-    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # decoded messages are read-only views
+class LeRobotRuntime(PolicyRuntime):
+    """A LeRobot policy folder behind `PolicyRuntime`'s interface: its own pipelines and noise (`predict(obs,
+    noise=...)`), one frame per camera, no frame cache or compile (inference/lerobot_policy.py)."""
+
+    def __init__(self, model, pre, post, source: str, *, device: str = "auto", dtype: str = "auto",
+                 compile: str = "off", cache: CacheConfig | str = "exact"):
+        from vlaforge.inference.lerobot_policy import observation_spec
+
+        mode = cache.mode if isinstance(cache, CacheConfig) else cache
+        if compile != "off" or mode != "exact":
+            raise VlaforgeError("a LeRobot policy runs with --compile off and --cache exact (it caches the prefix's "
+                                "keys and values itself, once per prediction); drop those options")
+        self.cache_config, self.backend = CacheConfig("exact"), "torch"
+        self.adapters, self.supports_prefix = None, False
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.model, self.pre, self.post = model.eval().to(self.device, self.dtype), pre, post
+        self.spec, self.tokenizer, self.source = observation_spec(model, pre), pre.tokenizer, source
+        self.cameras = [k.removeprefix("observation.images.") for k in model.spec.cameras]
+        self.depth, self.sessions, self.compile_mode, self.compile_s = 1, {}, "off", 0.0
+
+    def request(self, obs: Observation, session: str = "default", prefix: np.ndarray | None = None,
+                prefix_weight: np.ndarray | None = None, noise: np.ndarray | None = None) -> _Request:
+        from vlaforge.inference.lerobot_policy import check_noise
+
+        if prefix is not None:
+            raise VlaforgeError("a committed-action prefix (merge 'rtc') is not built for LeRobot policies yet; use "
+                                "another merge")
+        frames, state = self.check(obs)
+        s = self._session_for(session, obs)
+        s.instruction = obs.instruction
+        return _Request(s, [(cam, 0, frames[cam]) for cam in self.cameras], state, None, check_noise(self.model, noise))
+
+    def _run(self, requests: list[_Request]) -> list[Prediction]:
+        from vlaforge.inference.lerobot_policy import predict_requests
+
+        return predict_requests(self.model, self.pre, self.post, self.cameras, requests, self.device)
+
+    def warm_up(self) -> None:
+        """Nothing is compiled: a first prediction pays only its own cost."""

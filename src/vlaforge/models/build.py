@@ -42,6 +42,8 @@ PRETRAINED_COMPONENTS = tuple(c for c in COMPONENTS if c in ModelConfig.model_fi
 
 def backbone_configs(model: VLA, model_cfg: ModelConfig) -> dict[str, dict]:
     """The configs of `model`'s pretrained components, which rebuild them without their folders."""
+    if model_cfg.lerobot.pretrained:  # a LeRobot policy: its config.json and what sized it
+        return {"lerobot": model.backbones}
     out = {}
     for name in PRETRAINED_COMPONENTS:
         if getattr(model_cfg, name).pretrained or model_cfg.vlm.pretrained:
@@ -65,6 +67,12 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
             (`model.vlm.pretrained`) is built from the configs its adapter derives, then filled from its files
             (models/vlm.py).
     """
+    if model_cfg.lerobot.pretrained:  # a LeRobot policy: its own composition (models/policies/)
+        from vlaforge.models.policies.reader import build_lerobot
+
+        model = build_lerobot(model_cfg, fake=fake or fake_mode_active(), saved=(backbones or {}).get("lerobot"))
+        model.objective = objective_from(loss_cfg or LossConfig())
+        return model
     flavor = FLAVORS.get(model_cfg.flavor)
     backbones = dict(backbones or {})
     # under a caller's own fake-tensor mode (`profile --fake`, `plan --measure`) the build is a fake one too: the

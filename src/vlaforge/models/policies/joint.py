@@ -1,0 +1,166 @@
+"""The joint layer: VLM block i beside the action-expert block it meets, as one module whose `forward` is the unit
+techniques wrap (LeRobot's `compute_layer_complete` / `SmolVLMWithExpertModel.forward` call both blocks' sub-layers
+directly, so a hook on a block's own `forward` never fires).
+
+Two streams run through it: the prefix (images, language, and SmolVLA's state token) in the VLM block and the suffix
+(pi0's state token, the noisy action tokens) in the expert block. A layer attends in one of two ways:
+- `self`: one attention over both streams' queries, keys and values, one `scaled_dot_product_attention` call with the
+  block mask (prefix-LM: the prefix never sees the suffix);
+- `cross` (SmolVLA's odd layers): the prefix attends to itself, and the suffix's queries attend to the prefix only,
+  through the expert's own key / value projections of the VLM's (rotated) keys and values.
+At inference the prefix runs once (`suffix` None) and leaves its keys and values in a `PrefixCache`; every
+denoising step runs the suffix alone (`prefix` None) against them, with no copy or crop of the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, base: float, style: str) -> torch.Tensor:
+    """Rotary angles (B, L, head_dim / 2) in fp32 for positions (B, L): 'divide' (SmolVLA's `apply_rope`: position /
+    base ** (2i / d)) or 'multiply' (transformers' Gemma rotary embedding: position * (1 / base ** (2i / d)))."""
+    pos = positions.to(torch.float32)[..., None]
+    if style == "divide":
+        exponents = (2.0 / head_dim) * torch.arange(head_dim // 2, dtype=torch.float32, device=positions.device)
+        return pos / (base ** exponents)
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    return pos * inv
+
+
+def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, L, H, D) by angles (B, L, D / 2): the two halves of D are the pair (as both references)."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """(B, Lq, H, D) queries over (B, Lk, Hkv, D) keys / values with an additive mask (B, 1, Lq, Lk) -> (B, Lq, H*D).
+    One SDPA call; grouped keys through `enable_gqa`. A fully masked row (a padding token's) averages every value,
+    as the references' eager softmax over a constant row does: no NaN reaches the gradients."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2),
+                                         attn_mask=mask.to(q.dtype), scale=scale,
+                                         enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2).flatten(2)
+
+
+@dataclass
+class PrefixCache:
+    """Per joint layer: the prefix's rotated keys and values (B, Lp, Hkv, D), and for a cross layer the expert's
+    projections of them, computed once per prediction and read by every denoising step."""
+
+    keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    expert: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class JointContext:
+    """What one pass through the joint layers shares: additive masks and rotary angles.
+
+    mask: the self-attention mask (B, 1, Lq, Lk) over the present streams' queries (prefix then suffix) and the keys
+        (the cached prefix's, then the present streams'); prefix_mask: (B, 1, Lp, Lp), for a cross layer's prefix;
+        cross_mask: (B, 1, Ls, Lp), the suffix's queries over the prefix's keys. angles: (B, Lq, D/2) of the present
+        streams' positions; cross_angles: the suffix's positions counted from 0 (a cross layer's queries)."""
+
+    mask: torch.Tensor
+    angles: torch.Tensor
+    prefix_mask: torch.Tensor | None = None
+    cross_mask: torch.Tensor | None = None
+    cross_angles: torch.Tensor | None = None
+    cache: PrefixCache | None = None  # given: fill it (prefix pass) or read it (suffix pass)
+
+
+def _qkv(block: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder block's normed queries, keys and values (B, L, H, D)."""
+    attn = block.self_attn
+    x = block.input_layernorm(hidden)
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    return attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+
+
+def _finish(block: nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The rest of a pre-norm decoder block after attention: output projection, residual, MLP, residual."""
+    h = hidden + block.self_attn.o_proj(attended)
+    return h + block.mlp(block.post_attention_layernorm(h))
+
+
+class JointLayer(nn.Module):
+    """VLM block `index` and the expert block it meets (None: the suffix passes this layer unchanged). The blocks
+    stay where they are in the model (`llm`'s decoder, `action_head.blocks`): this module holds them without
+    registering them, so parameter names are the components' own."""
+
+    def __init__(self, index: int, vlm: nn.Module, expert: nn.Module | None, mode: str, scale: float):
+        super().__init__()
+        self.index, self.mode, self.scale = index, mode, scale
+        self.__dict__["vlm"], self.__dict__["expert"] = vlm, expert  # NOTE: not children (see the class docstring)
+
+    def forward(self, prefix: torch.Tensor | None, suffix: torch.Tensor | None,
+                ctx: JointContext) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(prefix (B, Lp, Dv) | None, suffix (B, Ls, De) | None) -> the same after this layer."""
+        if self.expert is None or (self.mode == "cross" and prefix is not None):
+            prefix_out = None if prefix is None else self._prefix_alone(prefix, ctx, joint=suffix is not None)
+            if self.expert is None or suffix is None:
+                return prefix_out, suffix
+            return prefix_out, self._expert_cross(suffix, ctx)
+        if self.mode == "cross":
+            return None, self._expert_cross(suffix, ctx)
+        return self._self(prefix, suffix, ctx)
+
+    def _self(self, prefix, suffix, ctx: JointContext):
+        streams = [(b, h) for b, h in ((self.vlm, prefix), (self.expert, suffix)) if h is not None]
+        qkv = [_qkv(b, h) for b, h in streams]
+        q = apply_rope(torch.cat([x[0] for x in qkv], dim=1), ctx.angles)
+        k = apply_rope(torch.cat([x[1] for x in qkv], dim=1), ctx.angles)
+        v = torch.cat([x[2] for x in qkv], dim=1)
+        cache = ctx.cache
+        if cache is not None and prefix is not None:  # the prefix pass: keep its keys and values
+            cache.keys[self.index] = (k, v)
+        elif cache is not None:  # a suffix pass: the prefix's keys and values first
+            pk, pv = cache.keys[self.index]
+            k, v = torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)
+        att = attend(q, k, v, ctx.mask, self.scale)
+        outs, start = [], 0
+        for block, hidden in streams:
+            outs.append(_finish(block, hidden, att[:, start:start + hidden.shape[1]]))
+            start += hidden.shape[1]
+        it = iter(outs)
+        return (next(it) if prefix is not None else None), (next(it) if suffix is not None else None)
+
+    def _prefix_alone(self, prefix: torch.Tensor, ctx: JointContext, joint: bool) -> torch.Tensor:
+        """The prefix attending to itself (a cross layer's, or a layer without an expert block); its rotated keys
+        and values go to the cache (the prefix pass) or to the suffix's cross attention in this pass."""
+        q, k, v = _qkv(self.vlm, prefix)
+        angles = ctx.angles[:, :prefix.shape[1]]
+        k = apply_rope(k, angles)
+        if ctx.cache is not None:
+            ctx.cache.keys[self.index] = (k, v)
+        if joint and self.expert is not None:  # for `_expert_cross` in this pass
+            self.__dict__["_prefix_kv"] = (k, v)
+        att = attend(apply_rope(q, angles), k, v, ctx.prefix_mask if joint else ctx.mask, self.scale)
+        return _finish(self.vlm, prefix, att)
+
+    def _expert_cross(self, suffix: torch.Tensor, ctx: JointContext) -> torch.Tensor:
+        """The suffix's queries over the expert's projections of the prefix's keys (rotated) and values: this
+        pass's prefix, or the cache's (whose projections are kept after the first denoising step)."""
+        attn = self.expert.self_attn
+        cache = ctx.cache
+        if cache is not None and self.index in cache.expert:
+            ek, ev = cache.expert[self.index]
+        else:
+            k, v = self.__dict__.pop("_prefix_kv", None) or cache.keys[self.index]
+            shape = (*k.shape[:2], -1, attn.head_dim)
+            ek = attn.k_proj(k.flatten(2).to(attn.k_proj.weight.dtype)).view(shape)
+            ev = attn.v_proj(v.flatten(2).to(attn.v_proj.weight.dtype)).view(shape)
+            if cache is not None:
+                cache.expert[self.index] = (ek, ev)
+        x = self.expert.input_layernorm(suffix)
+        q = attn.q_proj(x).view(*x.shape[:-1], -1, attn.head_dim)
+        att = attend(apply_rope(q, ctx.cross_angles), ek, ev, ctx.cross_mask, self.scale)
+        return _finish(self.expert, suffix, att)

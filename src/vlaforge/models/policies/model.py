@@ -1,0 +1,386 @@
+"""One composition for LeRobot's flow-matching policies (SmolVLA, pi0): four components - `vision` (the VLM's tower),
+`projector` (its connector), `llm` (its text model and LM head), `action_head` (`ExpertHead`: the expert's decoder
+blocks, final norm, and the state, action and time projections) - joined by `JointLayer`s. What differs between the
+families is data (`Composition`, `PolicySpec`, the layer plan), read here by one code path:
+
+  prefix  = [image 1 tokens] ... [image N tokens] [language tokens] (+ [state] where the state is in the prefix)
+  suffix  = (+ [state] where the state is in the suffix) [noisy action tokens + flow time]
+
+The prefix attends bidirectionally within itself and never to the suffix; the suffix sees the whole (unpadded)
+prefix and, among actions, either every action (pi0) or the earlier ones (SmolVLA). Positions count real tokens.
+Training is flow matching: x_t = t * noise + (1 - t) * actions, the expert predicts noise - actions, loss per element
+is the squared error; sampling integrates from t = 1 to 0 in `num_steps` Euler steps with the prefix's keys and values
+computed once (`PrefixCache`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlaforge.data.batch import Batch
+from vlaforge.errors import VlaforgeError
+from vlaforge.models import losses as L
+from vlaforge.models.policies.joint import JointContext, JointLayer, PrefixCache, rope_angles
+from vlaforge.models.vla import VLA, Layout
+
+
+@dataclass(frozen=True)
+class Composition:
+    """The per-family facts of the composition (`families.py` holds one per family)."""
+
+    state_in_prefix: bool  # SmolVLA: the state token ends the prefix; pi0: it starts the suffix
+    actions_causal: bool  # SmolVLA: an action token sees the earlier ones; pi0: all of them
+    embed_scale: bool  # SmolVLA multiplies image and language embeddings by sqrt(width); LeRobot's pi0 does not
+    rope_style: str  # 'divide' (SmolVLA's apply_rope) or 'multiply' (transformers' Gemma rotary embedding)
+    resize: str  # the image resize: 'top_left' padding (SmolVLA) or 'centered' (openpi's, pi0)
+    mask_value: float  # the additive mask's large negative (the reference's)
+    masks_padded_actions: bool = True  # LeRobot's loss leaves out chunk steps past the episode's end (pi0's not)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """The shapes and settings of one policy, read from its LeRobot config.json."""
+
+    family: str
+    cameras: tuple[str, ...]  # the input features of type VISUAL, in the config's order
+    state_dim: int
+    action_dim: int
+    chunk: int
+    max_state_dim: int
+    max_action_dim: int
+    image_size: tuple[int, int]  # (height, width) the images are resized (with padding) to
+    num_steps: int
+    min_period: float
+    max_period: float
+    rope_base: float
+    prefix_length: int = -1  # SmolVLA: pad the prefix to this many tokens (<= 0: no padding)
+    time_beta: tuple[float, float, float, float] = (1.5, 1.0, 0.999, 0.001)  # alpha, beta, scale, offset
+    layers: tuple[tuple[int, int | None, str], ...] = ()  # (VLM block, expert block | None, 'self' | 'cross')
+    extra: dict = field(default_factory=dict)  # the rest of config.json, as read
+
+
+class ExpertHead(nn.Module):
+    """The `action_head` of a policy: the action expert's decoder blocks (`blocks`, found by `blocks_of`) and final
+    `norm`, the state projection, the action in / out projections and the action-time MLP (LeRobot's names)."""
+
+    def __init__(self, blocks: nn.ModuleList, norm: nn.Module, state_in: int, state_out: int, width: int,
+                 max_action_dim: int, chunk: int, action_dim: int):
+        super().__init__()
+        self.blocks, self.norm = blocks, norm
+        self.state_proj = nn.Linear(state_in, state_out)
+        self.action_in_proj = nn.Linear(max_action_dim, width)
+        self.action_out_proj = nn.Linear(width, max_action_dim)
+        self.action_time_mlp_in = nn.Linear(2 * width, width)
+        self.action_time_mlp_out = nn.Linear(width, width)
+        self.chunk, self.action_dim, self.width = chunk, action_dim, width
+
+    supports_prefix = False  # no committed-action guidance (RTC) for these policies yet
+
+
+@dataclass
+class PolicyInputs:
+    """A batch as the policy's model reads it (LeRobot's `prepare_images` / `prepare_state` / `prepare_action` done):
+    images (list of (B, 3, H, W) in [-1, 1]), their masks (B,) bool, tokens and their mask (B, L), the padded state
+    (B, max_state_dim), the padded actions (B, T, max_action_dim) and `action_is_pad` (B, T) when training."""
+
+    images: list[torch.Tensor]
+    image_masks: list[torch.Tensor]
+    tokens: torch.Tensor
+    token_mask: torch.Tensor
+    state: torch.Tensor
+    actions: torch.Tensor | None = None
+    action_is_pad: torch.Tensor | None = None
+
+
+def att_2d(pad: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+    """(B, L) padding mask and (B, L) block starts -> (B, L, L) bool: a token sees real tokens whose block is not
+    after its own (openpi's `make_att_2d_masks`)."""
+    c = att.cumsum(1)
+    return (c[:, None, :] <= c[:, :, None]) & (pad[:, None, :] & pad[:, :, None])
+
+
+def sinusoidal(time: torch.Tensor, dim: int, min_period: float, max_period: float) -> torch.Tensor:
+    """Flow time (B,) -> (B, dim) sine-cosine embedding over periods min..max, computed in float64 as openpi."""
+    fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=time.device)
+    period = min_period * (max_period / min_period) ** fraction
+    angles = (1.0 / period * 2 * math.pi)[None, :] * time[:, None]
+    return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+
+class PolicyVLA(nn.Module):
+    """A LeRobot flow-matching policy on vlaforge's four components; `losses` and `sample_actions` are LeRobot's
+    `model.forward` and `model.sample_actions` on the same inputs."""
+
+    def __init__(self, vision: nn.Module, projector: nn.Module, llm: nn.Module, action_head: ExpertHead,
+                 spec: PolicySpec, composition: Composition):
+        super().__init__()
+        self.vision, self.projector, self.llm, self.action_head = vision, projector, llm, action_head
+        self.spec, self.composition = spec, composition
+        self.objective = L.Objective(weights={"action": 1.0}, action="mse")  # build_vla sets the config's
+        self.pipelines = None  # (preprocessor, postprocessor) of the LeRobot folder (models/policies/reader.py)
+        vlm_blocks = llm.get_decoder().layers
+        scale = vlm_blocks[0].self_attn.scaling
+        self.__dict__["joint_layers"] = [
+            JointLayer(i, vlm_blocks[i], None if e is None else action_head.blocks[e], mode, scale)
+            for i, e, mode in spec.layers]
+        self.head_dim = vlm_blocks[0].self_attn.head_dim
+
+    # ---- inputs -------------------------------------------------------------------------------------------
+    def prepare(self, batch: dict, with_actions: bool = True) -> PolicyInputs:
+        """A preprocessed batch (LeRobot's keys: the preprocessor's output) -> the model's inputs, as LeRobot's
+        `prepare_images` / `prepare_state` / `prepare_action` make them: each camera resized with padding to the
+        policy's size and mapped to [-1, 1], state and actions zero-padded to max_state_dim / max_action_dim.
+
+        Raises:
+            VlaforgeError: a camera of the policy is not in the batch."""
+        from vlaforge.models.policies.processors import resize_with_pad, resize_with_pad_centered
+
+        spec = self.spec
+        images, masks = [], []
+        for key in spec.cameras:
+            if key not in batch:
+                raise VlaforgeError(f"the batch has no {key}; the policy reads cameras {', '.join(spec.cameras)}")
+            img = batch[key]
+            img = (img[:, -1] if img.ndim == 5 else img).to(torch.float32)
+            if tuple(img.shape[-2:]) != spec.image_size:
+                img = resize_with_pad(img, *spec.image_size, pad_value=0) if self.composition.resize == "top_left" \
+                    else resize_with_pad_centered(img, *spec.image_size)
+            images.append(img * 2.0 - 1.0)
+            masks.append(torch.ones(img.shape[0], dtype=torch.bool, device=img.device))
+        state = batch["observation.state"]
+        state = state[:, -1] if state.ndim > 2 else state
+        actions = pad_to(batch["action"], spec.max_action_dim) if with_actions and "action" in batch else None
+        return PolicyInputs(images, masks, batch["observation.language.tokens"],
+                            batch["observation.language.attention_mask"].bool(), pad_to(state, spec.max_state_dim),
+                            actions, batch.get("action_is_pad") if actions is not None else None)
+
+    def embed_image(self, image: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) in [-1, 1] -> (B, P, Dv) projected image tokens."""
+        dtype = next(self.vision.parameters()).dtype
+        feats = self.projector(self.vision(pixel_values=image.to(dtype)).last_hidden_state)
+        if self.composition.embed_scale:
+            feats = feats * torch.tensor(feats.shape[-1] ** 0.5, dtype=feats.dtype, device=feats.device)
+        return feats
+
+    def embed_prefix(self, x: PolicyInputs,
+                     image_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(embeddings (B, Lp, Dv), padding mask (B, Lp) bool, block starts (B, Lp)). `image_tokens`: the images'
+        tokens already embedded (B, N*P, Dv), as `encode_frames` gives them (the runtime's feature cache)."""
+        embs, pads, att = [], [], []
+        per = None if image_tokens is None else image_tokens.shape[1] // len(x.image_masks)
+        for i, (image, mask) in enumerate(zip(x.images, x.image_masks, strict=True)):
+            e = self.embed_image(image) if per is None else image_tokens[:, i * per:(i + 1) * per]
+            embs.append(e)
+            pads.append(mask[:, None].expand(e.shape[0], e.shape[1]))
+            att += [0] * e.shape[1]
+        lang = self.llm.get_input_embeddings()(x.tokens)
+        if self.composition.embed_scale:
+            lang = lang * math.sqrt(lang.shape[-1])
+        embs.append(lang)
+        pads.append(x.token_mask.bool())
+        att += [0] * lang.shape[1]
+        if self.composition.state_in_prefix:
+            embs.append(self.action_head.state_proj(x.state)[:, None])
+            pads.append(torch.ones(x.state.shape[0], 1, dtype=torch.bool, device=x.state.device))
+            att += [1]
+        emb, pad = torch.cat(embs, dim=1), torch.cat(pads, dim=1)
+        att_t = torch.tensor(att, dtype=torch.long, device=pad.device)[None].expand(pad.shape[0], -1)
+        missing = self.spec.prefix_length - emb.shape[1]
+        if missing > 0:  # SmolVLA's prefix_length: zero tokens, masked out
+            emb, pad, att_t = F.pad(emb, (0, 0, 0, missing)), F.pad(pad, (0, missing)), F.pad(att_t, (0, missing))
+        return emb, pad, att_t
+
+    def embed_suffix(self, state: torch.Tensor, x_t: torch.Tensor,
+                     time: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(embeddings (B, Ls, De), padding mask, block starts) of the noisy actions x_t (B, T, A) at flow time t."""
+        head, comp = self.action_head, self.composition
+        action = head.action_in_proj(x_t)
+        t_emb = sinusoidal(time, head.width, self.spec.min_period, self.spec.max_period)
+        t_emb = t_emb.to(action.dtype if comp.state_in_prefix else time.dtype)
+        h = head.action_time_mlp_out(F.silu(head.action_time_mlp_in(
+            torch.cat([action, t_emb[:, None].expand_as(action)], dim=2))))
+        t = h.shape[1]
+        att = [1] * t if comp.actions_causal else [1] + [0] * (t - 1)
+        if not comp.state_in_prefix:
+            h = torch.cat([head.state_proj(state.to(head.state_proj.weight.dtype))[:, None].to(h.dtype), h], dim=1)
+            att = [1] + att
+        pad = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
+        return h, pad, torch.tensor(att, dtype=torch.long, device=h.device)[None].expand(h.shape[0], -1)
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """(B, Lq, Lk) bool -> (B, 1, Lq, Lk) additive float mask."""
+        zero = torch.zeros((), dtype=torch.float32, device=allowed.device)
+        return torch.where(allowed[:, None], zero, torch.tensor(self.composition.mask_value, device=allowed.device))
+
+    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
+        return rope_angles(positions, self.head_dim, self.spec.rope_base, self.composition.rope_style)
+
+    # ---- training -----------------------------------------------------------------------------------------
+    def losses(self, x: PolicyInputs, noise: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+        """Per-element flow-matching losses (B, T, max_action_dim) at the given noise and flow times (B,)."""
+        tt = time[:, None, None]
+        x_t = tt * noise + (1 - tt) * x.actions
+        prefix, p_pad, p_att = self.embed_prefix(x)
+        suffix, s_pad, s_att = self.embed_suffix(x.state, x_t, time)
+        pad, allowed = torch.cat([p_pad, s_pad], 1), att_2d(torch.cat([p_pad, s_pad], 1), torch.cat([p_att, s_att], 1))
+        positions = pad.long().cumsum(1) - 1
+        n = prefix.shape[1]
+        s_pos = positions[:, n:]
+        ctx = JointContext(mask=self._additive(allowed), angles=self._angles(positions),
+                           prefix_mask=self._additive(allowed[:, :n, :n]),
+                           cross_mask=self._additive(allowed[:, n:, :n]),
+                           cross_angles=self._angles(s_pos - s_pos.min(dim=1, keepdim=True).values))
+        for layer in self.joint_layers:
+            prefix, suffix = layer(prefix, suffix, ctx)
+        v_t = self.velocity_out(suffix)
+        return F.mse_loss(noise - x.actions, v_t, reduction="none")
+
+    def velocity_out(self, suffix: torch.Tensor) -> torch.Tensor:
+        """The expert's final norm and output projection over the action tokens (B, T, max_action_dim), in fp32."""
+        head = self.action_head
+        out = head.norm(suffix)[:, -head.chunk:].to(torch.float32)
+        return head.action_out_proj(out.to(head.action_out_proj.weight.dtype)).to(torch.float32)
+
+    def loss(self, x: PolicyInputs, noise: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+        """LeRobot's scalar loss: the mean over the real action dimensions and the steps inside the episode."""
+        losses = self.losses(x, noise, time)[:, :, :self.spec.action_dim]
+        if x.action_is_pad is None or not self.composition.masks_padded_actions:
+            return losses.mean()
+        keep = ~x.action_is_pad
+        return (losses * keep[..., None]).sum() / (keep.sum() * losses.shape[-1]).clamp_min(1)
+
+    # ---- inference ----------------------------------------------------------------------------------------
+    def prefix_pass(self, x: PolicyInputs,
+                    image_tokens: torch.Tensor | None = None) -> tuple[PrefixCache, torch.Tensor]:
+        """Run the prefix once: its keys and values per joint layer, and its padding mask (B, Lp)."""
+        prefix, pad, att = self.embed_prefix(x, image_tokens)
+        cache = PrefixCache()
+        ctx = JointContext(mask=self._additive(att_2d(pad, att)), angles=self._angles(pad.long().cumsum(1) - 1),
+                           cache=cache)
+        for layer in self.joint_layers:
+            prefix, _ = layer(prefix, None, ctx)
+        return cache, pad
+
+    def velocity(self, cache: PrefixCache, p_pad: torch.Tensor, state: torch.Tensor, x_t: torch.Tensor,
+                 time: torch.Tensor) -> torch.Tensor:
+        """One denoising step's velocity (B, T, max_action_dim): the suffix alone against the cached prefix."""
+        suffix, s_pad, s_att = self.embed_suffix(state, x_t, time)
+        b, ls, lp = suffix.shape[0], suffix.shape[1], p_pad.shape[1]
+        to_prefix = p_pad[:, None, :].expand(b, ls, lp)
+        positions = p_pad.long().sum(-1, keepdim=True) + s_pad.long().cumsum(1) - 1
+        ctx = JointContext(mask=self._additive(torch.cat([to_prefix, att_2d(s_pad, s_att)], dim=2)),
+                           angles=self._angles(positions), cross_mask=self._additive(to_prefix),
+                           cross_angles=self._angles(positions - positions.min(dim=1, keepdim=True).values),
+                           cache=cache)
+        for layer in self.joint_layers:
+            _, suffix = layer(None, suffix, ctx)
+        return self.velocity_out(suffix)
+
+    @torch.no_grad()
+    def sample_actions(self, x: PolicyInputs, noise: torch.Tensor, steps: int | None = None,
+                       image_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Euler integration from noise (B, T, max_action_dim) at t = 1 to actions at t = 0."""
+        steps = steps or self.spec.num_steps
+        cache, p_pad = self.prefix_pass(x, image_tokens)
+        dt = -1.0 / steps
+        x_t = noise
+        for step in range(steps):
+            time = torch.tensor(1.0 + step * dt, dtype=torch.float32, device=noise.device).expand(noise.shape[0])
+            x_t = x_t + dt * self.velocity(cache, p_pad, x.state, x_t, time)
+        return x_t
+
+    def predict_chunk(self, x: PolicyInputs, noise: torch.Tensor) -> torch.Tensor:
+        """The normalized action chunk (B, T, action_dim): sampled, the padding dimensions dropped."""
+        return self.sample_actions(x, noise)[:, :, :self.spec.action_dim]
+
+    # ---- vlaforge's policy interface: the trainer and PolicyRuntime over vlaforge's Batch ------------------
+    # NOTE: a Batch here is what vlaforge's data pipeline builds for this model: one image per camera in [-1, 1]
+    # at the policy's size, state and actions normalized by the dataset's statistics (MEAN_STD), the instruction
+    # tokenized by the policy's own tokenizer (models/policies/processors.py:PolicyTokenizer)
+    weigh = VLA.weigh
+
+    @property
+    def layout(self) -> Layout:
+        tower = self.vision.config
+        merge = getattr(self.projector, "scale_factor", 1)
+        side = self.spec.image_size[0] // tower.patch_size // merge
+        return Layout(frames=len(self.spec.cameras), image_size=self.spec.image_size[0], patches_per_frame=side * side,
+                      interpolate_pos=False)
+
+    def uses_text(self, batch: Batch) -> bool:
+        return False
+
+    def inputs_from_batch(self, batch: Batch) -> PolicyInputs:
+        b, f = batch.images.shape[:2]
+        ones = torch.ones(b, dtype=torch.bool, device=batch.images.device)
+        actions = None if batch.actions is None else pad_to(batch.actions, self.spec.max_action_dim)
+        return PolicyInputs([batch.images[:, i] for i in range(f)], [ones] * f, batch.instruction_ids,
+                            batch.instruction_mask.bool(), pad_to(batch.state, self.spec.max_state_dim), actions,
+                            None if batch.action_mask is None else ~batch.action_mask.bool())
+
+    def draw_time(self, b: int, device: torch.device) -> torch.Tensor:
+        """Flow times (B,): Beta(alpha, beta) * scale + offset, the family's distribution."""
+        alpha, beta, scale, offset = self.spec.time_beta
+        dist = torch.distributions.Beta(torch.tensor(alpha), torch.tensor(beta))
+        return (dist.sample((b,)) * scale + offset).to(device=device, dtype=torch.float32)
+
+    def forward(self, batch: Batch, denominators: dict[str, torch.Tensor] | None = None,
+                extra=None) -> dict[str, torch.Tensor]:
+        """The flow-matching term at random noise and times, averaged over the chunk steps inside the episode and
+        the real action dimensions (LeRobot's loss); `denominators`: the trainer's global counts."""
+        if extra is not None:
+            raise VlaforgeError("distillation is not built for LeRobot policies; train without [distill]")
+        x = self.inputs_from_batch(batch)
+        noise = torch.randn(x.actions.shape, device=x.actions.device)
+        losses = self.losses(x, noise, self.draw_time(noise.shape[0], noise.device))[:, :, :self.spec.action_dim]
+        den = (denominators or {}).get("action")
+        action = L.masked_mean(losses, batch.action_mask, None if den is None else den * losses.shape[-1])
+        return {"action": action}
+
+    def compute_loss(self, batch: Batch, weighting=None, denominators=None) -> tuple[torch.Tensor, dict]:
+        return self.weigh(self(batch, denominators=denominators), weighting)
+
+    def encode_frames(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(N, 3, S, S) in [-1, 1] -> the image tokens (N, P, Dv) the prefix starts with."""
+        return self.embed_image(pixels)
+
+    def actions_from_tokens(self, vision_tokens: torch.Tensor, instruction_ids: torch.Tensor,
+                            instruction_mask: torch.Tensor | None, state: torch.Tensor, **head) -> torch.Tensor:
+        """The normalized action chunk (B, T, A) from the images' tokens (B, F*P, Dv): a fresh noise draw."""
+        if head:
+            raise VlaforgeError("a committed-action prefix is not built for LeRobot policies yet")
+        b, f = vision_tokens.shape[0], len(self.spec.cameras)
+        mask = torch.ones_like(instruction_ids, dtype=torch.bool) if instruction_mask is None else instruction_mask
+        ones = torch.ones(b, dtype=torch.bool, device=vision_tokens.device)
+        x = PolicyInputs([None] * f, [ones] * f, instruction_ids, mask.bool(),
+                         pad_to(state, self.spec.max_state_dim))
+        noise = torch.randn(b, self.spec.chunk, self.spec.max_action_dim, device=vision_tokens.device)
+        actions = self.sample_actions(x, noise.to(vision_tokens.dtype), image_tokens=vision_tokens)
+        return actions[:, :, :self.spec.action_dim]
+
+    def policy_tokenizer(self):
+        """(a `TextTokenizer` encoding instructions as the folder's pipeline does - its newline step, its
+        tokenizer's special tokens, right padding - and its max length), for vlaforge's data pipeline."""
+        from vlaforge.data.tokenizer import TextTokenizer
+
+        pre = self.pipelines[0]
+        tok = pre.tokenizer
+        if getattr(pre, "padding_side", "right") != "right":
+            raise VlaforgeError("the policy's tokenizer step pads on the left; vlaforge's data pipeline pads "
+                                "instructions on the right: fine-tune a policy whose pipeline pads on the right")
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        suffix = "\n" if any("new_line" in n for n in pre.step_names) else ""
+        return TextTokenizer(tok, pad, None, suffix=suffix, special=True), int(pre.max_length)
+
+    def reset(self) -> None:
+        """Start of an episode: the model keeps no state between calls."""
+
+
+def pad_to(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Zero-pad the last dimension to `dim` (LeRobot's pad_vector)."""
+    return x if x.shape[-1] >= dim else F.pad(x, (0, dim - x.shape[-1]))

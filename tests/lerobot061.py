@@ -1,0 +1,146 @@
+"""LeRobot 0.6.1 as a numerical reference for the tests: `make test` installs it into .venv/lerobot061
+(tests/lerobot_env061/requirements.txt); its scripts run on this interpreter in subprocesses with that folder first
+on PYTHONPATH (vlaforge never imports lerobot).
+
+- `policy_folder(kind, root)`: a tiny SmolVLA / SmolVLA with half the expert layers / pi0 written by LeRobot's own
+  `save_pretrained` (tests/lerobot_env061/make_policy.py), built once per session and shared by the xdist workers;
+- `reference(kind, root, inputs, tasks)`: LeRobot's preprocessor outputs, losses, gradients, sampled actions and
+  postprocessed actions for one batch (tests/lerobot_env061/reference.py), cached on disk per input content;
+- `sample_inputs()`: a standard batch for `reference`.
+Pass `session_root(tmp_path_factory)` as `root` so the workers share one folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = ROOT / ".venv" / "lerobot061"
+SCRIPTS = Path(__file__).resolve().parent / "lerobot_env061"
+KINDS = ("smolvla", "smolvla_half", "pi0")
+CAMERAS = ("observation.images.top", "observation.images.wrist")
+IMAGE_SHAPE = (3, 24, 32)
+STATE_DIM = ACTION_DIM = 6
+CHUNK = 5
+MAX_ACTION_DIM = 8
+# different token counts (SmolVLA pads to the longest); every word is in the tiny tokenizers' training text
+TASKS = ("pick up the red cube", "open the top drawer and then close it", "push the green block left",
+         "press the button")
+
+
+def site() -> Path:
+    """The folder LeRobot 0.6.1 is installed in; skips the test where `make test` did not install it (fails on
+    CI)."""
+    if not (SITE / ".installed").is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"{SITE} is missing: `make test` installs LeRobot 0.6.1 for these tests")
+        pytest.skip(f"LeRobot 0.6.1 is not installed in {SITE} (run `make lerobot061-env`)")
+    return SITE
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site()), str(SCRIPTS)]), "PYTHONWARNINGS": "ignore",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run(script: str, *args: str, timeout: float = 300) -> str:
+    """tests/lerobot_env061/SCRIPT ARGS under LeRobot 0.6.1; its stdout (asserts it exits 0)."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / script), *args], env=env(), capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    assert done.returncode == 0, f"{script} {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+def session_root(tmp_path_factory) -> Path:
+    """One folder for the whole test session: under xdist the workers' common parent of their base temps."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        yield
+
+
+def policy_folder(kind: str, root: Path) -> Path:
+    """ROOT/lerobot061_KIND, written by make_policy.py on first use in the session (any worker; the others wait):
+    OUT/policy is LeRobot's policy folder, OUT/info.json its facts (written last: the folder is complete)."""
+    assert kind in KINDS, kind
+    site()
+    out = Path(root) / f"lerobot061_{kind}"
+    with _locked(out):
+        if not (out / "info.json").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            run("make_policy.py", kind, str(out))
+            assert (out / "info.json").is_file()
+    return out
+
+
+def _digest(kind: str, inputs: dict[str, torch.Tensor], tasks: list[str]) -> str:
+    h = hashlib.sha256(json.dumps([kind, list(tasks)]).encode())
+    for name in sorted(inputs):
+        t = inputs[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:20]
+
+
+def reference(kind: str, root: Path, inputs: dict[str, torch.Tensor], tasks: list[str]
+              ) -> tuple[dict[str, torch.Tensor], dict]:
+    """LeRobot 0.6.1's outputs for `inputs` (see reference.py: pre.<key>, losses, loss, grad.<name>, sample,
+    actions, post) and its metadata (loss, pre_steps, post_steps decoded); computed once per (kind, content)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    folder = policy_folder(kind, root)
+    key = _digest(kind, inputs, tasks)
+    out = folder / "references" / f"{key}.safetensors"
+    with _locked(out):
+        if not out.is_file():
+            given = folder / "references" / f"{key}.inputs.safetensors"
+            save_file({k: v.detach().cpu().contiguous() for k, v in inputs.items()}, given,
+                      metadata={"tasks": json.dumps(list(tasks))})
+            partial = out.with_suffix(".partial")
+            run("reference.py", str(folder / "policy"), str(given), str(partial))
+            partial.rename(out)
+    with safe_open(out, "pt") as f:
+        raw = f.metadata()
+    meta = {"loss": float(raw["loss"]), "pre_steps": json.loads(raw["pre_steps"]),
+            "post_steps": json.loads(raw["post_steps"])}
+    return load_file(out), meta
+
+
+def sample_inputs(batch: int = 2, seed: int = 0) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A standard input set: two cameras (B,3,24,32) in [0,1], state (B,6), raw action (B,5,6), noise (B,5,8),
+    time (B,) in (0.05, 0.95); tasks of different token lengths."""
+    g = torch.Generator().manual_seed(seed)
+    inputs = {cam: torch.rand(batch, *IMAGE_SHAPE, generator=g) for cam in CAMERAS}
+    inputs["observation.state"] = torch.randn(batch, STATE_DIM, generator=g)
+    inputs["action"] = torch.randn(batch, CHUNK, ACTION_DIM, generator=g)
+    inputs["noise"] = torch.randn(batch, CHUNK, MAX_ACTION_DIM, generator=g)
+    inputs["time"] = 0.05 + 0.9 * torch.rand(batch, generator=g)
+    return inputs, [TASKS[i % len(TASKS)] for i in range(batch)]
+
+
+def action_stats(folder: Path) -> dict[str, torch.Tensor]:
+    """The folder's action statistics as its postprocessor holds them (mean, std, ...)."""
+    from safetensors.torch import load_file
+
+    steps = json.loads((folder / "policy" / "policy_postprocessor.json").read_text())["steps"]
+    state = next(s["state_file"] for s in steps if s["registry_name"] == "unnormalizer_processor")
+    return {k.removeprefix("action."): v for k, v in load_file(folder / "policy" / state).items()
+            if k.startswith("action.")}

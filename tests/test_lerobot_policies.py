@@ -1,0 +1,149 @@
+"""LeRobot's pretrained policies (SmolVLA, pi0) in vlaforge against LeRobot 0.6.1 itself, on folders LeRobot's own
+`save_pretrained` wrote (tests/lerobot061.py builds them and runs the reference once per session): the processed
+batch, per-element and scalar losses at fixed noise and time, every parameter's gradient, sampled actions at fixed
+noise, and raw observation -> action through `PolicyRuntime`. fp32 on CPU; tolerances from the issue (1e-5)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lerobot061 as ref061
+import numpy as np
+import pytest
+import torch
+
+from vlaforge.errors import VlaforgeError
+from vlaforge.models.policies.families import family_of
+from vlaforge.models.policies.model import PolicyVLA
+
+pytestmark = pytest.mark.xdist_group("lerobot061")
+
+KINDS = ("smolvla", "pi0")
+TOL = 1e-5
+
+
+def _lerobot_options(out: Path) -> dict:
+    sizes = out / "sizes.json"
+    return {"sizes": str(sizes)} if sizes.is_file() else {}
+
+
+@pytest.fixture(scope="module")
+def session_root(tmp_path_factory) -> Path:
+    return ref061.session_root(tmp_path_factory)
+
+
+def _folder(kind: str, root: Path) -> tuple[Path, dict]:
+    out = ref061.policy_folder(kind, root)
+    return out / "policy", _lerobot_options(out)
+
+
+def _model(folder: Path, options: dict) -> PolicyVLA:
+    from vlaforge.checkpoints.load import load_policy_model
+
+    model, _, _ = load_policy_model(folder, lerobot=options)
+    return model
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_losses_gradients_and_samples_match_lerobot(kind, session_root):
+    folder, options = _folder(kind, session_root)
+    inputs, tasks = ref061.sample_inputs()
+    theirs, meta = ref061.reference(kind, session_root, inputs, tasks)
+    model = _model(folder, options)
+    pre, _ = model.pipelines
+    raw = {k: v for k, v in inputs.items() if k not in ("noise", "time", "action_is_pad")}
+    ours_pre = pre({**raw, "task": list(tasks)})
+    for key, value in theirs.items():  # the pipeline: every tensor LeRobot's preprocessor returns
+        if key.startswith("pre."):
+            mine = ours_pre[key[4:]]
+            assert mine.shape == value.shape, key
+            assert torch.allclose(mine.to(value.dtype), value, atol=1e-6), key
+    batch = {k[4:]: v for k, v in theirs.items() if k.startswith("pre.")}
+    model.train()
+    x = model.prepare(batch)
+    losses = model.losses(x, inputs["noise"], inputs["time"])
+    assert (losses - theirs["losses"]).abs().max() <= TOL
+    loss = model.loss(x, inputs["noise"], inputs["time"])
+    assert abs(loss.item() - meta["loss"]) <= TOL
+    loss.backward()
+    fam = family_of(kind, "test")
+    params = dict(model.named_parameters())
+    grads = {k[5:]: v for k, v in theirs.items() if k.startswith("grad.")}
+    # relative per tensor; a gradient that is zero in exact arithmetic (an attention key bias: softmax ignores a
+    # per-row constant) is round-off in both (1e-11 .. 4e-9): a tensor whose largest gradient is under 1e-3 of the
+    # model's largest is measured against that floor
+    floor = 1e-3 * max(float(g.abs().max()) for g in grads.values())
+    worst = 0.0
+    for name, grad in grads.items():
+        comp, inner = fam.key(name)
+        mine = params[f"{comp}.{inner}"].grad
+        assert mine is not None, name
+        worst = max(worst, float((mine - grad).abs().max() / max(float(grad.abs().max()), floor)))
+    assert len(grads) > 20 and worst <= TOL, (len(grads), worst)
+    model.eval()
+    sample = model.sample_actions(model.prepare(batch, with_actions=False), inputs["noise"])
+    assert (sample - theirs["sample"]).abs().max() <= TOL
+    _, post = model.pipelines
+    assert (post(sample[:, :, :model.spec.action_dim]) - theirs["post"]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_runtime_predict_matches_lerobot_from_raw_observations(kind, session_root):
+    from vlaforge.inference.runtime import Observation, PolicyRuntime
+
+    folder, options = _folder(kind, session_root)
+    g = torch.Generator().manual_seed(3)
+    frames = {cam: torch.randint(0, 256, (1, 24, 32, 3), generator=g, dtype=torch.uint8) for cam in ("top", "wrist")}
+    state = torch.randn(1, 6, generator=g)
+    noise = torch.randn(1, 5, 8, generator=g)
+    inputs = {f"observation.images.{c}": f.permute(0, 3, 1, 2).float() / 255 for c, f in frames.items()}
+    inputs.update({"observation.state": state, "action": torch.zeros(1, 5, 6), "noise": noise,
+                   "time": torch.full((1,), 0.5)})
+    theirs, _ = ref061.reference(kind, session_root, inputs, ["pick up the cube"])
+    runtime = PolicyRuntime.load(folder, device="cpu", lerobot=options)
+    obs = Observation({c: f[0].numpy() for c, f in frames.items()}, state[0].numpy(), "pick up the cube")
+    pred = runtime.predict(obs, noise=noise[0].numpy())
+    assert pred.actions.shape == (5, 6)
+    assert np.abs(pred.actions - theirs["post"][0].numpy()).max() <= 1e-4
+    assert runtime.describe()["action_chunk"] == 5
+    with pytest.raises(VlaforgeError, match="missing"):
+        runtime.predict(Observation({"top": frames["top"][0].numpy()}, state[0].numpy(), "x"))
+
+
+def test_folder_refusals(session_root, tmp_path):
+    """Another policy type, a missing / extra / misshapen tensor: one line each, naming the problem."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from vlaforge.models.policies.reader import load_policy, overrides_from
+
+    folder, options = _folder("pi0", session_root)
+    over = overrides_from(type("S", (), {"sizes": options.get("sizes"), "vlm": None})())
+
+    def copy(name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(folder, dst)
+        return dst
+
+    other = copy("act")
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "type": "act"}))
+    with pytest.raises(VlaforgeError, match="'act' policy; vlaforge reads these types: smolvla, pi0"):
+        load_policy(other, over)
+    state = load_file(str(folder / "model.safetensors"))
+    name = next(k for k in state if "action_in_proj.weight" in k)
+    for case, change in (("missing", lambda s: s.pop(name)),
+                         ("extra", lambda s: s.update({"model.surprise.weight": torch.zeros(2)})),
+                         ("shape", lambda s: s.update({name: torch.zeros(3, 3)}))):
+        bad = copy(case)
+        s = dict(state)
+        change(s)
+        save_file(s, str(bad / "model.safetensors"))
+        with pytest.raises(VlaforgeError) as err:
+            load_policy(bad, over)
+        msg = str(err.value)
+        assert "\n" not in msg
+        assert {"missing": "action_head.action_in_proj.weight", "extra": "model.surprise.weight",
+                "shape": "(3, 3)"}[case] in msg, msg
