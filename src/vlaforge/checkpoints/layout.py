@@ -135,15 +135,33 @@ def resolve_run(path: str | Path, what: str = "CHECKPOINT"):
     return ckpt, saved_config(ckpt, what)
 
 
-def saved_config(folder: Path, what: str = "CHECKPOINT"):
-    """The resolved config a checkpoint (or an exported package) carries in its config.toml.
+def saved_config(folder: Path, what: str = "CHECKPOINT", lerobot: dict | None = None):
+    """The resolved config a checkpoint (or an exported package) carries in its config.toml; for a LeRobot policy
+    folder (SmolVLA, pi0: one more checkpoint kind), the config that uses it as it is (`lerobot`: its other
+    `model.lerobot` settings, e.g. declared sizes).
 
     Raises:
         VlaforgeError: the file is missing or not a valid vlaforge config.
     """
     from vlaforge.config.loading import load_config
+    from vlaforge.models.policies.reader import is_lerobot_folder
+
+    if is_lerobot_folder(folder):
+        return lerobot_config(folder, lerobot)
 
     if not (Path(folder) / CONFIG_FILE).is_file():
         raise VlaforgeError(f"{what} {folder} has no {CONFIG_FILE}; the checkpoint is incomplete: use another "
                             "checkpoint of the run")
     return load_config(Path(folder) / CONFIG_FILE, saved=True)
+
+
+def lerobot_config(folder: str | Path, lerobot: dict | None = None):
+    """The vlaforge config of a LeRobot policy folder used as it is (`model.lerobot.pretrained` = the folder, plus
+    `lerobot`'s other `model.lerobot` settings: vlm, tokenizer, sizes)."""
+    from vlaforge.config.schema import VLAConfig
+    from vlaforge.models.policies.reader import read_policy_config, shapes_of
+
+    cameras, state_dim, action_dim = shapes_of(read_policy_config(folder))
+    return VLAConfig.model_validate({"model": {"lerobot": {**(lerobot or {}), "pretrained": str(folder)},
+                                               "cameras": list(cameras), "state_dim": state_dim,
+                                               "action_dim": action_dim}})

@@ -21,6 +21,7 @@ from vlaforge.checkpoints.layout import (
     is_sharded,
     resolve_checkpoint,
     resolve_run,
+    saved_config,
 )
 from vlaforge.checkpoints.lora import (
     check_adapters_described,
@@ -209,18 +210,6 @@ def _upgrade_legacy(path: Path) -> None:
     tmp.replace(path)
 
 
-def lerobot_config(folder: str | Path, lerobot: dict | None = None):
-    """The vlaforge config of a LeRobot policy folder used as it is (`model.lerobot.pretrained` = the folder, plus
-    `lerobot`'s other `model.lerobot` settings: vlm, tokenizer, sizes)."""
-    from vlaforge.config.schema import VLAConfig
-    from vlaforge.models.policies.reader import read_policy_config, shapes_of
-
-    cameras, state_dim, action_dim = shapes_of(read_policy_config(folder))
-    return VLAConfig.model_validate({"model": {"lerobot": {**(lerobot or {}), "pretrained": str(folder)},
-                                               "cameras": list(cameras), "state_dim": state_dim,
-                                               "action_dim": action_dim}})
-
-
 def load_policy_model(checkpoint: str | Path, device: torch.device | str = "cpu", what: str = "CHECKPOINT",
                       lerobot: dict | None = None):
     """The trained VLA of a run folder, a checkpoints/step_* folder (full or sharded), a `vlaforge quantize`
@@ -232,7 +221,7 @@ def load_policy_model(checkpoint: str | Path, device: torch.device | str = "cpu"
     from vlaforge.techniques.quantized_format import is_quantized, load_quantized
 
     if is_lerobot_folder(checkpoint):
-        cfg = lerobot_config(checkpoint, lerobot)
+        cfg = saved_config(Path(checkpoint), what, lerobot)
         return build_vla(cfg.model), cfg, Path(checkpoint)
     ckpt, cfg = resolve_run(checkpoint, what)
     if is_lora(ckpt) and not is_quantized(ckpt):

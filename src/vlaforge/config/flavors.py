@@ -5,9 +5,10 @@ Only plain data lives here (no torch import) so configs can validate a flavor na
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from vlaforge.errors import VlaforgeError
 from vlaforge.registry import Registry
 
 
@@ -25,6 +26,11 @@ class Flavor:
             arguments: SmolVLM's pixel shuffle + one bias-free linear is {"layers": 1, "merge": 4, "bias": False}).
         vision_type, llm_type: the transformers `model_type`s the towers are built as when not SigLIP + Llama
             (Qwen2.5-VL's tower and M-RoPE text model); `vision["image_size"]` is then the frames' side only.
+        policy: the LeRobot policy type this flavor is (LeRobot's architecture at its default sizes,
+            models/policies/defaults.py, built under fake tensors only); `vision` / `llm` are then its VLM's shapes,
+            which the config's checks read.
+        vlm_flavor: for a policy, the flavor of its VLM's shapes with vlaforge's action head: what the planner,
+            `vlaforge profile` and training without weights take instead.
     """
 
     description: str
@@ -36,6 +42,8 @@ class Flavor:
     projector: dict[str, Any] = field(default_factory=dict)
     vision_type: str = "siglip_vision_model"
     llm_type: str = "llama"
+    policy: str | None = None
+    vlm_flavor: str | None = None
 
     def tokens_per_frame(self, image_size: int, patch_size: int) -> int:
         """LLM tokens of one image: its patch grid, merged by the connector."""
@@ -139,12 +147,14 @@ FLAVORS.add("qwen2.5-vl-3b", Flavor(
     llm_type="qwen2_5_vl_text",
 ))
 
-# SmolVLA: SmolVLM2-500M (SigLIP-B/16 at 512 px, whose Idefics3-shaped tower is SigLIP's; a 4 x 4 pixel shuffle into
-# one bias-free linear: 64 tokens per image) with the first 16 of SmolLM2-360M's 32 layers, as SmolVLA keeps them.
-# Not mirrored: SmolVLA's ~100M action expert; the action head is vlaforge's. No nominal sizes: SmolVLA publishes
-# its total (~450M), not the truncated components'.
-FLAVORS.add("smolvla", Flavor(
-    description="SmolVLA's VLM shapes: SmolVLM2-500M's SigLIP-B/16 + pixel shuffle, SmolLM2-360M's first 16 layers",
+# SmolVLA's VLM: SmolVLM2-500M (SigLIP-B/16 at 512 px, whose Idefics3-shaped tower is SigLIP's; a 4 x 4 pixel shuffle
+# into one bias-free linear: 64 tokens per image) with the first 16 of SmolLM2-360M's 32 layers, as SmolVLA keeps
+# them. Not mirrored: SmolVLA's ~100M action expert; the action head is vlaforge's. No nominal sizes: SmolVLA
+# publishes its total (~450M), not the truncated components'. (The LLM's tied embeddings are this flavor's: the real
+# VLM has its own LM head, which the `smolvla` policy keeps.)
+SMOLVLA_VLM = Flavor(
+    description="SmolVLA's VLM shapes (SmolVLM2-500M's SigLIP-B/16 + pixel shuffle, SmolLM2-360M's first 16 layers) "
+                "with vlaforge's action head, not SmolVLA's expert",
     vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                 image_size=512, patch_size=16),
     llm=dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=16, num_attention_heads=15,
@@ -153,13 +163,15 @@ FLAVORS.add("smolvla", Flavor(
     projector_hidden=960,
     action_hidden=720,
     projector={"layers": 1, "merge": 4, "bias": False},
-))
+)
+FLAVORS.add("smolvla_vlm", SMOLVLA_VLM)
 
-# pi0: PaliGemma-3B (SigLIP-so400m/14 at 224 px + Gemma-2B: MQA 8/1, head dim 256, tied embeddings, 257k
+# pi0's VLM: PaliGemma-3B (SigLIP-so400m/14 at 224 px + Gemma-2B: MQA 8/1, head dim 256, tied embeddings, 257k
 # vocabulary). Not mirrored: pi0's ~300M action expert (an 18-layer Gemma of width 1024 beside the VLM); the action
 # head is vlaforge's at width 1024 (model.action_head.kind = "flow_matching" for pi0's objective).
-FLAVORS.add("pi0", Flavor(
-    description="pi0's VLM shapes: PaliGemma-3B (SigLIP-so400m + Gemma-2B); vlaforge's action head, not pi0's expert",
+PI0_VLM = Flavor(
+    description="pi0's VLM shapes (PaliGemma-3B: SigLIP-so400m + Gemma-2B) with vlaforge's action head, not pi0's "
+                "expert",
     vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
                 image_size=224, patch_size=14),
     llm=dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
@@ -168,7 +180,19 @@ FLAVORS.add("pi0", Flavor(
     projector_hidden=2048,
     action_hidden=1024,
     nominal_params={"vision": 0.413e9, "llm": 2.51e9},
-))
+)
+FLAVORS.add("pi0_vlm", PI0_VLM)
+
+# LeRobot's policies themselves at their default sizes (models/policies/defaults.py: the config.json lerobot-train
+# writes; SmolVLA's VLM config): the VLM and its action expert in joint layers. Built under fake tensors (`vlaforge
+# model summary`, `vlaforge config show`); a policy with weights comes from its folder (model.lerobot.pretrained).
+FLAVORS.add("smolvla", replace(
+    SMOLVLA_VLM, policy="smolvla", vlm_flavor="smolvla_vlm",
+    description="LeRobot's SmolVLA (~450M): SmolVLM2-500M's first 16 layers + a 0.75-wide action expert"))
+FLAVORS.add("pi0", replace(
+    PI0_VLM, policy="pi0", vlm_flavor="pi0_vlm",
+    description="LeRobot's pi0 (3.24B; 3.50B in LeRobot with the expert's unused LM head): PaliGemma-3B + a "
+                "Gemma-300M action expert"))
 
 # OpenVLA-7B: Prismatic's fused DINOv2-L/14 + SigLIP-so400m/14 at 224 px (features concatenated per patch) as one
 # so400m-wide tower of the two towers' parameters and per-patch FLOPs (47 blocks: 0.71B), + Llama-2-7B with the
@@ -183,3 +207,19 @@ FLAVORS.add("openvla-7b", Flavor(
     action_hidden=1024,
     nominal_params={"vision": 0.717e9, "llm": 6.74e9},
 ))
+
+
+def refuse_policy(name: str, doing: str, instead: str) -> None:
+    """Refuse flavor `name` when it is a LeRobot policy, which `doing` cannot handle.
+
+    Args:
+        doing: what cannot handle it, e.g. "the planner plans LeRobot policies from measured joint layers later".
+        instead: how to use its VLM's shapes; "{vlm}" stands for that flavor's name.
+
+    Raises:
+        VlaforgeError: "model.flavor = 'pi0' is LeRobot's pi0 policy; DOING: INSTEAD".
+    """
+    flavor = FLAVORS.get(name)
+    if flavor.policy:
+        raise VlaforgeError(f"model.flavor = '{name}' is LeRobot's {flavor.policy} policy; {doing}: "
+                            + instead.format(vlm=flavor.vlm_flavor))

@@ -59,11 +59,34 @@ class VLAConfig(Section):
                 setattr(self.model, key, "auto")  # unset: taken from the dataset (data/shapes.py)
             elif self.data.source != "lerobot" and getattr(self.model, key) == "auto":
                 setattr(self.model, key, list(value) if isinstance(value, list) else value)  # no dataset to ask
+        if self.model.lerobot.pretrained:
+            self._policy_techniques()
         self._lora_composes()
         self.distill.check(self)
         if self.model.shapes_known():  # else checked again once the dataset has resolved them
             self._tokens_fit()
         return self
+
+    def _policy_techniques(self) -> None:
+        """A LeRobot policy (`model.lerobot.pretrained`) trains with the techniques verified on its joint layers;
+        the others are refused here, before anything is built. Its one loss term weighs 1 unless set."""
+        if "weights" not in self.loss.model_fields_set:
+            self.loss.__dict__["weights"] = {"action": 1.0}  # NOTE: not through validate_assignment
+        why = "is not built for LeRobot policies yet (their joint layers call both blocks' sub-layers directly)"
+        defaults = ComponentConfig()
+        for c, comp in self.components.items():
+            for name in ("precision", "checkpointing", "offload", "qat", "lora"):
+                if getattr(comp, name) != getattr(defaults, name):
+                    raise ValueError(f"components.{c}.{name} = {getattr(comp, name)!r} {why}; drop it (fp32, no "
+                                     "checkpointing, offload, QAT or LoRA)")
+        p, extra = self.parallel, {k: v for k, v in self.loss.weights.items() if k != "action" and v > 0}
+        for what, hit in {"parallel.tp > 1": p.tp > 1, "parallel.pp > 1": p.pp > 1, "parallel.cp > 1": p.cp > 1,
+                          "parallel.backend = 'deepspeed'": p.backend == "deepspeed",
+                          "train.compile": self.train.compile,
+                          "distill.teacher": self.distill.teacher is not None,
+                          f"loss.weights.{next(iter(extra), '')}": bool(extra)}.items():
+            if hit:
+                raise ValueError(f"{what} {why}; drop {what.split(' ')[0]}")
 
     def _lora_composes(self) -> None:
         """The layouts LoRA is not yet carried through are refused here, before anything is built (docs/lora.md)."""
@@ -86,7 +109,7 @@ class VLAConfig(Section):
         from vlaforge.config.flavors import FLAVORS
 
         m, d = self.model, self.data
-        if m.pretrained_tower or m.text_folder:
+        if m.pretrained_tower or m.text_folder or m.lerobot.pretrained:
             return
         flavor = FLAVORS.get(m.flavor)
         size = m.image_size or flavor.vision["image_size"]

@@ -196,6 +196,12 @@ def profile(cfg: VLAConfig, *, fake: bool = False, budget_gb: float | None = Non
     `offload`, each again with CPU offload of the components with blocks); rank and recommend. Measured: one
     untimed step of each, then `repeats` timed rounds (`schedule`). Under `fake` (no times) each strategy's step time
     on one `gpu` is predicted by the planner, with its `calibration` for that GPU when the file has one."""
+    from vlaforge.config.flavors import refuse_policy
+
+    if not cfg.model.lerobot.pretrained:
+        refuse_policy(cfg.model.flavor, "profile checkpoints vlaforge's components, and a LeRobot policy's joint "
+                                        "layers are not checkpointed yet",
+                      "profile its VLM's shapes with vlaforge's action head, --model.flavor={vlm}")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = with_seq_len(cfg, seq_len)
     names = STRATEGIES if strategies is None else dict.fromkeys([*strategies, "none"])

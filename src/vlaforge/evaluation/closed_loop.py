@@ -40,6 +40,9 @@ def eval_tasks(cfg) -> list[str]:
 
     if cfg.eval.tasks:
         return list(cfg.eval.tasks)
+    if cfg.model.lerobot.pretrained and cfg.data.source != "lerobot":
+        raise VlaforgeError("a LeRobot policy folder names no simulator tasks; pass --tasks (Meta-World) or "
+                            "--benchmark (a LIBERO suite) whose cameras the policy reads")
     if cfg.data.source != "lerobot" or not cfg.data.path:
         raise VlaforgeError(f"the run trained on {cfg.data.source} samples (data.source = {cfg.data.source!r}), "
                             "which name no simulator tasks and no simulator can feed its policy; evaluate a run "

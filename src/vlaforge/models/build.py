@@ -8,7 +8,7 @@ import contextlib
 import torch
 
 from vlaforge import COMPONENTS
-from vlaforge.config.flavors import FLAVORS
+from vlaforge.config.flavors import FLAVORS, refuse_policy
 from vlaforge.config.loading import deep_merge
 from vlaforge.config.model import PretrainedSource
 from vlaforge.config.schema import LossConfig, ModelConfig, VLAConfig
@@ -74,6 +74,10 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
         model.objective = objective_from(loss_cfg or LossConfig())
         return model
     flavor = FLAVORS.get(model_cfg.flavor)
+    if flavor.policy:  # LeRobot's policy at its default sizes (models/policies/defaults.py)
+        model = build_policy_flavor(model_cfg.flavor, fake=fake or fake_mode_active())
+        model.objective = objective_from(loss_cfg or LossConfig())
+        return model
     backbones = dict(backbones or {})
     # under a caller's own fake-tensor mode (`profile --fake`, `plan --measure`) the build is a fake one too: the
     # pretrained components come from their configs (weights read into fake tensors would not be the parameters the
@@ -134,6 +138,25 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
                     interpolate_pos=native is not None and image_size != native,
                     mrope=mrope_section(llm.config) is not None)
     return VLA(vision, projector, llm, action_head, layout, objective_from(loss_cfg or LossConfig()))
+
+
+def build_policy_flavor(name: str, fake: bool) -> torch.nn.Module:
+    """The `PolicyVLA` flavor `name` is (LeRobot's config.json defaults), under fake tensors.
+
+    Raises:
+        VlaforgeError: not `fake`: the policy's weights come from its folder, not from random values.
+    """
+    from vlaforge.models.policies.defaults import build_default_policy
+
+    if not fake:
+        refuse_policy(name, "vlaforge builds it with weights from a LeRobot folder only (random, it has no "
+                            "tokenizer or normalization to train or run with)",
+                      "set model.lerobot.pretrained to a folder lerobot-train or save_pretrained wrote, or train "
+                      "its VLM's shapes with vlaforge's action head as model.flavor = '{vlm}'")
+    with fake_build() if not fake_mode_active() else contextlib.nullcontext():
+        model = build_default_policy(FLAVORS.get(name).policy, fake=True)
+        model.llm.tie_weights()  # NOTE: no_init_weights also skips tying (pi0's Gemma embeddings and LM head)
+    return model
 
 
 def tokens_per_sample(model: VLA, instruction_tokens: int, text_tokens: int = 0) -> int:

@@ -82,6 +82,7 @@ class PlanModel:
     (a benchmark's full-length synthetic batches do not: `padded=False`)."""
 
     def __init__(self, cfg, padded: bool = True):
+        from vlaforge.config.flavors import refuse_policy
         from vlaforge.distributed.parallel_dims import model_facts
         from vlaforge.models.build import build_vla, synthetic_batch
         from vlaforge.models.fake import fake_build
@@ -89,6 +90,9 @@ class PlanModel:
         from vlaforge.models.vision import vision_family
 
         self.cfg = cfg
+        if not cfg.model.lerobot.pretrained:
+            refuse_policy(cfg.model.flavor, "the planner plans LeRobot policies from measured joint layers later",
+                          "plan its VLM's shapes with vlaforge's action head, model.flavor = '{vlm}' (--model {vlm})")
         with fake_build():
             self.model = build_vla(cfg.model, cfg.loss, fake=True)  # a pretrained folder: its config alone
             self.seq = replace(sequence_of(self.model, synthetic_batch(cfg, self.model, 1)), padded=padded)

@@ -103,6 +103,9 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
     if world.is_main:
         for line in ([describe_shapes(chosen, cfg.data.path)] if chosen else []) + term_lines:
             print(line, flush=True)
+    if cfg.model.lerobot.pretrained and world.size > 1:
+        raise VlaforgeError("a LeRobot policy trains in one process for now: its joint layers are not yet sharding "
+                            "or replication units (FSDP2 / DDP over them are not built); run it without torchrun")
     dims = check_layout(cfg, world)
     run_dir = Path(cfg.train.output_dir)
     resume_from = resolve_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None

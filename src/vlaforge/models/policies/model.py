@@ -185,7 +185,8 @@ class PolicyVLA(nn.Module):
         pads.append(x.token_mask.bool())
         att += [0] * lang.shape[1]
         if self.composition.state_in_prefix:
-            embs.append(self.action_head.state_proj(x.state)[:, None])
+            proj = self.action_head.state_proj
+            embs.append(proj(x.state.to(proj.weight.dtype))[:, None].to(lang.dtype))
             pads.append(torch.ones(x.state.shape[0], 1, dtype=torch.bool, device=x.state.device))
             att += [1]
         emb, pad = torch.cat(embs, dim=1), torch.cat(pads, dim=1)
@@ -199,9 +200,9 @@ class PolicyVLA(nn.Module):
                      time: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(embeddings (B, Ls, De), padding mask, block starts) of the noisy actions x_t (B, T, A) at flow time t."""
         head, comp = self.action_head, self.composition
-        action = head.action_in_proj(x_t)
+        action = head.action_in_proj(x_t.to(head.action_in_proj.weight.dtype))
         t_emb = sinusoidal(time, head.width, self.spec.min_period, self.spec.max_period)
-        t_emb = t_emb.to(action.dtype if comp.state_in_prefix else time.dtype)
+        t_emb = t_emb.to(action.dtype)
         h = head.action_time_mlp_out(F.silu(head.action_time_mlp_in(
             torch.cat([action, t_emb[:, None].expand_as(action)], dim=2))))
         t = h.shape[1]
