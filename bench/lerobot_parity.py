@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import lerobot061 as ref061  # noqa: E402 - the tests' helpers, after the path above
+import lerobot061 as ref061
 
-from vlaforge.checkpoints.load import load_policy_model  # noqa: E402
-from vlaforge.models.policies.families import family_of  # noqa: E402
+from vlaforge.checkpoints.load import load_policy_model
+from vlaforge.models.policies.families import family_of
 
 
 def measure(kind: str, root: Path) -> dict:
