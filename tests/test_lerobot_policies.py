@@ -195,3 +195,23 @@ def test_unbuilt_techniques_refused(session_root, override, fragment):
     assert done.returncode == 2, done.stderr[-1500:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], done.stderr
+
+
+def test_folder_refusals_through_the_cli(session_root, tmp_path):
+    """A missing processor file, a hub id as SmolVLA's VLM: `vlaforge serve DIR` exits 2 with one line each."""
+    import shutil
+
+    from conftest import run_cli
+
+    folder, _ = _folder("smolvla", session_root)
+    no_pre = tmp_path / "no_pre"
+    shutil.copytree(folder, no_pre)
+    (no_pre / "policy_preprocessor.json").unlink()
+    hub = tmp_path / "hub"
+    shutil.copytree(folder, hub)
+    cfg = json.loads((hub / "config.json").read_text())
+    (hub / "config.json").write_text(json.dumps({**cfg, "vlm_model_name": "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"}))
+    for path, fragment in ((no_pre, "policy_preprocessor.json"), (hub, "model.lerobot.vlm")):
+        done = run_cli("serve", str(path), "--port=0", timeout=120)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and fragment in lines[0], done.stderr[-1500:]

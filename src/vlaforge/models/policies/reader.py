@@ -204,8 +204,10 @@ def build_lerobot(model_cfg, fake: bool = False, saved: dict | None = None) -> P
             model = build_policy(read_policy_config(folder), overrides_from(source), fake=True)
     else:
         model = load_policy(folder, overrides_from(source))
-    present = not fake and (folder / PROCESSOR_FILES[0]).is_file()
-    model.pipelines = load_pipelines(folder, tokenizer_override=source.tokenizer) if present else None
+    # the folder's own pipelines: required when the policy comes from the folder, read when a checkpoint's folder is
+    # still there (a fine-tuned run predicts through its own policy.json and tokenizer)
+    wanted = not fake and (saved is None or (folder / PROCESSOR_FILES[0]).is_file())
+    model.pipelines = load_pipelines(folder, tokenizer_override=source.tokenizer) if wanted else None
     if model_cfg.shapes_known():
         fit_shapes(model, model_cfg)
     return model
