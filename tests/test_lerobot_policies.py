@@ -198,7 +198,8 @@ def test_unbuilt_techniques_refused(session_root, override, fragment):
 
 
 def test_folder_refusals_through_the_cli(session_root, tmp_path):
-    """A missing processor file, a hub id as SmolVLA's VLM: `vlaforge serve DIR` exits 2 with one line each."""
+    """A missing processor file, a hub id as SmolVLA's VLM (`vlaforge serve DIR`), a package export or quantization of a
+    policy (not built yet): exit 2 with one line each."""
     import shutil
 
     from conftest import run_cli
@@ -210,8 +211,13 @@ def test_folder_refusals_through_the_cli(session_root, tmp_path):
     hub = tmp_path / "hub"
     shutil.copytree(folder, hub)
     cfg = json.loads((hub / "config.json").read_text())
-    (hub / "config.json").write_text(json.dumps({**cfg, "vlm_model_name": "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"}))
-    for path, fragment in ((no_pre, "policy_preprocessor.json"), (hub, "model.lerobot.vlm")):
-        done = run_cli("serve", str(path), "--port=0", timeout=120)
+    hub_id = "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"
+    (hub / "config.json").write_text(json.dumps({**cfg, "vlm_model_name": hub_id}))
+    cases = [(("serve", no_pre, "--port=0"), "policy_preprocessor.json"),
+             (("serve", hub, "--port=0"), "model.lerobot.vlm"),
+             (("export", folder, "--format=onnx", f"--out={tmp_path / 'pkg'}"), "export --format onnx of a LeRobot"),
+             (("quantize", folder, f"--out={tmp_path / 'q'}"), "quantize of a LeRobot policy")]
+    for (verb, path, *rest), fragment in cases:
+        done = run_cli(verb, str(path), *rest, timeout=120)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and fragment in lines[0], done.stderr[-1500:]

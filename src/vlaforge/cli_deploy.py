@@ -225,8 +225,11 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
     checkpoint on dataset frames (export.json: action error, latency of both). `vlaforge eval` and `vlaforge serve`
     run a package like a checkpoint."""
     from vlaforge.checkpoints.export import export_weights
-    from vlaforge.checkpoints.layout import resolve_checkpoint
+    from vlaforge.checkpoints.layout import refuse_lerobot_policy, resolve_checkpoint
+    from vlaforge.models.policies.reader import is_lerobot_folder
 
+    if format != "safetensors" or is_lerobot_folder(checkpoint):  # a LeRobot folder is one safetensors file already
+        refuse_lerobot_policy(checkpoint, f"vlaforge export --format {format}")
     if format == "safetensors":
         onnx_only = [name for name, given in (("--dtype", dtype != "fp32"), ("--quantized", quantized),
                                                ("--data", data is not None), ("--calibrate", calibrate is not None),
@@ -281,8 +284,10 @@ def quantize(checkpoint: Path = typer.Argument(..., help="a float run folder (it
     """Quantize a trained policy per component with torchao (e.g. --vision int8 --projector fp16 --llm int4) into a
     checkpoint folder that eval, serve and PolicyRuntime load; writes quantize.json (bytes per component, latency,
     action error against the float policy, with --eval closed-loop success of both)."""
+    from vlaforge.checkpoints.layout import refuse_lerobot_policy
     from vlaforge.evaluation.quantization import QuantizeOptions, quantize_run, render
 
+    refuse_lerobot_policy(checkpoint, "vlaforge quantize")
     modes = {"vision": vision, "projector": projector, "llm": llm, "action_head": action_head}
     report = quantize_run(checkpoint, out, QuantizeOptions(
         modes, group_size=group_size, algorithm=algorithm, calibrate=calibrate, frames=frames, data=data,

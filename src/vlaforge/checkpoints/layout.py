@@ -165,3 +165,23 @@ def lerobot_config(folder: str | Path, lerobot: dict | None = None):
     return VLAConfig.model_validate({"model": {"lerobot": {**(lerobot or {}), "pretrained": str(folder)},
                                                "cameras": list(cameras), "state_dim": state_dim,
                                                "action_dim": action_dim}})
+
+
+def refuse_lerobot_policy(path: str | Path, verb: str) -> None:
+    """`verb` (a package export, quantization) is not built for LeRobot policies yet: one line before anything runs.
+
+    Raises:
+        VlaforgeError: `path` is a LeRobot policy folder or a run fine-tuned from one.
+    """
+    from vlaforge.models.policies.reader import is_lerobot_folder
+
+    if is_lerobot_folder(path):
+        hit = True
+    else:
+        try:
+            hit = bool(saved_config(resolve_checkpoint(str(path), ".", what="CHECKPOINT")).model.lerobot.pretrained)
+        except VlaforgeError:
+            return  # the verb itself says what is wrong with the path
+    if hit:
+        raise VlaforgeError(f"{verb} of a LeRobot policy (SmolVLA, pi0) is not built yet; `vlaforge serve` and "
+                            "`vlaforge eval` run it as it is")
