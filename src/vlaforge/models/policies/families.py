@@ -77,12 +77,21 @@ def _layer_classes(model_type: str) -> tuple[type, type]:
     return getattr(module, f"{prefix}DecoderLayer"), getattr(module, f"{prefix}RMSNorm")
 
 
-def _expert(config, cross: set[int], kv_in: int) -> tuple[nn.ModuleList, nn.Module]:
+def _expert(config, cross: set[int], kv_in: int, adaptive: bool = False) -> tuple[nn.ModuleList, nn.Module]:
     """The expert's decoder blocks and final norm from a text config; blocks in `cross` read the VLM's keys and
-    values (`kv_in` wide) through their own key / value projections."""
+    values (`kv_in` wide) through their own key / value projections; `adaptive`: every norm is pi0.5's
+    time-conditioned `AdaRMSNorm` (its condition as wide as the expert)."""
+    from vlaforge.models.policies.joint import AdaRMSNorm
+
     layer_cls, norm_cls = _layer_classes(config.model_type)
     config._attn_implementation = "sdpa"
     blocks = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
+    if adaptive:
+        width, eps = config.hidden_size, config.rms_norm_eps
+        for block in blocks:
+            block.input_layernorm, block.post_attention_layernorm = AdaRMSNorm(width, width, eps), \
+                AdaRMSNorm(width, width, eps)
+        return blocks, AdaRMSNorm(width, width, eps)
     width = config.num_key_value_heads * config.head_dim
     for i in cross:
         attn = blocks[i].self_attn
@@ -208,7 +217,8 @@ def _variant(name: str, field: str, declared: dict) -> dict:
     return variants[name]
 
 
-def _pi0_build(cfg: dict, over: Overrides, fake: bool) -> tuple[dict[str, nn.Module], PolicySpec]:
+def _pi0_build(cfg: dict, over: Overrides, fake: bool, family: str = "pi0") -> tuple[dict[str, nn.Module], PolicySpec]:
+    """pi0, and pi0.5 (`family` 'pi05': the expert's norms time-conditioned, no state projection)."""
     from transformers import PaliGemmaConfig, SiglipVisionConfig, SiglipVisionModel
     from transformers.models.paligemma.modeling_paligemma import PaliGemmaMultiModalProjector
 
@@ -224,10 +234,12 @@ def _pi0_build(cfg: dict, over: Overrides, fake: bool) -> tuple[dict[str, nn.Mod
     projection = int(declared.get("projection_dim", text.hidden_size))
     pali = PaliGemmaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(), projection_dim=projection)
     pali.vision_config.hidden_size = vision.hidden_size
-    blocks, norm = _expert(expert, set(), 0)
+    adaptive = family == "pi05"
+    blocks, norm = _expert(expert, set(), 0, adaptive=adaptive)
+    state_in = None if adaptive else int(cfg["max_state_dim"])  # pi0.5 writes the state into its prompt
     parts = {"vision": SiglipVisionModel(vision), "projector": PaliGemmaMultiModalProjector(pali),
              "llm": text_lm_class()(text),
-             "action_head": (blocks, norm, int(cfg["max_state_dim"]), expert.hidden_size, expert.hidden_size)}
+             "action_head": (blocks, norm, state_in, expert.hidden_size, expert.hidden_size)}
     rope = (text.rope_parameters or {}).get("rope_theta", 10_000.0)
     n = text.num_hidden_layers
     if expert.num_hidden_layers != n:
@@ -235,7 +247,7 @@ def _pi0_build(cfg: dict, over: Overrides, fake: bool) -> tuple[dict[str, nn.Mod
                             "them one to one")
     beta = tuple(float(cfg.get(k, d)) for k, d in (("time_sampling_beta_alpha", 1.5), ("time_sampling_beta_beta", 1.0),
                                                    ("time_sampling_scale", 0.999), ("time_sampling_offset", 0.001)))
-    spec = _spec("pi0", cfg, resolution, "num_inference_steps", float(rope),
+    spec = _spec(family, cfg, resolution, "num_inference_steps", float(rope),
                  tuple((i, i, "self") for i in range(n)), time_beta=beta)
     parts["backbones"] = {"config": cfg, "sizes": over.sizes}
     return parts, spec
@@ -243,7 +255,7 @@ def _pi0_build(cfg: dict, over: Overrides, fake: bool) -> tuple[dict[str, nn.Mod
 
 POLICY_FAMILIES.add("smolvla", PolicyFamily(
     name="smolvla", lerobot_types=("smolvla",),
-    composition=Composition(state_in_prefix=True, actions_causal=True, embed_scale=True, rope_style="divide",
+    composition=Composition(state_token="prefix", actions_causal=True, embed_scale=True, rope_style="divide",
                             resize="top_left", mask_value=float(torch.finfo(torch.float32).min)),
     prefixes=(("model.vlm_with_expert.vlm.model.vision_model.", "vision", ""),
               ("model.vlm_with_expert.vlm.model.connector.", "projector", ""),
@@ -256,7 +268,7 @@ POLICY_FAMILIES.add("smolvla", PolicyFamily(
 
 POLICY_FAMILIES.add("pi0", PolicyFamily(
     name="pi0", lerobot_types=("pi0",),
-    composition=Composition(state_in_prefix=False, actions_causal=False, embed_scale=False, rope_style="multiply",
+    composition=Composition(state_token="suffix", actions_causal=False, embed_scale=False, rope_style="multiply",
                             resize="centered", mask_value=OPENPI_MASK, masks_padded_actions=False),
     prefixes=(("model.paligemma_with_expert.paligemma.model.vision_tower.vision_model.", "vision", ""),
               ("model.paligemma_with_expert.paligemma.model.vision_tower.", "vision", ""),
@@ -269,6 +281,16 @@ POLICY_FAMILIES.add("pi0", PolicyFamily(
     dropped=(("model.paligemma_with_expert.gemma_expert.lm_head.",
               "the action expert's LM head, which pi0 never uses (263 M parameters at pi0's size)"),),
     build=_pi0_build, refused_layouts=_REFUSED))
+
+
+_PI0_KEYS = POLICY_FAMILIES.get("pi0").prefixes
+POLICY_FAMILIES.add("pi05", PolicyFamily(
+    name="pi05", lerobot_types=("pi05",),
+    composition=Composition(state_token=None, actions_causal=False, embed_scale=False, rope_style="multiply",
+                            resize="centered", mask_value=OPENPI_MASK, masks_padded_actions=False,
+                            time_conditioning="adarms"),
+    prefixes=_PI0_KEYS, dropped=POLICY_FAMILIES.get("pi0").dropped,
+    build=lambda cfg, over, fake: _pi0_build(cfg, over, fake, "pi05"), refused_layouts=_REFUSED))
 
 
 def family_of(kind: str | None, where: str) -> PolicyFamily:
@@ -290,7 +312,8 @@ def build_policy(cfg: dict, over: Overrides, fake: bool = False) -> PolicyVLA:
     fam = family_of(cfg.get("type"), "config.json")
     parts, spec = fam.build(cfg, over, fake)
     blocks, norm, state_in, state_out, width = parts.pop("action_head")
-    head = ExpertHead(blocks, norm, state_in, state_out, width, spec.max_action_dim, spec.chunk, spec.action_dim)
+    head = ExpertHead(blocks, norm, state_in, state_out, width, spec.max_action_dim, spec.chunk, spec.action_dim,
+                      fam.composition.time_conditioning)
     model = PolicyVLA(parts["vision"], parts["projector"], parts["llm"], head, spec, fam.composition)
     model.backbones = parts["backbones"]  # what rebuilds it without the folder (a checkpoint's backbones.json)
     return model

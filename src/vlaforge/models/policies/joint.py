@@ -75,20 +75,53 @@ class JointContext:
     cross_mask: torch.Tensor | None = None
     cross_angles: torch.Tensor | None = None
     cache: PrefixCache | None = None  # given: fill it (prefix pass) or read it (suffix pass)
+    cond: torch.Tensor | None = None  # the expert's norms' condition (B, C) (pi0.5's flow-time embedding)
 
 
-def _qkv(block: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A decoder block's normed queries, keys and values (B, L, H, D)."""
+class AdaRMSNorm(nn.Module):
+    """pi0.5's time-conditioned RMS norm: scale, shift and a residual gate from the condition (B, C), each `dim` wide
+    (`dense`: LeRobot's name); `forward(x, cond)` -> (normed x, gate)."""
+
+    adaptive = True
+
+    def __init__(self, dim: int, cond_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.dense = nn.Linear(cond_dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + self.eps)
+        mod = self.dense(cond)
+        scale, shift, gate = (mod[:, None] if x.dim() == 3 else mod).chunk(3, dim=-1)
+        return (normed * (1 + scale.float()) + shift.float()).to(x.dtype), gate.to(x.dtype)
+
+
+def norm(module: nn.Module, x: torch.Tensor, cond: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A block's norm over x: (normed, residual gate) for an adaptive norm, (normed, None) for a plain one."""
+    if getattr(module, "adaptive", False):
+        return module(x, cond)
+    return module(x), None
+
+
+def _gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    return x + y if gate is None else x + y * gate
+
+
+def _qkv(block: nn.Module, hidden: torch.Tensor,
+         cond: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A decoder block's normed queries, keys and values (B, L, H, D), and its attention residual's gate."""
     attn = block.self_attn
-    x = block.input_layernorm(hidden)
+    x, gate = norm(block.input_layernorm, hidden, cond)
     shape = (*x.shape[:-1], -1, attn.head_dim)
-    return attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+    return attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape), gate
 
 
-def _finish(block: nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """The rest of a pre-norm decoder block after attention: output projection, residual, MLP, residual."""
-    h = hidden + block.self_attn.o_proj(attended)
-    return h + block.mlp(block.post_attention_layernorm(h))
+def _finish(block: nn.Module, hidden: torch.Tensor, attended: torch.Tensor, gate: torch.Tensor | None = None,
+            cond: torch.Tensor | None = None) -> torch.Tensor:
+    """The rest of a pre-norm decoder block after attention: output projection, (gated) residual, MLP, residual."""
+    h = _gated(hidden, block.self_attn.o_proj(attended), gate)
+    x, gate = norm(block.post_attention_layernorm, h, cond)
+    return _gated(h, block.mlp(x), gate)
 
 
 class JointLayer(nn.Module):
@@ -114,8 +147,9 @@ class JointLayer(nn.Module):
         return self._self(prefix, suffix, ctx)
 
     def _self(self, prefix, suffix, ctx: JointContext):
-        streams = [(b, h) for b, h in ((self.vlm, prefix), (self.expert, suffix)) if h is not None]
-        qkv = [_qkv(b, h) for b, h in streams]
+        streams = [(b, h, c) for b, h, c in ((self.vlm, prefix, None), (self.expert, suffix, ctx.cond))
+                   if h is not None]
+        qkv = [_qkv(b, h, c) for b, h, c in streams]
         q = apply_rope(torch.cat([x[0] for x in qkv], dim=1), ctx.angles)
         k = apply_rope(torch.cat([x[1] for x in qkv], dim=1), ctx.angles)
         v = torch.cat([x[2] for x in qkv], dim=1)
@@ -127,8 +161,8 @@ class JointLayer(nn.Module):
             k, v = torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)
         att = attend(q, k, v, ctx.mask, self.scale)
         outs, start = [], 0
-        for block, hidden in streams:
-            outs.append(_finish(block, hidden, att[:, start:start + hidden.shape[1]]))
+        for (block, hidden, cond), parts in zip(streams, qkv):
+            outs.append(_finish(block, hidden, att[:, start:start + hidden.shape[1]], parts[3], cond))
             start += hidden.shape[1]
         it = iter(outs)
         return (next(it) if prefix is not None else None), (next(it) if suffix is not None else None)
@@ -136,7 +170,7 @@ class JointLayer(nn.Module):
     def _prefix_alone(self, prefix: torch.Tensor, ctx: JointContext, joint: bool) -> torch.Tensor:
         """The prefix attending to itself (a cross layer's, or a layer without an expert block); its rotated keys
         and values go to the cache (the prefix pass) or to the suffix's cross attention in this pass."""
-        q, k, v = _qkv(self.vlm, prefix)
+        q, k, v, _ = _qkv(self.vlm, prefix)
         angles = ctx.angles[:, :prefix.shape[1]]
         k = apply_rope(k, angles)
         if ctx.cache is not None:
@@ -160,7 +194,7 @@ class JointLayer(nn.Module):
             ev = attn.v_proj(v.flatten(2).to(attn.v_proj.weight.dtype)).view(shape)
             if cache is not None:
                 cache.expert[self.index] = (ek, ev)
-        x = self.expert.input_layernorm(suffix)
+        x, gate = norm(self.expert.input_layernorm, suffix, ctx.cond)
         q = attn.q_proj(x).view(*x.shape[:-1], -1, attn.head_dim)
         att = attend(apply_rope(q, ctx.cross_angles), ek, ev, ctx.cross_mask, self.scale)
-        return _finish(self.expert, suffix, att)
+        return _finish(self.expert, suffix, att, gate, ctx.cond)

@@ -25,7 +25,7 @@ from torch import nn
 from vlaforge.data.batch import Batch
 from vlaforge.errors import VlaforgeError
 from vlaforge.models import losses as L
-from vlaforge.models.policies.joint import JointContext, JointLayer, PrefixCache, rope_angles
+from vlaforge.models.policies.joint import JointContext, JointLayer, PrefixCache, norm, rope_angles
 from vlaforge.models.vla import VLA, Layout
 
 
@@ -33,13 +33,14 @@ from vlaforge.models.vla import VLA, Layout
 class Composition:
     """The per-family facts of the composition (`families.py` holds one per family)."""
 
-    state_in_prefix: bool  # SmolVLA: the state token ends the prefix; pi0: it starts the suffix
+    state_token: str | None  # 'prefix': ends the prefix (SmolVLA); 'suffix': starts it (pi0); None: prompt (pi0.5)
     actions_causal: bool  # SmolVLA: an action token sees the earlier ones; pi0: all of them
     embed_scale: bool  # SmolVLA multiplies image and language embeddings by sqrt(width); LeRobot's pi0 does not
     rope_style: str  # 'divide' (SmolVLA's apply_rope) or 'multiply' (transformers' Gemma rotary embedding)
     resize: str  # the image resize: 'top_left' padding (SmolVLA) or 'centered' (openpi's, pi0)
     mask_value: float  # the additive mask's large negative (the reference's)
     masks_padded_actions: bool = True  # LeRobot's loss leaves out chunk steps past the episode's end (pi0's not)
+    time_conditioning: str = "concat"  # flow time joined to each action token ('concat'), or norms' (pi0.5: 'adarms')
 
 
 @dataclass(frozen=True)
@@ -66,17 +67,23 @@ class PolicySpec:
 
 class ExpertHead(nn.Module):
     """The `action_head` of a policy: the action expert's decoder blocks (`blocks`, found by `blocks_of`) and final
-    `norm`, the state projection, the action in / out projections and the action-time MLP (LeRobot's names)."""
+    `norm`, the action in / out projections, and (LeRobot's names) either the state projection and the action-time MLP
+    (`state_in` given: SmolVLA, pi0) or the time MLP whose output conditions the expert's norms (pi0.5)."""
 
-    def __init__(self, blocks: nn.ModuleList, norm: nn.Module, state_in: int, state_out: int, width: int,
-                 max_action_dim: int, chunk: int, action_dim: int):
+    def __init__(self, blocks: nn.ModuleList, norm: nn.Module, state_in: int | None, state_out: int, width: int,
+                 max_action_dim: int, chunk: int, action_dim: int, time_conditioning: str = "concat"):
         super().__init__()
         self.blocks, self.norm = blocks, norm
-        self.state_proj = nn.Linear(state_in, state_out)
+        if state_in is not None:
+            self.state_proj = nn.Linear(state_in, state_out)
         self.action_in_proj = nn.Linear(max_action_dim, width)
         self.action_out_proj = nn.Linear(width, max_action_dim)
-        self.action_time_mlp_in = nn.Linear(2 * width, width)
-        self.action_time_mlp_out = nn.Linear(width, width)
+        if time_conditioning == "concat":
+            self.action_time_mlp_in = nn.Linear(2 * width, width)
+            self.action_time_mlp_out = nn.Linear(width, width)
+        else:
+            self.time_mlp_in = nn.Linear(width, width)
+            self.time_mlp_out = nn.Linear(width, width)
         self.chunk, self.action_dim, self.width = chunk, action_dim, width
 
     supports_prefix = False  # no committed-action guidance (RTC) for these policies yet
@@ -138,7 +145,7 @@ class PolicyVLA(nn.Module):
 
         Raises:
             VlaforgeError: a camera of the policy is not in the batch."""
-        from vlaforge.models.policies.processors import resize_with_pad, resize_with_pad_centered
+        from vlaforge.models.policies.images import resize_with_pad, resize_with_pad_centered
 
         spec = self.spec
         images, masks = [], []
@@ -184,7 +191,7 @@ class PolicyVLA(nn.Module):
         embs.append(lang)
         pads.append(x.token_mask.bool())
         att += [0] * lang.shape[1]
-        if self.composition.state_in_prefix:
+        if self.composition.state_token == "prefix":
             proj = self.action_head.state_proj
             embs.append(proj(x.state.to(proj.weight.dtype))[:, None].to(lang.dtype))
             pads.append(torch.ones(x.state.shape[0], 1, dtype=torch.bool, device=x.state.device))
@@ -196,22 +203,26 @@ class PolicyVLA(nn.Module):
             emb, pad, att_t = F.pad(emb, (0, 0, 0, missing)), F.pad(pad, (0, missing)), F.pad(att_t, (0, missing))
         return emb, pad, att_t
 
-    def embed_suffix(self, state: torch.Tensor, x_t: torch.Tensor,
-                     time: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(embeddings (B, Ls, De), padding mask, block starts) of the noisy actions x_t (B, T, A) at flow time t."""
+    def embed_suffix(self, state: torch.Tensor, x_t: torch.Tensor, time: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(embeddings (B, Ls, De), padding mask, block starts, the expert norms' condition (B, De) or None) of the
+        noisy actions x_t (B, T, A) at flow times (B,)."""
         head, comp = self.action_head, self.composition
         action = head.action_in_proj(x_t.to(head.action_in_proj.weight.dtype))
-        t_emb = sinusoidal(time, head.width, self.spec.min_period, self.spec.max_period)
-        t_emb = t_emb.to(action.dtype)
-        h = head.action_time_mlp_out(F.silu(head.action_time_mlp_in(
-            torch.cat([action, t_emb[:, None].expand_as(action)], dim=2))))
+        t_emb = sinusoidal(time, head.width, self.spec.min_period, self.spec.max_period).to(action.dtype)
+        cond = None
+        if comp.time_conditioning == "concat":
+            h = head.action_time_mlp_out(F.silu(head.action_time_mlp_in(
+                torch.cat([action, t_emb[:, None].expand_as(action)], dim=2))))
+        else:  # pi0.5: the time MLP's output conditions every expert norm
+            h, cond = action, F.silu(head.time_mlp_out(F.silu(head.time_mlp_in(t_emb))))
         t = h.shape[1]
         att = [1] * t if comp.actions_causal else [1] + [0] * (t - 1)
-        if not comp.state_in_prefix:
+        if comp.state_token == "suffix":
             h = torch.cat([head.state_proj(state.to(head.state_proj.weight.dtype))[:, None].to(h.dtype), h], dim=1)
             att = [1] + att
         pad = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
-        return h, pad, torch.tensor(att, dtype=torch.long, device=h.device)[None].expand(h.shape[0], -1)
+        return h, pad, torch.tensor(att, dtype=torch.long, device=h.device)[None].expand(h.shape[0], -1), cond
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """(B, Lq, Lk) bool -> (B, 1, Lq, Lk) additive float mask."""
@@ -227,7 +238,7 @@ class PolicyVLA(nn.Module):
         tt = time[:, None, None]
         x_t = tt * noise + (1 - tt) * x.actions
         prefix, p_pad, p_att = self.embed_prefix(x)
-        suffix, s_pad, s_att = self.embed_suffix(x.state, x_t, time)
+        suffix, s_pad, s_att, cond = self.embed_suffix(x.state, x_t, time)
         pad, allowed = torch.cat([p_pad, s_pad], 1), att_2d(torch.cat([p_pad, s_pad], 1), torch.cat([p_att, s_att], 1))
         positions = pad.long().cumsum(1) - 1
         n = prefix.shape[1]
@@ -235,16 +246,16 @@ class PolicyVLA(nn.Module):
         ctx = JointContext(mask=self._additive(allowed), angles=self._angles(positions),
                            prefix_mask=self._additive(allowed[:, :n, :n]),
                            cross_mask=self._additive(allowed[:, n:, :n]),
-                           cross_angles=self._angles(s_pos - s_pos.min(dim=1, keepdim=True).values))
+                           cross_angles=self._angles(s_pos - s_pos.min(dim=1, keepdim=True).values), cond=cond)
         for layer in self.joint_layers:
             prefix, suffix = layer(prefix, suffix, ctx)
-        v_t = self.velocity_out(suffix)
+        v_t = self.velocity_out(suffix, cond)
         return F.mse_loss(noise - x.actions, v_t, reduction="none")
 
-    def velocity_out(self, suffix: torch.Tensor) -> torch.Tensor:
+    def velocity_out(self, suffix: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
         """The expert's final norm and output projection over the action tokens (B, T, max_action_dim), in fp32."""
         head = self.action_head
-        out = head.norm(suffix)[:, -head.chunk:].to(torch.float32)
+        out = norm(head.norm, suffix, cond)[0][:, -head.chunk:].to(torch.float32)
         return head.action_out_proj(out.to(head.action_out_proj.weight.dtype)).to(torch.float32)
 
     def loss(self, x: PolicyInputs, noise: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
@@ -270,17 +281,17 @@ class PolicyVLA(nn.Module):
     def velocity(self, cache: PrefixCache, p_pad: torch.Tensor, state: torch.Tensor, x_t: torch.Tensor,
                  time: torch.Tensor) -> torch.Tensor:
         """One denoising step's velocity (B, T, max_action_dim): the suffix alone against the cached prefix."""
-        suffix, s_pad, s_att = self.embed_suffix(state, x_t, time)
+        suffix, s_pad, s_att, cond = self.embed_suffix(state, x_t, time)
         b, ls, lp = suffix.shape[0], suffix.shape[1], p_pad.shape[1]
         to_prefix = p_pad[:, None, :].expand(b, ls, lp)
         positions = p_pad.long().sum(-1, keepdim=True) + s_pad.long().cumsum(1) - 1
         ctx = JointContext(mask=self._additive(torch.cat([to_prefix, att_2d(s_pad, s_att)], dim=2)),
                            angles=self._angles(positions), cross_mask=self._additive(to_prefix),
                            cross_angles=self._angles(positions - positions.min(dim=1, keepdim=True).values),
-                           cache=cache)
+                           cache=cache, cond=cond)
         for layer in self.joint_layers:
             _, suffix = layer(None, suffix, ctx)
-        return self.velocity_out(suffix)
+        return self.velocity_out(suffix, cond)
 
     @torch.no_grad()
     def sample_actions(self, x: PolicyInputs, noise: torch.Tensor, steps: int | None = None,
