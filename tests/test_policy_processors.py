@@ -1,8 +1,9 @@
 """LeRobot 0.6.1's policy processor pipelines read natively (models/policies/processors.py), on pipelines written here
 in exactly the format `DataProcessorPipeline.save_pretrained` writes (`<name>.json` with `registry_name` / `config` /
 `state_file` per step, `<name>_step_<i>_<registry_name>.safetensors` holding flat `<feature>.<stat>` tensors):
-every normalization mode against its formula, degenerate statistics, the tokenizer's padding and truncation, the
-refusals, the image helpers against hand-computed resizes, and the step order read from the JSON."""
+every normalization mode against its formula, degenerate statistics, the tokenizer's padding and truncation, pi0.5's
+state prompt against hand-computed bins, the refusals, the step order read from the JSON, and the image helpers
+(models/policies/images.py) against hand-computed resizes."""
 
 from __future__ import annotations
 
@@ -10,19 +11,19 @@ import json
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from vlaforge.errors import VlaforgeError
+from vlaforge.models.policies.images import pad_vector, resize_with_pad, resize_with_pad_centered
 from vlaforge.models.policies.processors import (
     LANG_MASK,
     LANG_TOKENS,
     DegenerateStatsWarning,
     load_pipelines,
-    pad_vector,
-    resize_with_pad,
-    resize_with_pad_centered,
+    state_bins,
 )
 
 from families import _tokenizer
@@ -240,6 +241,118 @@ def test_absolute_actions_need_a_state_first(tmp_path, tok):
     _, post = load_pipelines(pi0_folder(tmp_path, tok, relative))
     with pytest.raises(VlaforgeError, match="run the pre-processor on an observation first"):
         post(torch.zeros(1, 5, 3))
+
+
+PI05_PROMPT = "pi05_prepare_state_tokenizer_processor_step"
+PI05_STEPS = ["rename_observations_processor", "to_batch_processor", "relative_actions_processor",
+              "normalizer_processor", PI05_PROMPT, "tokenizer_processor", "device_processor"]
+# q01 = -2, q99 = 2: QUANTILES maps the state x to exactly x / 2 (2 (x + 2) / 4 - 1 for these dyadic values)
+PI05_STATS = {**STATS, STATE: {**STATS[STATE], "q01": torch.full((3,), -2.0), "q99": torch.full((3,), 2.0)}}
+
+
+def pi05_folder(folder: Path, tok: Path, relative: dict, prompt: dict | None = None, prompt_first: bool = False
+                ) -> Path:
+    """pi0.5's pair (processor_pi05.py): rename, batch, relative actions, normalizer (QUANTILES), the state prompt
+    step (config {} as LeRobot 0.6.1 saves it), tokenizer, device / unnormalizer, absolute, device(cpu)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    norm_map = {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}
+    norm, state_prompt = ("normalizer_processor", norm_config(norm_map), PI05_STATS), (PI05_PROMPT, prompt or {}, None)
+    middle = [state_prompt, norm] if prompt_first else [norm, state_prompt]
+    write_pipeline(folder, "policy_preprocessor", [
+        ("rename_observations_processor", {"rename_map": {}}, None), ("to_batch_processor", {}, None),
+        ("relative_actions_processor", relative, None), *middle,
+        ("tokenizer_processor", tokenizer_config(tok, max_length=48), None),
+        ("device_processor", {"device": "cpu", "float_dtype": None}, None)])
+    write_pipeline(folder, "policy_postprocessor", [
+        ("unnormalizer_processor", norm_config(norm_map, {ACTION: FEATURES[ACTION]}), PI05_STATS),
+        ("absolute_actions_processor", {"enabled": relative["enabled"]}, None),
+        ("device_processor", {"device": "cpu", "float_dtype": None}, None)])
+    return folder
+
+
+def test_state_bins_hand_computed_edges_and_out_of_range():
+    """Bin k is [-1 + k/128, -1 + (k+1)/128): an edge opens its bin; below -1 is -1; 1 - 1/128 and above is 255."""
+    below = lambda x: torch.nextafter(torch.tensor(x), torch.tensor(-2.0)).item()  # the float32 just below x
+    cases = [(-1.5, -1), (below(-1.0), -1), (-1.0, 0), (-0.9921875, 1), (below(-0.9921875), 0), (-0.25, 96),
+             (below(0.0), 127), (0.0, 128), (-0.0, 128), (0.3, 166), (0.5, 192), (below(0.5), 191), (0.99, 254),
+             (below(0.9921875), 254), (0.9921875, 255), (1.0, 255), (7.0, 255), (float("nan"), 255)]
+    state, bins = torch.tensor([[x for x, _ in cases]]), [[b for _, b in cases]]  # (1, 18) float32
+    assert state_bins(state).tolist() == bins and state_bins(state.double()).tolist() == bins
+
+
+def test_state_bins_match_numpy_digitize_on_float32():
+    """LeRobot's exact call on a float32 state (numpy compares it against float64 edges)."""
+    g = torch.Generator().manual_seed(0)
+    edges = torch.linspace(-1, 1, 257)
+    state = torch.cat([torch.randn(4, 257, generator=g), edges[None], torch.nextafter(edges, edges - 1)[None],
+                       torch.nextafter(edges, edges + 1)[None]])
+    expected = np.digitize(state.numpy(), bins=np.linspace(-1, 1, 256 + 1)[:-1]) - 1
+    assert np.array_equal(state_bins(state), expected)
+
+
+@pytest.mark.parametrize("prompt_first", [False, True])
+def test_pi05_prompt_carries_the_normalized_state_in_json_order(tmp_path, tok, prompt_first):
+    relative = {"enabled": True, "exclude_joints": [], "action_names": None}
+    pre, post = load_pipelines(pi05_folder(tmp_path, tok, relative, prompt_first=prompt_first))
+    order = list(PI05_STEPS)
+    if prompt_first:
+        order[3:5] = order[4], order[3]
+    assert pre.step_names == order
+    assert post.step_names == ["unnormalizer_processor", "absolute_actions_processor", "device_processor"]
+    raw = {**raw_batch(), STATE: torch.tensor([[-2.0, 0.0, 1.0], [3.0, -3.0, 4.0]]),
+           "task": ["pick_up the\ncube\n", "  open_door "]}
+    out = pre(raw)
+    # normalized [[-1, 0, 0.5], [1.5, -1.5, 2]] -> bins [[0, 128, 192], [255, -1, 255]]; raw: [[-1, 128, 255], ...]
+    states = ["-1 128 255", "255 -1 255"] if prompt_first else ["0 128 192", "255 -1 255"]
+    assert out["task"] == [f"Task: pick up the cube, State: {states[0]};\nAction: ",
+                           f"Task: open door, State: {states[1]};\nAction: "]
+    assert raw["task"] == ["pick_up the\ncube\n", "  open_door "]
+    torch.testing.assert_close(out[STATE], raw[STATE] / 2)
+    enc = pre.tokenizer(out["task"], max_length=48, padding="max_length", truncation=True, return_tensors="pt")
+    assert torch.equal(out[LANG_TOKENS], enc["input_ids"]) and torch.equal(out[LANG_MASK], enc["attention_mask"].bool())
+    shifted = raw[ACTION] - raw[STATE][:, None, :]  # relative to the raw state, then QUANTILES
+    torch.testing.assert_close(out[ACTION], FORMULA["QUANTILES"](shifted, PI05_STATS[ACTION]))
+    torch.testing.assert_close(post(out[ACTION]), raw[ACTION])
+
+
+def test_pi05_prompt_options(tmp_path, tok):
+    """max_state_dim is inert (0.6.1 never reads it); task_key names the key the prompt is read from and written to."""
+    relative = {"enabled": False, "exclude_joints": [], "action_names": None}
+    raw = {**raw_batch(1), STATE: torch.tensor([[0.0, 1.0, -1.0]]), "task": "reach"}
+    default, _ = load_pipelines(pi05_folder(tmp_path / "default", tok, relative))
+    sized, _ = load_pipelines(pi05_folder(tmp_path / "sized", tok, relative, {"max_state_dim": 8, "task_key": "task"}))
+    assert default(raw)["task"] == sized(raw)["task"] == ["Task: reach, State: 128 192 64;\nAction: "]
+    other, _ = load_pipelines(pi05_folder(tmp_path / "other", tok, relative, {"task_key": "timestamp"}))
+    with pytest.raises(VlaforgeError, match=r"reads raw\['timestamp'\], one str per state row \(1\), and got NoneType"):
+        other(raw)
+
+
+PI05_REFUSALS = {  # raw batch edit -> what the one-line message says
+    "no state": (lambda r: r.pop(STATE), ["(B, state_dim) observation.state", "got NoneType"]),
+    "a (B, T, D) state": (lambda r: r.update({STATE: torch.zeros(2, 2, 3)}), ["got shape (2, 2, 3)"]),
+    "no task": (lambda r: r.pop("task"), ["raw['task']", "got NoneType"]),
+    "fewer tasks than states": (lambda r: r.update(task=["reach"]), ["one str per state row (2)", "got list of 1"]),
+}
+
+
+@pytest.mark.parametrize("case", list(PI05_REFUSALS))
+def test_pi05_prompt_refusals(tmp_path, tok, case):
+    pre, _ = load_pipelines(pi05_folder(tmp_path, tok, {"enabled": False, "exclude_joints": [], "action_names": None}))
+    raw = raw_batch()
+    edit, says = PI05_REFUSALS[case]
+    edit(raw)
+    with pytest.raises(VlaforgeError) as err:
+        pre(raw)
+    message = str(err.value)
+    assert "\n" not in message and PI05_PROMPT in message and all(s in message for s in says), message
+
+
+def test_pi05_prompt_refuses_an_option_it_lacks(tmp_path, tok):
+    folder = pi05_folder(tmp_path, tok, {"enabled": False, "exclude_joints": [], "action_names": None},
+                         {"max_state_dim": 32, "state_bins": 128})
+    with pytest.raises(VlaforgeError, match=rf"step 4 \({PI05_PROMPT}\) sets option 'state_bins' = 128, .* "
+                       rf"supported options of {PI05_PROMPT}: task_key"):
+        load_pipelines(folder)
 
 
 def _edit(folder: Path, name: str, fn) -> None:

@@ -381,6 +381,9 @@ class PolicyVLA(nn.Module):
         from vlaforge.data.tokenizer import TextTokenizer
 
         pre = self.pipelines[0]
+        if self.composition.state_token is None:
+            raise VlaforgeError("fine-tuning pi0.5 is not built yet: its prompt carries the discretized state of each "
+                                "frame, which vlaforge's data pipeline does not write; serve or evaluate it as it is")
         tok = pre.tokenizer
         if getattr(pre, "padding_side", "right") != "right":
             raise VlaforgeError("the policy's tokenizer step pads on the left; vlaforge's data pipeline pads "

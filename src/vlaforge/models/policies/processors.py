@@ -1,7 +1,7 @@
 """LeRobot 0.6.1's policy processor pipelines, read natively: `policy_preprocessor.json` / `policy_postprocessor.json`
 and the `<pipeline>_step_<i>_<registry_name>.safetensors` state files they name, run in the JSON's step order with
 LeRobot's arithmetic (a step or behaviour-changing option vlaforge lacks is refused in one line at load, never
-skipped); plus the image / vector helpers the policies apply in the model (`resize_with_pad*`, `pad_vector`)."""
+skipped). The image / vector helpers the policies apply inside the model are in `images.py`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from vlaforge.errors import VlaforgeError, first_line
@@ -39,49 +39,6 @@ TOKENIZER_SETTING = "model.lerobot.tokenizer"
 
 class DegenerateStatsWarning(UserWarning):
     """A normalized feature's range is zero in some dims (std 0, max == min, q99 == q01): LeRobot divides by eps."""
-
-
-def resize_with_pad(img: Tensor, height: int, width: int, pad_value: float) -> Tensor:
-    """SmolVLA's resize: (B, C, H, W) scaled bilinearly to fit (height, width) keeping its aspect ratio, then padded
-    with `pad_value` on the LEFT and TOP (LeRobot's `vla_utils.resize_with_pad`); returned as is at the target size."""
-    if img.ndim != 4:
-        raise ValueError(f"resize_with_pad expects (B, C, H, W), got {tuple(img.shape)}")
-    cur_h, cur_w = img.shape[2:]
-    if cur_h == height and cur_w == width:
-        return img
-    ratio = max(cur_w / width, cur_h / height)
-    new_h, new_w = int(cur_h / ratio), int(cur_w / ratio)
-    resized = F.interpolate(img, size=(new_h, new_w), mode="bilinear", align_corners=False)
-    return F.pad(resized, (max(0, width - new_w), 0, max(0, height - new_h), 0), value=pad_value)
-
-
-def resize_with_pad_centered(images: Tensor, height: int, width: int, mode: str = "bilinear") -> Tensor:
-    """pi0's (openpi's `resize_with_pad_torch`) resize: [*b, H, W, C] (last dim <= 4) or [*b, C, H, W], a 3-D input
-    gaining a batch dim it keeps; float32 is clamped to [0, 1] after the resize (uint8 rounded to [0, 255]), then
-    padded with 0 centred (the odd pixel at the bottom / right). Same layout out as in."""
-    channels_last = images.shape[-1] <= 4
-    images = images.unsqueeze(0) if images.dim() == 3 else images
-    images = images.permute(0, 3, 1, 2) if channels_last else images  # (B, H, W, C) -> (B, C, H, W)
-    cur_h, cur_w = images.shape[2:]
-    ratio = max(cur_w / width, cur_h / height)
-    new_h, new_w = int(cur_h / ratio), int(cur_w / ratio)
-    resized = F.interpolate(images, size=(new_h, new_w), mode=mode,
-                            align_corners=False if mode == "bilinear" else None)
-    if images.dtype == torch.uint8:
-        resized = torch.round(resized).clamp(0, 255).to(torch.uint8)
-    elif images.dtype == torch.float32:
-        resized = resized.clamp(0.0, 1.0)
-    else:
-        raise ValueError(f"resize_with_pad_centered takes uint8 or float32 images, got {images.dtype}")
-    (top, odd_h), (left, odd_w) = divmod(height - new_h, 2), divmod(width - new_w, 2)
-    padded = F.pad(resized, (left, left + odd_w, top, top + odd_h), value=0 if images.dtype == torch.uint8 else 0.0)
-    return padded.permute(0, 2, 3, 1) if channels_last else padded
-
-
-def pad_vector(x: Tensor, dim: int) -> Tensor:
-    """The last dim of `x` zero-padded to `dim`; a vector already that long or longer is returned unchanged (openpi's
-    `pad_vector`, LeRobot's with truncate=False)."""
-    return x if x.shape[-1] >= dim else F.pad(x, (0, dim - x.shape[-1]))
 
 
 def normalize(x: Tensor, stats: dict[str, Tensor], mode: str, eps: float, *, inverse: bool = False) -> Tensor:
@@ -160,6 +117,36 @@ def _new_line(b: dict[str, Any]) -> dict[str, Any]:
     if isinstance(task, list) and all(isinstance(x, str) for x in task):
         return {**b, "task": [x if x.endswith("\n") else x + "\n" for x in task]}
     return b
+
+
+def state_bins(state: Tensor) -> np.ndarray:
+    """pi0.5's state bins (openpi's `PaligemmaTokenizer`), LeRobot's `digitize(state, linspace(-1, 1, 257)[:-1]) - 1`:
+    [-1, 1) in 256 bins 1/128 wide, a value on an edge in the bin it opens, below -1 -> -1, from 1 - 1/128 up -> 255
+    (NaN too). (B, D) in, (B, D) int64 out. Cast to float64 first, as numpy compares against its float64 edges."""
+    edges = np.linspace(-1, 1, 256 + 1)[:-1]
+    return np.digitize(state.detach().to("cpu", torch.float64).numpy(), bins=edges) - 1
+
+
+@dataclass
+class _StatePrompt:
+    r"""`pi05_prepare_state_tokenizer_processor_step`: each task becomes "Task: {task}, State: {bins};\nAction: ", the
+    task stripped, '_' and newlines made spaces, the (already normalized) state row's `state_bins` joined by spaces."""
+    task_key: str
+
+    def __call__(self, b: dict[str, Any]) -> dict[str, Any]:
+        state, tasks, name = b.get(OBS_STATE), b.get(self.task_key), "pi05_prepare_state_tokenizer_processor_step"
+        if not isinstance(state, Tensor) or state.ndim != 2:
+            got = f"shape {tuple(state.shape)}" if isinstance(state, Tensor) else type(state).__name__
+            raise VlaforgeError(f"the pre-processor's {name} reads a (B, state_dim) {OBS_STATE} and got {got}; pass "
+                                "the robot state there, normalized by the steps before it (pi0.5 prompts with it)")
+        if not (isinstance(tasks, list | tuple) and all(isinstance(x, str) for x in tasks)
+                and len(tasks) == state.shape[0]):
+            got = type(tasks).__name__ + (f" of {len(tasks)}" if isinstance(tasks, list | tuple) else "")
+            raise VlaforgeError(f"the pre-processor's {name} reads raw[{self.task_key!r}], one str per state row "
+                                f"({state.shape[0]}), and got {got}; pass the task instruction there")
+        rows = [" ".join(map(str, r)) for r in state_bins(state).tolist()]  # a host copy, as LeRobot's .numpy()
+        clean = [t.strip().replace("_", " ").replace("\n", " ") for t in tasks]
+        return {**b, self.task_key: [f"Task: {t}, State: {r};\nAction: " for t, r in zip(clean, rows, strict=True)]}
 
 
 @dataclass
@@ -419,6 +406,9 @@ STEPS: dict[str, tuple[dict[str, Any], dict[str, Any], Callable[[_Load, dict, di
     "to_batch_processor": ({}, {}, lambda ld, o, e: _add_batch_dim),
     "smolvla_new_line_processor": ({}, {}, lambda ld, o, e: _new_line),
     "pi0_new_line_processor": ({}, {}, lambda ld, o, e: _new_line),
+    # NOTE: LeRobot 0.6.1 saves this step's config as {} and never reads max_state_dim: any value is inert
+    "pi05_prepare_state_tokenizer_processor_step": ({"task_key": "task"}, {"max_state_dim": _ANY},
+                                                    lambda ld, o, e: _StatePrompt(o["task_key"])),
     "tokenizer_processor": ({"tokenizer_name": None, "max_length": 512, "task_key": "task", "padding_side": "right",
                              "padding": "max_length", "truncation": True}, {"tokenizer": (None,)}, _build_tokenizer),
     "device_processor": ({"device": "cpu", "float_dtype": None}, {}, _build_device),
