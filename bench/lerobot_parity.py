@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    for kind in ("smolvla", "smolvla_half", "pi0"):
+    for kind in ("smolvla", "smolvla_half", "pi0", "pi05"):
         print(json.dumps(measure(kind, args.root)), flush=True)
 
 

@@ -2,8 +2,9 @@
 (tests/lerobot_env061/requirements.txt); its scripts run on this interpreter in subprocesses with that folder first
 on PYTHONPATH (vlaforge never imports lerobot).
 
-- `policy_folder(kind, root)`: a tiny SmolVLA / SmolVLA with half the expert layers / pi0 written by LeRobot's own
-  `save_pretrained` (tests/lerobot_env061/make_policy.py), built once per session and shared by the xdist workers;
+- `policy_folder(kind, root)`: a tiny SmolVLA / SmolVLA with half the expert layers / pi0 / pi0.5 written by LeRobot's
+  own `save_pretrained` (tests/lerobot_env061/make_policy.py), built once per session and shared by the xdist
+  workers;
 - `reference(kind, root, inputs, tasks)`: LeRobot's preprocessor outputs, losses, gradients, sampled actions and
   postprocessed actions for one batch (tests/lerobot_env061/reference.py), cached on disk per input content;
 - `sample_inputs()`: a standard batch for `reference`.
@@ -27,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / ".venv" / "lerobot061"
 SCRIPTS = Path(__file__).resolve().parent / "lerobot_env061"
-KINDS = ("smolvla", "smolvla_half", "pi0")
+KINDS = ("smolvla", "smolvla_half", "pi0", "pi05")
 CAMERAS = ("observation.images.top", "observation.images.wrist")
 IMAGE_SHAPE = (3, 24, 32)
 STATE_DIM = ACTION_DIM = 6

@@ -19,7 +19,7 @@ from vlaforge.models.policies.model import PolicyVLA
 
 pytestmark = pytest.mark.xdist_group("lerobot061")
 
-KINDS = ("smolvla", "pi0")
+KINDS = ("smolvla", "pi0", "pi05")
 TOL = 1e-5
 
 

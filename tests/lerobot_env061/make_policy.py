@@ -2,15 +2,18 @@
 its pre/post processor pipelines (the policy's `make_*_pre_post_processors` with seeded dataset stats).
 
 usage: PYTHONPATH=.venv/lerobot061:tests/lerobot_env061 python tests/lerobot_env061/make_policy.py KIND OUT
-KIND: smolvla | smolvla_half (an expert layer every other VLM layer; self-attention every 4th) | pi0
+KIND: smolvla | smolvla_half (an expert layer every other VLM layer; self-attention every 4th) | pi0 | pi05 (pi0.5)
 
 OUT/policy/     config.json, model.safetensors, policy_preprocessor.json, policy_postprocessor.json + state files
 OUT/vlm/        (smolvla*) the tiny SmolVLM (config, random weights, tokenizer, processor) SmolVLA builds from
-OUT/tokenizer/  (pi0) the tiny tokenizer the saved preprocessor's tokenizer step names (instead of PaliGemma's)
-OUT/sizes.json  (pi0) the sizes tiny_pi0.py builds the `gemma_2b` / `gemma_300m` variants and SigLIP at
+OUT/tokenizer/  (pi0*) the tiny tokenizer the saved preprocessor's tokenizer step names (instead of PaliGemma's)
+OUT/sizes.json  (pi0*) the sizes tiny_pi0.py builds the `gemma_2b` / `gemma_300m` variants and SigLIP at
 OUT/info.json   kind, versions, parameter count
 Features: cameras observation.images.top / .wrist (3, 24, 32), observation.state (6,), action (6,); chunk 5.
-Every parameter is perturbed with seeded noise before saving (LeRobot zero-inits some norms): same folder every run.
+Every parameter is perturbed with seeded noise before saving (LeRobot zero-inits some norms, and pi0.5's adaRMS
+`dense` layers): same folder every run.
+pi05 keeps LeRobot's default normalization (QUANTILES for state and action) and writes the discretized state into
+the prompt ("Task: ..., State: 12 200 ...;\nAction: "), tokenized to PI05_TOKENIZER_MAX_LENGTH tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-KINDS = ("smolvla", "smolvla_half", "pi0")
+KINDS = ("smolvla", "smolvla_half", "pi0", "pi05")
 CAMERAS = ("observation.images.top", "observation.images.wrist")
 IMAGE_SHAPE = (3, 24, 32)  # not square: resize-with-padding pads
 STATE_DIM = ACTION_DIM = 6
@@ -42,6 +45,11 @@ COMMON = dict(chunk_size=CHUNK, n_action_steps=CHUNK, max_state_dim=8, max_actio
 # self-attends at VLM layer 0, expert 1 cross-attends at layer 2, layers 1 and 3 cross-attend without an expert.
 SMOLVLA_LAYERS = {"smolvla": dict(num_expert_layers=-1, self_attn_every_n_layers=2),
                   "smolvla_half": dict(num_expert_layers=2, self_attn_every_n_layers=4)}
+# pi0.5's prompt "Task: {task}, State: {bins};\nAction: " holds the 6 state values' bin indices (np.digitize into 256
+# bins of [-1, 1] minus 1: -1 ... 255, -1 and 255 for states outside [q01, q99]); with the tiny pi05 tokenizer (digits,
+# spaces, punctuation single tokens) the 4 standard tasks take 42 to 65 tokens (<bos> included; 65: "open the top
+# drawer and then close it" with six 3-digit bins), so 80 never truncates them (the step pads to max_length)
+PI05_TOKENIZER_MAX_LENGTH = 80
 # a BPE over these words and every printable character (so any task tokenizes without <unk>)
 WORDS = ("open close the door drawer press button reach goal pick place put move push pull left right up down red "
          "green blue cube block top wrist and then a of to").split()
@@ -49,16 +57,22 @@ STAT_KEYS = ("min", "q01", "q10", "q50", "q90", "q99", "max")
 STAT_Z = (-2.6, -2.33, -1.28, 0.0, 1.28, 2.33, 2.6)  # normal quantiles of the keys above (min/max a bit beyond)
 
 
-def bpe_tokenizer(special: list[str], bos: str | None = None, **tokens):
-    """A small BPE `PreTrainedTokenizerFast`; `bos`: a token the tokenizer prepends (Gemma's tokenizers do)."""
+def bpe_tokenizer(special: list[str], bos: str | None = None, spaces: bool = False, **tokens):
+    """A small BPE `PreTrainedTokenizerFast`; `bos`: a token the tokenizer prepends (Gemma's tokenizers do);
+    `spaces`: every space is a token too (else spaces only separate words)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     # words, punctuation and newlines (the pipelines' newline steps end every task with "\n": it is a token, as in
-    # the real tokenizers, so a reader that forgets the step differs); other whitespace separates
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+|\n"), behavior="removed", invert=True)
-    alphabet = list(string.ascii_letters + string.digits + string.punctuation + "\n")
+    # the real tokenizers, so a reader that forgets the step differs); other whitespace separates, or with `spaces`
+    # each space is a token as well (pi0.5's prompt "State: 12 200;\nAction: ": digits are single tokens, so only
+    # the spaces tell "1 22" from "12 2", and a missing space in the prompt changes the tokens)
+    pattern, alphabet = r"\w+|[^\w\s]+|\n", string.ascii_letters + string.digits + string.punctuation + "\n"
+    if spaces:
+        pattern, alphabet = pattern + "| ", alphabet + " "
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True)
+    alphabet = list(alphabet)
     tok.train_from_iterator([" ".join(WORDS) + "\n"] * 4, trainers.BpeTrainer(vocab_size=256, special_tokens=special,
                                                                         initial_alphabet=alphabet, show_progress=False))
     if bos:
@@ -142,6 +156,7 @@ def perturb(policy, seed: int = 1) -> None:
         for name, p in policy.named_parameters():
             scale = 0.1 if "norm" in name else 0.02
             p.add_(scale * torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype))
+            assert p.count_nonzero() == p.numel(), f"{name} still has zeros"
 
 
 def build(kind: str, out: Path) -> dict:
@@ -164,32 +179,42 @@ def build(kind: str, out: Path) -> dict:
         pre, post = make_smolvla_pre_post_processors(config, dataset_stats=stats)
     else:
         import tiny_pi0
-        from lerobot.policies.pi0 import processor_pi0
-        from lerobot.policies.pi0.configuration_pi0 import PI0Config
-        from lerobot.policies.pi0.modeling_pi0 import PI0Policy
 
-        tokenizer = bpe_tokenizer(["<pad>", "<bos>", "<eos>", "<unk>"], bos="<bos>", pad_token="<pad>",
-                                  bos_token="<bos>", eos_token="<eos>")
+        tokenizer = bpe_tokenizer(["<pad>", "<bos>", "<eos>", "<unk>"], bos="<bos>", spaces=kind == "pi05",
+                                  pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
         tokenizer_dir = (out / "tokenizer").resolve()
         tokenizer.save_pretrained(tokenizer_dir)
         sizes = tiny_pi0.sizes(len(tokenizer))
         (out / "sizes.json").write_text(json.dumps(sizes, indent=1) + "\n")
         tiny_pi0.apply(sizes)
-        config = PI0Config(**COMMON, **features(), image_resolution=(32, 32), num_inference_steps=3)
+        if kind == "pi0":
+            from lerobot.policies.pi0 import processor_pi0 as processor
+            from lerobot.policies.pi0.configuration_pi0 import PI0Config as Config
+            from lerobot.policies.pi0.modeling_pi0 import PI0Policy as Policy
+
+            make_processors, common = processor.make_pi0_pre_post_processors, COMMON
+        else:
+            from lerobot.policies.pi05 import processor_pi05 as processor
+            from lerobot.policies.pi05.configuration_pi05 import PI05Config as Config
+            from lerobot.policies.pi05.modeling_pi05 import PI05Policy as Policy
+
+            make_processors = processor.make_pi05_pre_post_processors
+            common = {**COMMON, "tokenizer_max_length": PI05_TOKENIZER_MAX_LENGTH}
+        config = Config(**common, **features(), image_resolution=(32, 32), num_inference_steps=3)
         torch.manual_seed(0)
-        policy = PI0Policy(config)
+        policy = Policy(config)
         # the pipeline's tokenizer step names google/paligemma-3b-pt-224 (a hub download): built with the local one
-        real_step = processor_pi0.TokenizerProcessorStep
+        real_step = processor.TokenizerProcessorStep
 
         def local_tokenizer_step(**kwargs):
             assert kwargs.pop("tokenizer_name") == "google/paligemma-3b-pt-224"
             return real_step(tokenizer_name=str(tokenizer_dir), **kwargs)
 
-        processor_pi0.TokenizerProcessorStep = local_tokenizer_step
+        processor.TokenizerProcessorStep = local_tokenizer_step
         try:
-            pre, post = processor_pi0.make_pi0_pre_post_processors(config, dataset_stats=stats)
+            pre, post = make_processors(config, dataset_stats=stats)
         finally:
-            processor_pi0.TokenizerProcessorStep = real_step
+            processor.TokenizerProcessorStep = real_step
     perturb(policy)
     policy.save_pretrained(out / "policy")
     pre.save_pretrained(out / "policy")

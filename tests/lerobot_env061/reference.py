@@ -1,5 +1,5 @@
 """LeRobot 0.6.1's own numbers for a policy folder of make_policy.py: loads it with LeRobot's `from_pretrained`
-(pi0: with tiny_pi0.py's patch at the folder's sizes.json) and its processors with
+(pi0, pi05: with tiny_pi0.py's patch at the folder's sizes.json) and its processors with
 `PolicyProcessorPipeline.from_pretrained` (through LeRobot's `make_pre_post_processors(pretrained_path=...)`), and
 runs the batch in INPUTS through them: fp32, CPU, `torch.manual_seed(0)`.
 
@@ -10,6 +10,7 @@ raw, noise (B,5,8), time (B,), optional action_is_pad (B,5) bool; metadata {"tas
 OUT (safetensors):
   pre.<key>   every tensor the preprocessor returns for the training batch
   losses      policy.model.forward(...) per element (B,5,8), inputs prepared as the policy's forward prepares them
+              (pi05: no state argument, the state is in the prompt)
   loss        policy.forward(pre batch) with that noise and time (train mode); also in the metadata
   grad.<name> every parameter's gradient after loss.backward(), named as in the policy's state_dict
   sample      policy.model.sample_actions(..., noise=noise) in eval mode, untruncated (B,5,8)
@@ -43,7 +44,7 @@ def load_policy(policy_dir: Path):
     from lerobot.policies.factory import get_policy_class
 
     config = PreTrainedConfig.from_pretrained(policy_dir)
-    if config.type == "pi0":
+    if config.type in ("pi0", "pi05"):
         import tiny_pi0
 
         tiny_pi0.apply(json.loads((policy_dir.parent / "sizes.json").read_text()))
@@ -66,13 +67,14 @@ def step_names(pipeline) -> list[str]:
 
 
 def prepare(policy, batch):
-    """Images, masks, language, state as the policy's own forward / predict_action_chunk prepare them."""
+    """Images, masks, language, state as the policy's own forward / predict_action_chunk prepare them (pi05: no
+    state; its preprocessor wrote the discretized state into the prompt)."""
     from lerobot.utils.constants import OBS_LANGUAGE_ATTENTION_MASK, OBS_LANGUAGE_TOKENS
 
     images, img_masks = (policy._preprocess_images(batch) if hasattr(policy, "_preprocess_images")
                          else policy.prepare_images(batch))
-    return (images, img_masks, batch[OBS_LANGUAGE_TOKENS], batch[OBS_LANGUAGE_ATTENTION_MASK],
-            policy.prepare_state(batch))
+    prepared = (images, img_masks, batch[OBS_LANGUAGE_TOKENS], batch[OBS_LANGUAGE_ATTENTION_MASK])
+    return prepared if policy.name == "pi05" else (*prepared, policy.prepare_state(batch))
 
 
 def run(policy_dir: Path, inputs_path: Path, out_path: Path) -> dict:
@@ -94,7 +96,7 @@ def run(policy_dir: Path, inputs_path: Path, out_path: Path) -> dict:
     with torch.no_grad():
         out["losses"] = policy.model.forward(*prepare(policy, batch), policy.prepare_action(batch), noise.clone(),
                                              time.clone())
-    # pi0's forward / predict_action_chunk take no noise: pin its samplers on the instance
+    # pi0's and pi05's forward / predict_action_chunk take no noise: pin their samplers on the instance
     policy.model.sample_noise = lambda shape, device: noise.clone().to(device)
     policy.model.sample_time = lambda bsize, device: time.clone().to(device)
     kwargs = {"noise": noise.clone(), "time": time.clone()} if policy.name == "smolvla" else {}
