@@ -128,6 +128,45 @@ def test_model_summary_cli_vla_70b():
     assert rows["total"]["bf16_bytes"] == 2 * rows["total"]["params"]
 
 
+@pytest.mark.parametrize("flavor, components, lerobot_total", [
+    ("pi0", {"vision": 412_442_352, "projector": 2_361_344, "llm": 2_508_531_712, "action_head": 314_713_120},
+     3_501_372_176),  # + the action expert's LM head (257,152 x 1,024), which LeRobot builds and never calls
+    ("smolvla", {"vision": 86_433_024, "projector": 11_796_480, "llm": 251_935_680, "action_head": 99_880_992}, None),
+])
+def test_lerobot_policy_flavors_are_the_policies_at_their_published_sizes(flavor, components, lerobot_total):
+    """`pi0` and `smolvla` are LeRobot's architectures (VLM + action expert) at LeRobot 0.6.1's defaults, built under
+    fake tensors: pi0 3,238,048,528 parameters (3,501,372,176 in LeRobot), SmolVLA 450,046,176 (LeRobot's module
+    built from the same configs counts the same)."""
+    from vlaforge.models.policies.model import PolicyVLA
+
+    model = build_vla(load_config(None, {"model": {"flavor": flavor}}).model, fake=True)
+    assert isinstance(model, PolicyVLA) and model.spec.family == flavor
+    proc = run_cli("model", "summary", flavor, "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["policy"] == flavor and summary["description"].startswith("LeRobot's")
+    assert {c: summary["components"][c]["params"] for c in COMPONENTS} == components
+    assert summary["components"]["total"]["params"] == sum(components.values())
+    assert summary.get("lerobot", {}).get("total") == lerobot_total
+    if lerobot_total:
+        from vlaforge.models.summary import render_summary
+
+        assert f"{lerobot_total:,} parameters in LeRobot" in render_summary(summary)
+
+
+@pytest.mark.parametrize("args, flavor", [
+    (("plan", "--model", "pi0"), "pi0"),
+    (("profile", "--fake", "--model.flavor=pi0"), "pi0"),
+    (("train", "recipes/tiny_synthetic.toml", "--model.flavor=smolvla"), "smolvla"),
+], ids=["plan", "profile", "train"])
+def test_what_cannot_handle_a_policy_flavor_refuses_it_naming_the_vlm_flavor(args, flavor, tmp_path):
+    proc = run_cli(*args, f"--train.output_dir={tmp_path / 'run'}" if args[0] == "train" else "--json")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip()
+    assert "\n" not in line and f"'{flavor}' is LeRobot's" in line and f"{flavor}_vlm" in line, line
+    assert not (tmp_path / "run").exists()
+
+
 def test_prediction_path_equals_the_training_forward(tmp_path):
     """`predict_actions` (vision tokens -> LLM body -> head; padding trimmed, no logits) gives the actions the
     training forward's LLM pass gives to the head, with and without instruction padding."""

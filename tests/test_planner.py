@@ -375,7 +375,7 @@ def test_a_conv_stem_s_activation_bytes_equal_the_accounting(precision):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flavor", ["tiny", "small", "vla-7b", "vla-30b", "vla-70b", "smolvla"])
+@pytest.mark.parametrize("flavor", ["tiny", "small", "vla-7b", "vla-30b", "vla-70b", "smolvla_vlm"])
 @pytest.mark.parametrize("frames", [1, 4])
 def test_whole_model_activation_bytes_within_5_percent_of_fake_measurement(flavor, frames):
     """The issue's criterion: every flavor x strategy (none, full, selective) x frames (1, 4) at 8k tokens (tiny:
@@ -426,8 +426,8 @@ def _counted_flops(flavor: str, seq: int | None, components: dict):
     ("vla-7b", 4096, {"llm": {"checkpointing": "full"}}),
     # SmolVLA's pixel shuffle + one linear: 1024 tower patches per image, 64 LLM tokens; frozen tower: the linear's
     # input gradient is not computed
-    ("smolvla", 1024, {"vision": {"checkpointing": "full"}}),
-    ("smolvla", 1024, {"vision": {"trainable": False}}),
+    ("smolvla_vlm", 1024, {"vision": {"checkpointing": "full"}}),
+    ("smolvla_vlm", 1024, {"vision": {"trainable": False}}),
 ], ids=["none", "full", "selective", "selective_attn", "selective_ffn", "frozen-vision", "vla-7b-full", "smolvla-full",
         "smolvla-frozen-vision"])
 def test_step_flops_equal_the_flop_counter(flavor, seq, components):

@@ -215,10 +215,10 @@ def plan(model: str = typer.Option("vla-7b", help=f"a flavor ({' | '.join(FLAVOR
                                                                 "(its '# vlaforge plan:' first line), else refused"),
          plot: Optional[Path] = typer.Option(None, help="save the best candidate's per-GPU memory chart (PNG); an "
                                                         "existing file is replaced only if plan wrote it"),
-         whitepaper: Optional[Path] = typer.Option(None, help="generate the configuration white paper (SmolVLA, "
-                                                              "pi0, Qwen2.5-VL-3B, OpenVLA-7B, 7B/30B/70B x 1/8 "
-                                                              "frames x 8xA100-80, 8xH100, 4x8xH100) to this Markdown "
-                                                              "file and exit")):
+         whitepaper: Optional[Path] = typer.Option(None, help="generate the configuration white paper (SmolVLA's "
+                                                              "and pi0's VLM shapes, Qwen2.5-VL-3B, OpenVLA-7B, "
+                                                              "7B/30B/70B x 1/8 frames x 8xA100-80, 8xH100, "
+                                                              "4x8xH100) to this Markdown file and exit")):
     """Plan memory and throughput per GPU for a VLA on a cluster, and recommend the fastest configuration that fits:
     layout (FSDP2 / HSDP / DDP, tp, pp, cp), precision, checkpointing, offload, micro-batch and accumulation (and,
     with --lora R, LoRA / QLoRA of rank R)."""

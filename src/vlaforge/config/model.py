@@ -30,7 +30,8 @@ class VisionSource(PretrainedSource):
 class LeRobotSource(Section):
     pretrained: str | None = Field(
         None, description="a folder LeRobot 0.6.x wrote (save_pretrained / lerobot-train): config.json with type "
-                          "smolvla, pi0 or pi05, model.safetensors, policy_preprocessor.json / policy_postprocessor.json. "
+                          "smolvla, pi0 or pi05, model.safetensors, policy_preprocessor.json / "
+                          "policy_postprocessor.json. "
                           "The policy is the model (its VLM, expert and pipelines; docs/lerobot_policies.md); "
                           "excludes model.vlm / vision / llm .pretrained")
     vlm: str | None = Field(None, description="SmolVLA: a local copy of the VLM its config.json's vlm_model_name "

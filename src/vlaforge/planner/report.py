@@ -143,7 +143,7 @@ def plot(e: Estimate, path: str | Path, title: str) -> Path:
     return Path(path)
 
 
-WHITEPAPER_MODELS = ("smolvla", "pi0", "qwen2.5-vl-3b", "openvla-7b", "vla-7b", "vla-30b", "vla-70b")
+WHITEPAPER_MODELS = ("smolvla_vlm", "pi0_vlm", "qwen2.5-vl-3b", "openvla-7b", "vla-7b", "vla-30b", "vla-70b")
 WHITEPAPER_FRAMES = (1, 8)
 
 

@@ -311,6 +311,7 @@ def build_policy(cfg: dict, over: Overrides, fake: bool = False) -> PolicyVLA:
     """The family's modules, sized from config.json, composed (weights random: the reader fills them)."""
     fam = family_of(cfg.get("type"), "config.json")
     parts, spec = fam.build(cfg, over, fake)
+    parts["llm"].tie_weights()  # NOTE: transformers' no_init_weights (a fake build) also skips the tying
     blocks, norm, state_in, state_out, width = parts.pop("action_head")
     head = ExpertHead(blocks, norm, state_in, state_out, width, spec.max_action_dim, spec.chunk, spec.action_dim,
                       fam.composition.time_conditioning)
