@@ -131,12 +131,17 @@ def test_model_summary_cli_vla_70b():
 @pytest.mark.parametrize("flavor, components, lerobot_total", [
     ("pi0", {"vision": 412_442_352, "projector": 2_361_344, "llm": 2_508_531_712, "action_head": 314_713_120},
      3_501_372_176),  # + the action expert's LM head (257,152 x 1,024), which LeRobot builds and never calls
+    # pi0.5: pi0's VLM; the expert's norms are adaRMS (a width -> 3 x width dense each, no weight), no state
+    # projection, one time MLP (width -> width twice) in place of pi0's action-time MLP
+    ("pi05", {"vision": 412_442_352, "projector": 2_361_344, "llm": 2_508_531_712, "action_head": 430_098_464},
+     3_616_757_520),
     ("smolvla", {"vision": 86_433_024, "projector": 11_796_480, "llm": 251_935_680, "action_head": 99_880_992}, None),
 ])
 def test_lerobot_policy_flavors_are_the_policies_at_their_published_sizes(flavor, components, lerobot_total):
-    """`pi0` and `smolvla` are LeRobot's architectures (VLM + action expert) at LeRobot 0.6.1's defaults, built under
-    fake tensors: pi0 3,238,048,528 parameters (3,501,372,176 in LeRobot), SmolVLA 450,046,176 (LeRobot's module
-    built from the same configs counts the same)."""
+    """`pi0`, `pi05` and `smolvla` are LeRobot's architectures (VLM + action expert) at LeRobot 0.6.1's defaults,
+    built under fake tensors: pi0 3,238,048,528 parameters (3,501,372,176 in LeRobot), pi0.5 3,353,433,872
+    (3,616,757,520 in LeRobot), SmolVLA 450,046,176 (LeRobot's module built from the same configs on the meta device
+    counts the same, PaliGemma's LM head counted once with the embeddings it is tied to in vlaforge)."""
     from vlaforge.models.policies.model import PolicyVLA
 
     model = build_vla(load_config(None, {"model": {"flavor": flavor}}).model, fake=True)
@@ -158,12 +163,16 @@ def test_lerobot_policy_flavors_are_the_policies_at_their_published_sizes(flavor
     (("plan", "--model", "pi0"), "pi0"),
     (("profile", "--fake", "--model.flavor=pi0"), "pi0"),
     (("train", "recipes/tiny_synthetic.toml", "--model.flavor=smolvla"), "smolvla"),
-], ids=["plan", "profile", "train"])
+    (("plan", "--model", "pi05"), "pi05"),
+    (("profile", "--fake", "--model.flavor=pi05"), "pi05"),
+    (("train", "recipes/tiny_synthetic.toml", "--model.flavor=pi05"), "pi05"),
+], ids=["plan", "profile", "train", "plan-pi05", "profile-pi05", "train-pi05"])
 def test_what_cannot_handle_a_policy_flavor_refuses_it_naming_the_vlm_flavor(args, flavor, tmp_path):
     proc = run_cli(*args, f"--train.output_dir={tmp_path / 'run'}" if args[0] == "train" else "--json")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip()
-    assert "\n" not in line and f"'{flavor}' is LeRobot's" in line and f"{flavor}_vlm" in line, line
+    vlm = FLAVORS.get(flavor).vlm_flavor  # pi0.5's VLM is pi0's: pi0_vlm
+    assert "\n" not in line and f"'{flavor}' is LeRobot's" in line and vlm in line, line
     assert not (tmp_path / "run").exists()
 
 

@@ -193,6 +193,10 @@ FLAVORS.add("pi0", replace(
     PI0_VLM, policy="pi0", vlm_flavor="pi0_vlm",
     description="LeRobot's pi0 (3.24B; 3.50B in LeRobot with the expert's unused LM head): PaliGemma-3B + a "
                 "Gemma-300M action expert"))
+FLAVORS.add("pi05", replace(
+    PI0_VLM, policy="pi05", vlm_flavor="pi0_vlm",
+    description="LeRobot's pi0.5 (3.35B; 3.62B in LeRobot with the expert's unused LM head): PaliGemma-3B + a "
+                "Gemma-300M action expert with time-conditioned (adaRMS) norms"))
 
 # OpenVLA-7B: Prismatic's fused DINOv2-L/14 + SigLIP-so400m/14 at 224 px (features concatenated per patch) as one
 # so400m-wide tower of the two towers' parameters and per-patch FLOPs (47 blocks: 0.71B), + Llama-2-7B with the

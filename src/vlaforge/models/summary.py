@@ -19,7 +19,7 @@ def summarize(flavor: str, vision_stem: str = "patch", vlm: str | None = None) -
     """{'flavor', 'components': {name: {'params', 'fp32_bytes', 'bf16_bytes', 'nominal_params'?}}, 'total'};
     `vision_stem`: model.vision_stem (a conv stem has more vision parameters than a patch embedding); `vlm`: a
     whole VLM folder (model.vlm.pretrained) whose tower, connector and language model the components are. A
-    LeRobot policy flavor (pi0, smolvla) adds 'policy' (its LeRobot type) and, where LeRobot's module holds
+    LeRobot policy flavor (pi0, pi05, smolvla) adds 'policy' (its LeRobot type) and, where LeRobot's module holds
     parameters vlaforge does not build, 'lerobot': {'dropped': {what: params}, 'total'}."""
     from vlaforge.config.flavors import FLAVORS
     from vlaforge.config.schema import ModelConfig

@@ -1,21 +1,21 @@
-"""LeRobot's pi0 and SmolVLA at their published sizes, with no folder: the config.json `lerobot-train` writes for a
-policy left at LeRobot 0.6.1's defaults, and the config of the VLM SmolVLA builds from. The `pi0` and `smolvla`
-flavors (config/flavors.py) are these policies (`build_default_policy`; `vlaforge model summary pi0`).
+"""LeRobot's pi0, pi0.5 and SmolVLA at their published sizes, with no folder: the config.json `lerobot-train` writes
+for a policy left at LeRobot 0.6.1's defaults, and the config of the VLM SmolVLA builds from. The `pi0`, `pi05` and
+`smolvla` flavors (config/flavors.py) are these policies (`build_default_policy`; `vlaforge model summary pi0`).
 
 Where the numbers come from:
-- `PI0_CONFIG`, `SMOLVLA_CONFIG`: `draccus.encode(PI0Config(...), PreTrainedConfig)` - what LeRobot's
-  `save_pretrained` writes - of LeRobot 0.6.1's `policies/pi0/configuration_pi0.py` and
-  `policies/smolvla/configuration_smolvla.py` with every field at its default, given one camera
-  `observation.images.base` at the policy's image size (pi0's `image_resolution` (224, 224), SmolVLA's
-  `resize_imgs_with_padding` (512, 512)) and `observation.state` / `action` of max_state_dim / max_action_dim (32).
-  `device` is what LeRobot resolves its default (None) to on a GPU machine.
+- `PI0_CONFIG`, `PI05_CONFIG`, `SMOLVLA_CONFIG`: `draccus.encode(PI0Config(...), PreTrainedConfig)` - what
+  LeRobot's `save_pretrained` writes - of LeRobot 0.6.1's `policies/pi0/configuration_pi0.py`,
+  `policies/pi05/configuration_pi05.py` and `policies/smolvla/configuration_smolvla.py` with every field at its
+  default, given one camera `observation.images.base` at the policy's image size (pi0's and pi0.5's
+  `image_resolution` (224, 224), SmolVLA's `resize_imgs_with_padding` (512, 512)) and `observation.state` / `action`
+  of max_state_dim / max_action_dim (32). `device` is what LeRobot resolves its default (None) to on a GPU machine.
 - `SMOLVLM2_500M`: HuggingFaceTB/SmolVLM2-500M-Video-Instruct's config.json (the `vlm_model_name` SmolVLA defaults
   to), its sizes only: the SigLIP-B/16 tower at 512 px (SmolVLMVisionConfig's defaults for intermediate_size 3072
   and 12 layers, which the file leaves out), the 4 x 4 pixel shuffle, SmolLM2-360M's 32-layer text model (SmolVLA
   keeps the first `num_vlm_layers` = 16) with its 49,280-token vocabulary. `tie_word_embeddings` is false: the VLM
   has its own LM head (SmolVLM2-500M's 507.5 M parameters count it; tied, it would be 460 M), and so does SmolVLA.
-- pi0's sizes are not here: LeRobot builds them from `paligemma_variant` / `action_expert_variant` (`gemma_2b`,
-  `gemma_300m`), which `families.py` holds (`GEMMA_VARIANTS`, `PALIGEMMA_VISION`, `PALIGEMMA_VOCAB`).
+- pi0's and pi0.5's sizes are not here: LeRobot builds them from `paligemma_variant` / `action_expert_variant`
+  (`gemma_2b`, `gemma_300m`), which `families.py` holds (`GEMMA_VARIANTS`, `PALIGEMMA_VISION`, `PALIGEMMA_VOCAB`).
 """
 
 from __future__ import annotations
@@ -55,6 +55,25 @@ PI0_CONFIG = {
     "optimizer_lr": 2.5e-5, "optimizer_betas": [0.9, 0.95], "optimizer_eps": 1e-8, "optimizer_weight_decay": 0.01,
     "optimizer_grad_clip_norm": 1.0, "scheduler_warmup_steps": 1000, "scheduler_decay_steps": 30_000,
     "scheduler_decay_lr": 2.5e-6, "tokenizer_max_length": 48,
+}
+
+# LeRobot 0.6.1, policies/pi05/configuration_pi05.py: PI05Config's defaults. pi0's fields but QUANTILES for state and
+# action, and a 200-token prompt (it carries the discretized state); PI05Config declares `tokenizer_max_length` twice,
+# so draccus writes it where the first declaration stands (after `empty_cameras`)
+PI05_CONFIG = {
+    "type": "pi05", **_BASE, **_features(224),
+    "paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m", "dtype": "float32",
+    "chunk_size": 50, "n_action_steps": 50, "max_state_dim": 32, "max_action_dim": 32,
+    "num_inference_steps": 10, "time_sampling_beta_alpha": 1.5, "time_sampling_beta_beta": 1.0,
+    "time_sampling_scale": 0.999, "time_sampling_offset": 0.001, "min_period": 4e-3, "max_period": 4.0,
+    "use_relative_actions": False, "relative_exclude_joints": ["gripper"], "action_feature_names": None,
+    "rtc_config": None, "image_resolution": [224, 224], "empty_cameras": 0, "tokenizer_max_length": 200,
+    "normalization_mapping": {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"},
+    "gradient_checkpointing": False, "compile_model": False, "compile_mode": "max-autotune",
+    "freeze_vision_encoder": False, "train_expert_only": False,
+    "optimizer_lr": 2.5e-5, "optimizer_betas": [0.9, 0.95], "optimizer_eps": 1e-8, "optimizer_weight_decay": 0.01,
+    "optimizer_grad_clip_norm": 1.0, "scheduler_warmup_steps": 1000, "scheduler_decay_steps": 30_000,
+    "scheduler_decay_lr": 2.5e-6,
 }
 
 # LeRobot 0.6.1, policies/smolvla/configuration_smolvla.py: SmolVLAConfig's defaults
@@ -106,6 +125,13 @@ DEFAULT_POLICIES = {
         # it deletes and whose LM head (vocabulary x expert width, no bias) it never calls
         dropped={"the action expert's LM head":
                  PALIGEMMA_VOCAB * GEMMA_VARIANTS[PI0_CONFIG["action_expert_variant"]]["width"]}),
+    "pi05": DefaultPolicy(
+        config=PI05_CONFIG,
+        architecture="LeRobot's pi0.5: PaliGemma-3B (SigLIP-so400m/14 at 224 px + Gemma-2B) beside a Gemma-300M "
+                     "action expert whose norms the flow time conditions (adaRMS; 18 joint layers, width 1024)",
+        # the same unused expert LM head as pi0's (modeling_pi05.py)
+        dropped={"the action expert's LM head":
+                 PALIGEMMA_VOCAB * GEMMA_VARIANTS[PI05_CONFIG["action_expert_variant"]]["width"]}),
     "smolvla": DefaultPolicy(
         config=SMOLVLA_CONFIG, vlm_config=SMOLVLM2_500M,
         architecture="LeRobot's SmolVLA: SmolVLM2-500M's SigLIP-B/16 at 512 px + pixel shuffle and the first 16 of "
