@@ -81,8 +81,7 @@ class ChunkExecutor:
         if merge not in MERGES:
             raise VlaforgeError(f"merge {merge!r} is not one of {', '.join(MERGES)}")
         if merge == "rtc" and not runtime.supports_prefix:
-            raise VlaforgeError("merge 'rtc' needs a flow-matching action head; this policy's does not sample; use "
-                                "--merge replace or ensemble")
+            raise VlaforgeError(f"merge 'rtc' {runtime.prefix_refusal}; use --merge replace or ensemble")
         if latency_ms < 0 or period_s <= 0:
             raise VlaforgeError("latency_ms must be >= 0 and the control period > 0")
         self.runtime, self.session, self.execute, self.merge = runtime, session, execute, merge

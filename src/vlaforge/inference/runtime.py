@@ -37,6 +37,7 @@ from vlaforge.techniques.quantized_format import place
 
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 BACKENDS = ("auto", "torch", "onnx", "executorch")
+NO_PREFIX = "needs a flow-matching action head; this policy's does not sample"  # why a runtime takes no prefix
 
 
 class PolicyRuntime:
@@ -54,10 +55,11 @@ class PolicyRuntime:
             self.dtype = pick_dtype(dtype, self.device)
             self.model = place(model.eval(), self.device, self.dtype)
             self.supports_prefix = bool(model.action_head.supports_prefix)
+            self.prefix_refusal = getattr(model.action_head, "prefix_refusal", NO_PREFIX)
         else:
             self._check_package_options(model, dtype, compile)
             self.device, self.dtype, self.model = torch.device("cpu"), model.dtype, model
-            self.supports_prefix = model.supports_prefix
+            self.supports_prefix, self.prefix_refusal = model.supports_prefix, NO_PREFIX
         self.spec, self.tokenizer, self.source = spec, tokenizer, source
         self.cameras = [k.removeprefix("observation.images.") for k in spec.cameras]
         self.depth = (spec.frames - 1) * spec.frame_stride + 1
@@ -247,8 +249,7 @@ class PolicyRuntime:
         pre = None
         if prefix is not None:
             if not self.supports_prefix:
-                raise VlaforgeError("a committed-action prefix (merge 'rtc') needs a flow-matching action head; this "
-                                    "policy's does not sample")
+                raise VlaforgeError(f"a committed-action prefix (merge 'rtc') {self.prefix_refusal}")
             t, a = spec.chunk, len(spec.action_mean)
             full, w = torch.zeros(t, a), torch.zeros(t)
             k = min(t, len(prefix))
@@ -387,6 +388,7 @@ class LeRobotRuntime(PolicyRuntime):
                                 "keys and values itself, once per prediction); drop those options")
         self.cache_config, self.backend = CacheConfig("exact"), "torch"
         self.adapters, self.supports_prefix = None, False
+        self.prefix_refusal = model.action_head.prefix_refusal
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.model, self.pre, self.post = model.eval().to(self.device, self.dtype), pre, post
@@ -399,8 +401,7 @@ class LeRobotRuntime(PolicyRuntime):
         from vlaforge.inference.lerobot_policy import check_noise
 
         if prefix is not None:
-            raise VlaforgeError("a committed-action prefix (merge 'rtc') is not built for LeRobot policies yet; use "
-                                "another merge")
+            raise VlaforgeError(f"a committed-action prefix (merge 'rtc') {self.prefix_refusal}; use another merge")
         frames, state = self.check(obs)
         s = self._session_for(session, obs)
         s.instruction = obs.instruction

@@ -87,6 +87,8 @@ class ExpertHead(nn.Module):
         self.chunk, self.action_dim, self.width = chunk, action_dim, width
 
     supports_prefix = False  # no committed-action guidance (RTC) for these policies yet
+    prefix_refusal = ("is not built for LeRobot policies yet (LeRobot's real-time chunking guides the velocity; "
+                      "vlaforge's inpaints, docs/lerobot_policies.md)")
 
 
 @dataclass
@@ -381,9 +383,6 @@ class PolicyVLA(nn.Module):
         from vlaforge.data.tokenizer import TextTokenizer
 
         pre = self.pipelines[0]
-        if self.composition.state_token is None:
-            raise VlaforgeError("fine-tuning pi0.5 is not built yet: its prompt carries the discretized state of each "
-                                "frame, which vlaforge's data pipeline does not write; serve or evaluate it as it is")
         tok = pre.tokenizer
         if getattr(pre, "padding_side", "right") != "right":
             raise VlaforgeError("the policy's tokenizer step pads on the left; vlaforge's data pipeline pads "
