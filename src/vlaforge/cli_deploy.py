@@ -53,7 +53,11 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
           asynchronous: bool = typer.Option(False, "--async/--sync", help="compute the next chunk in a background "
                                                                           "thread while the current one executes"),
           merge: str = typer.Option("replace", help="chunk merge: replace, ensemble (ACT temporal ensembling), rtc "
-                                                    "(real-time chunking; flow-matching heads)"),
+                                                    "(real-time chunking; flow-matching heads). vlaforge's rtc "
+                                                    "inpaints the committed actions on the flow's own path at each "
+                                                    "Euler step, where LeRobot's RTCConfig guides the velocity "
+                                                    "towards them (max_guidance_weight); it is not built for LeRobot "
+                                                    "policies yet"),
           latency_ms: float = typer.Option(0.0, min=0.0, help="simulated inference delay added to each prediction "
                                                               "(robot clock)"),
           distractors: str = typer.Option("auto", help="auto (as the training dataset was rendered), shown, hidden: "
@@ -201,15 +205,17 @@ def _cache_threshold(mode: str, value: float | None) -> dict:
 
 @app.command()
 def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint) or a checkpoints/step_* "
-                                                       "folder"),
+                                                       "folder; for --format lerobot also a LeRobot policy folder"),
            format: str = typer.Option("safetensors", "--format", help="safetensors (one consolidated weights file), "
                                                                       "onnx (a policy package for ONNX Runtime, "
                                                                       "TensorRT, QNN), executorch (.pte programs, "
-                                                                      "XNNPACK)"),
+                                                                      "XNNPACK), lerobot (a LeRobot policy folder "
+                                                                      "from a LeRobot folder or a run fine-tuned "
+                                                                      "from one)"),
            out: Optional[Path] = typer.Option(None, help="safetensors: the file to write (default "
-                                                         "CHECKPOINT/model.safetensors); onnx: the package folder "
-                                                         "(an existing one is replaced only if export wrote it, "
-                                                         "unchanged)"),
+                                                         "CHECKPOINT/model.safetensors); onnx, executorch, lerobot: "
+                                                         "the folder (an existing one is replaced only if the same "
+                                                         "export wrote it, unchanged)"),
            dtype: str = typer.Option("fp32", help="onnx: fp32 or fp16 graphs"),
            quantized: bool = typer.Option(False, "--quantized", help="onnx: int8 QDQ graphs (ONNX Runtime static "
                                                                      "quantization, calibrated on dataset frames)"),
@@ -223,20 +229,31 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
     one process), or write a policy package: manifest.json, tokenizer.json, vision.onnx and policy.onnx
     (encoder.onnx + denoise.onnx for a flow-matching head; .pte programs for executorch), checked against the
     checkpoint on dataset frames (export.json: action error, latency of both). `vlaforge eval` and `vlaforge serve`
-    run a package like a checkpoint."""
+    run a package like a checkpoint; or write a LeRobot policy folder (--format lerobot: config.json, model.safetensors,
+    LeRobot's processor pipelines; docs/lerobot_policies.md) that LeRobot's `from_pretrained` loads."""
     from vlaforge.checkpoints.export import export_weights
     from vlaforge.checkpoints.layout import refuse_lerobot_policy, resolve_checkpoint
     from vlaforge.models.policies.reader import is_lerobot_folder
 
+    formats = ("safetensors", "onnx", "executorch", "lerobot")
+    if format not in formats:
+        raise VlaforgeError(f"--format {format!r} is not one of {', '.join(formats)}")
+    onnx_only = [name for name, given in (("--dtype", dtype != "fp32"), ("--quantized", quantized),
+                                           ("--data", data is not None), ("--calibrate", calibrate is not None),
+                                           ("--frames", frames is not None)) if given]
+    if onnx_only and format in ("safetensors", "lerobot"):
+        raise VlaforgeError(f"{', '.join(onnx_only)} apply to --format onnx|executorch (packages), not to "
+                            f"--format {format}; drop them or give --format onnx")
+    if format == "lerobot":
+        if out is None:
+            raise VlaforgeError("--format lerobot needs --out DIR (the LeRobot policy folder to write)")
+        from vlaforge.export import lerobot
+
+        typer.echo(lerobot.render(lerobot.export_lerobot(checkpoint, out)))
+        return
     if format != "safetensors" or is_lerobot_folder(checkpoint):  # a LeRobot folder is one safetensors file already
         refuse_lerobot_policy(checkpoint, f"vlaforge export --format {format}")
     if format == "safetensors":
-        onnx_only = [name for name, given in (("--dtype", dtype != "fp32"), ("--quantized", quantized),
-                                               ("--data", data is not None), ("--calibrate", calibrate is not None),
-                                               ("--frames", frames is not None)) if given]
-        if onnx_only:
-            raise VlaforgeError(f"{', '.join(onnx_only)} apply to --format onnx|executorch (packages), not to "
-                                "--format safetensors; drop them or give --format onnx")
         path = export_weights(resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT"), out)
         typer.echo(f"wrote {path}")
         return

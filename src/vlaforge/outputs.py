@@ -54,8 +54,9 @@ def stamp(folder: Path, command: str) -> None:
     (folder / OWNER_FILE).write_text(json.dumps({"command": command, "sha256": files}, indent=1) + "\n")
 
 
-def check_replaceable(out: Path, command: str) -> None:
+def check_replaceable(out: Path, command: str, folders: tuple[str, ...] = ()) -> None:
     """`out` may be written by `command`: it does not exist, or it is a folder `command` wrote, unchanged since.
+    `folders`: the sub-folders `command` writes (every file in them listed by the stamp, like the others).
 
     Raises:
         VlaforgeError: one line naming what is in the way (a file, a folder without the stamp, a file the stamp
@@ -75,6 +76,8 @@ def check_replaceable(out: Path, command: str) -> None:
         raise VlaforgeError(f"--out {out} exists and was not written by `{command}` (it has no {OWNER_FILE} of "
                             f"that command); {fix}")
     for name, path in _files(out).items():
+        if name in folders and path.is_dir() and not path.is_symlink():
+            continue
         if not path.is_file() or path.is_symlink() or name not in listed:
             raise VlaforgeError(f"--out {out} holds {name}, which `{command}` did not write; {fix}")
         if file_sha256(path) != listed[name]:

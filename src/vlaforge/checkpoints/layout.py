@@ -168,7 +168,8 @@ def lerobot_config(folder: str | Path, lerobot: dict | None = None):
 
 
 def refuse_lerobot_policy(path: str | Path, verb: str) -> None:
-    """`verb` (a package export, quantization) is not built for LeRobot policies yet: one line before anything runs.
+    """`verb` (a package export, quantization) is not built for LeRobot policies yet (`--format lerobot` is): one
+    line before anything runs.
 
     Raises:
         VlaforgeError: `path` is a LeRobot policy folder or a run fine-tuned from one.
@@ -183,5 +184,6 @@ def refuse_lerobot_policy(path: str | Path, verb: str) -> None:
         except VlaforgeError:
             return  # the verb itself says what is wrong with the path
     if hit:
-        raise VlaforgeError(f"{verb} of a LeRobot policy (SmolVLA, pi0) is not built yet; `vlaforge serve` and "
-                            "`vlaforge eval` run it as it is")
+        raise VlaforgeError(f"{verb} of a LeRobot policy (SmolVLA, pi0, pi0.5) is not built yet; `vlaforge serve` "
+                            "and `vlaforge eval` run it as it is, `vlaforge export --format lerobot` writes it as a "
+                            "LeRobot folder")

@@ -55,6 +55,20 @@ class PolicyFamily:
                 return comp, inner + name[len(prefix):]
         return None
 
+    def lerobot_name(self, component: str, name: str) -> str | None:
+        """The inverse of `key`: a component's parameter name -> LeRobot's state-dict name (the longest component
+        prefix that matches, with the first LeRobot prefix listed for it); None where no row gives a name that maps
+        back through `key`."""
+        firsts: dict[str, str] = {}
+        for prefix, comp, inner in self.prefixes:
+            if comp == component and name.startswith(inner):
+                firsts.setdefault(inner, prefix)
+        for inner in sorted(firsts, key=len, reverse=True):
+            full = firsts[inner] + name[len(inner):]
+            if self.key(full) == (component, name):
+                return full
+        return None
+
     def why_dropped(self, name: str) -> str | None:
         return next((why for prefix, why in self.dropped if name.startswith(prefix)), None)
 

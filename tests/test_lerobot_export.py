@@ -1,0 +1,172 @@
+"""`vlaforge export --format lerobot` against LeRobot 0.6.1 itself (tests/lerobot061.py): a LeRobot-made folder and a
+run fine-tuned from one, exported, load in LeRobot's own `from_pretrained` with no missing or unexpected keys
+(tests/lerobot_env061/export_check.py) and give the same actions for the same inputs and noise; refusals in one line."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import lerobot061 as ref061
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vlaforge.export.lerobot import PIPELINES, REPORT, default_steps, export_lerobot
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.xdist_group("lerobot061")
+
+CAMERAS = ("corner", "behindGripper")  # the generated Meta-World dataset's, rendered at 32 px
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """This module's own LeRobot-made folders (built on first use): test_lerobot_policies.py renames its session
+    folder while it evaluates, and may run beside this module on another xdist worker."""
+    return tmp_path_factory.mktemp("lerobot061")
+
+
+def _lerobot_on(folder: Path, inputs: dict[str, torch.Tensor], tasks: list[str], tmp: Path
+                ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """LeRobot's strict-load check of `folder` and (when it passes) reference.py's outputs on it."""
+    given, out = tmp / "inputs.safetensors", tmp / "lerobot.safetensors"
+    save_file({k: v.contiguous() for k, v in inputs.items()}, str(given), metadata={"tasks": json.dumps(tasks)})
+    check = json.loads(ref061.run("export_check.py", str(folder), str(given), str(out)).strip().splitlines()[-1])
+    assert check["missing"] == check["unexpected"] == check["differ"] == [], check
+    return check, load_file(str(out))
+
+
+def _bare(steps: list[dict]) -> list[dict]:
+    """Pipeline steps without what an export sets (statistics, features, norm_map, the tokenizer's folder)."""
+    out = copy.deepcopy(steps)
+    for entry in out:
+        entry.pop("state_file", None)
+        if entry["registry_name"] in ("normalizer_processor", "unnormalizer_processor"):
+            entry["config"].update(features={}, norm_map={})
+        entry["config"].pop("tokenizer_name", None)
+    return out
+
+
+@pytest.mark.parametrize("kind", ("smolvla", "pi0"))
+def test_folder_export_loads_strictly_in_lerobot_with_the_same_actions(kind, root, tmp_path):
+    src = ref061.policy_folder(kind, root)
+    out = tmp_path / "export" / "policy"
+    if kind == "pi0":  # declared tiny sizes: through the Python API (the CLI has no sizes option)
+        report = export_lerobot(src / "policy", out, {"sizes": str(src / "sizes.json")})
+        shutil.copy(src / "sizes.json", out.parent / "sizes.json")  # where LeRobot's side reads the tiny sizes
+        width = json.loads((src / "sizes.json").read_text())["variants"]["gemma_300m"]["width"]
+        vocab = json.loads((src / "sizes.json").read_text())["vocab_size"]
+        assert [(f["name"], f["shape"]) for f in report["zero_filled"]] == [
+            ("model.paligemma_with_expert.gemma_expert.lm_head.weight", [vocab, width])]
+        assert report["tied"] == [["model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight",
+                                   "model.paligemma_with_expert.paligemma.lm_head.weight"]]
+    else:
+        done = run_cli("export", str(src / "policy"), "--format=lerobot", f"--out={out}", timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        report = json.loads((out / REPORT).read_text())
+        assert report["zero_filled"] == [] and report["tied"] == []
+    for name in ("config.json", *PIPELINES):  # a folder's own files, copied
+        assert (out / name).read_bytes() == (src / "policy" / name).read_bytes(), name
+        if name in PIPELINES:  # and LeRobot's default steps (a run whose folder is gone) are the ones it wrote
+            cfg = json.loads((src / "policy" / "config.json").read_text())
+            assert _bare(json.loads((out / name).read_text())["steps"]) == _bare(default_steps(cfg)[name])
+    inputs, tasks = ref061.sample_inputs()
+    theirs, _ = ref061.reference(kind, root, inputs, tasks)
+    check, exported = _lerobot_on(out, inputs, tasks, tmp_path)
+    assert check["tensors"] == report["tensors"]
+    for key in ("post", "sample"):
+        assert (exported[key] - theirs[key]).abs().max() <= 1e-6, key
+
+
+def test_finetuned_run_exports_with_its_features_statistics_and_actions(root, tmp_path):
+    """recipes/smolvla.toml for a few steps on a generated Meta-World dataset, exported: LeRobot reads the run's
+    cameras and sizes, normalizes with its statistics, tokenizes with its tokenizer and samples vlaforge's actions.
+    Exported again with the source folder gone (LeRobot's default steps), into the same --out."""
+    from vlaforge.checkpoints.load import load_policy_model
+    from vlaforge.data.tokenizer import load_tokenizer
+    from vlaforge.data.transforms import ObservationSpec
+
+    src = ref061.policy_folder("smolvla", root) / "policy"
+    gen = run_cli("data", "generate", "--tasks=reach-v3", "--episodes=1", "--image-size=32", f"--out={tmp_path / 'ds'}",
+                  f"--cameras={','.join(CAMERAS)}", "--workers=1", "--no-progress", "--seed=3", timeout=300)
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    run = tmp_path / "run"
+    done = run_cli("train", "recipes/smolvla.toml", f"--model.lerobot.pretrained={src}",
+                   f"--data.path={tmp_path / 'ds'}", "--train.steps=3", "--train.batch_size=4",
+                   "--train.warmup_steps=0", f"--train.output_dir={run}", "--train.progress=false",
+                   "--train.tensorboard=false", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = tmp_path / "export" / "policy"
+    done = run_cli("export", str(run), "--format=lerobot", f"--out={out}", timeout=120)
+    assert done.returncode == 0 and "wrote" in done.stdout, done.stderr[-2000:]
+    model, _, ckpt = load_policy_model(run)
+    spec = ObservationSpec.load(ckpt)
+    state_dim, action_dim = len(spec.state_mean), len(spec.action_mean)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["input_features"] == {**{f"observation.images.{c}": {"type": "VISUAL", "shape": [3, 32, 32]}
+                                        for c in CAMERAS},
+                                     "observation.state": {"type": "STATE", "shape": [state_dim]}}
+    assert cfg["output_features"] == {"action": {"type": "ACTION", "shape": [action_dim]}}
+
+    g = torch.Generator().manual_seed(4)
+    inputs = {f"observation.images.{c}": torch.rand(2, 3, 32, 32, generator=g) for c in CAMERAS}
+    inputs.update({"observation.state": torch.tensor(spec.state_mean) + torch.randn(2, state_dim, generator=g)
+                   * torch.tensor(spec.state_std), "action": torch.randn(2, 5, action_dim, generator=g),
+                   "noise": torch.randn(2, 5, 8, generator=g), "time": torch.full((2,), 0.5)})
+    tasks = ["reach the goal", "push the button"]
+    _, theirs = _lerobot_on(out, inputs, tasks, tmp_path)
+    batch = {k[4:]: v for k, v in theirs.items() if k.startswith("pre.")}
+    ours = spec.normalize_state(inputs["observation.state"])
+    assert ((batch["observation.state"] - ours).abs() / ours.abs().clamp_min(1)).max() <= 1e-5  # LeRobot's eps 1e-8
+    tok = load_tokenizer(ckpt, None)
+    mask = batch["observation.language.attention_mask"].bool()
+    assert [batch["observation.language.tokens"][i][mask[i]].tolist() for i in range(2)] == [tok.ids(t) for t in tasks]
+    model.eval()
+    sample = model.sample_actions(model.prepare(batch, with_actions=False), inputs["noise"])
+    assert (sample - theirs["sample"]).abs().max() <= 1e-4
+    assert (spec.denormalize_action(sample[:, :, :action_dim]) - theirs["post"]).abs().max() <= 1e-4
+
+    first = {name: json.loads((out / name).read_text())["steps"] for name in PIPELINES}
+    moved = src.with_name("policy_moved")
+    src.rename(moved)
+    try:
+        again = run_cli("export", str(run), "--format=lerobot", f"--out={out}", timeout=120)
+    finally:
+        moved.rename(src)
+    assert again.returncode == 0 and "default smolvla steps" in again.stdout, again.stderr[-2000:]
+    assert {name: json.loads((out / name).read_text())["steps"] for name in PIPELINES} == first
+
+
+def test_export_refusals(root, tmp_path):
+    """One line each, exit 2, nothing written: an --out holding something else, a vlaforge VLA run (no LeRobot
+    policy type), --out over the source, a missing --out, package options, an unknown format; a package export of a
+    policy stays refused."""
+    src = ref061.policy_folder("smolvla", root) / "policy"
+    before = sorted(p.name for p in src.iterdir())
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    vla = tmp_path / "vla"
+    done = run_cli("train", "recipes/tiny_synthetic.toml", "--train.steps=1", "--train.batch_size=2",
+                   "--data.num_samples=4", f"--train.output_dir={vla}", "--train.progress=false",
+                   "--train.tensorboard=false", timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    new = f"--out={tmp_path / 'new'}"
+    cases = [((src, f"--out={taken}"), "was not written by `vlaforge export --format lerobot`"),
+             ((vla, new), "exporting to LeRobot needs a run fine-tuned from a LeRobot folder"),
+             ((src, f"--out={src}"), "would replace the policy it exports"),
+             ((src,), "--format lerobot needs --out DIR"),
+             ((src, new, "--frames=3"), "--frames apply to --format onnx|executorch"),
+             ((src, new, "--format=tflite"), "is not one of safetensors, onnx, executorch, lerobot"),
+             ((src, new, "--format=onnx"), "`vlaforge export --format lerobot` writes it as a LeRobot folder")]
+    for args, fragment in cases:
+        fmt = [] if any(str(a).startswith("--format") for a in args) else ["--format=lerobot"]
+        done = run_cli("export", *map(str, args), *fmt, timeout=120)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and fragment in lines[0], (args, done.stderr[-1500:])
+    assert [p.name for p in taken.iterdir()] == ["notes.txt"] and (taken / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "new").exists() and sorted(p.name for p in src.iterdir()) == before
