@@ -1,6 +1,8 @@
-"""`vlaforge export --format lerobot` against LeRobot 0.6.1 itself (tests/lerobot061.py): a LeRobot-made folder and a
-run fine-tuned from one, exported, load in LeRobot's own `from_pretrained` with no missing or unexpected keys
-(tests/lerobot_env061/export_check.py) and give the same actions for the same inputs and noise; refusals in one line."""
+"""The circle with LeRobot 0.6.1 itself (tests/lerobot061.py): a LeRobot-made SmolVLA folder fine-tuned from its recipe
+on a generated Meta-World dataset (the loss falls), evaluated in the simulator, exported with `--format lerobot`:
+LeRobot's own `from_pretrained` loads the export with no missing or unexpected keys (tests/lerobot_env061/
+export_check.py) and gives vlaforge's actions for the same inputs and noise; LeRobot-made folders exported as they
+are; refusals in one line."""
 
 from __future__ import annotations
 
@@ -82,27 +84,57 @@ def test_folder_export_loads_strictly_in_lerobot_with_the_same_actions(kind, roo
         assert (exported[key] - theirs[key]).abs().max() <= 1e-6, key
 
 
-def test_finetuned_run_exports_with_its_features_statistics_and_actions(root, tmp_path):
-    """recipes/smolvla.toml for a few steps on a generated Meta-World dataset, exported: LeRobot reads the run's
-    cameras and sizes, normalizes with its statistics, tokenizes with its tokenizer and samples vlaforge's actions.
-    Exported again with the source folder gone (LeRobot's default steps), into the same --out."""
+@pytest.fixture(scope="module")
+def finetuned(root, tmp_path_factory) -> dict[str, Path]:
+    """The circle's first half: a LeRobot-made SmolVLA folder fine-tuned from recipes/smolvla.toml on a generated
+    Meta-World dataset (24 steps), then exported with `--format lerobot`."""
+    tmp = tmp_path_factory.mktemp("circle")
+    src = ref061.policy_folder("smolvla", root) / "policy"
+    gen = run_cli("data", "generate", "--tasks=reach-v3", "--episodes=2", "--image-size=32", f"--out={tmp / 'ds'}",
+                  f"--cameras={','.join(CAMERAS)}", "--workers=1", "--no-progress", "--seed=3", timeout=300)
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    run = tmp / "run"
+    done = run_cli("train", "recipes/smolvla.toml", f"--model.lerobot.pretrained={src}", f"--data.path={tmp / 'ds'}",
+                   "--train.steps=24", "--train.batch_size=8", "--train.log_every=1", "--train.warmup_steps=0",
+                   "--components.action_head.lr=1e-3", f"--train.output_dir={run}", "--train.progress=false",
+                   "--train.tensorboard=false", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = tmp / "export" / "policy"
+    done = run_cli("export", str(run), "--format=lerobot", f"--out={out}", timeout=120)
+    assert done.returncode == 0 and "wrote" in done.stdout, done.stderr[-2000:]
+    return {"src": src, "run": run, "export": out, "tmp": tmp}
+
+
+@pytest.mark.over_budget("the circle's module fixture: folder, dataset, fine-tune and export (~42 s), then eval")
+def test_circle_finetune_loss_falls_and_eval_runs_without_the_folder(finetuned):
+    """The loss of the fine-tune falls, and `vlaforge eval` runs its checkpoint in the simulator with the LeRobot
+    folder moved away (the checkpoint keeps its config.json and VLM config: self-contained)."""
+    import numpy as np
+
+    run, src = finetuned["run"], finetuned["src"]
+    losses = [json.loads(line)["loss/action"] for line in (run / "metrics.jsonl").read_text().splitlines()
+              if "loss/action" in json.loads(line)]
+    assert np.mean(losses[-6:]) < 0.8 * np.mean(losses[:6]), losses
+    moved = src.parent.with_name(src.parent.name + "_moved")
+    src.parent.rename(moved)
+    try:
+        ev = run_cli("eval", str(run), "--episodes=1", "--max-steps=4", "--workers=1", "--no-progress",
+                     f"--out={finetuned['tmp'] / 'eval'}", timeout=300)
+    finally:
+        moved.rename(src.parent)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert "reach-v3" in (finetuned["tmp"] / "eval" / "report.json").read_text()
+
+
+def test_circle_export_loads_in_lerobot_with_the_runs_features_statistics_and_actions(finetuned, tmp_path):
+    """The export of the fine-tuned run: LeRobot reads the run's cameras and sizes, normalizes with its statistics,
+    tokenizes with its tokenizer and samples vlaforge's actions. Exported again with the source folder gone
+    (LeRobot's default steps), into the same --out."""
     from vlaforge.checkpoints.load import load_policy_model
     from vlaforge.data.tokenizer import load_tokenizer
     from vlaforge.data.transforms import ObservationSpec
 
-    src = ref061.policy_folder("smolvla", root) / "policy"
-    gen = run_cli("data", "generate", "--tasks=reach-v3", "--episodes=1", "--image-size=32", f"--out={tmp_path / 'ds'}",
-                  f"--cameras={','.join(CAMERAS)}", "--workers=1", "--no-progress", "--seed=3", timeout=300)
-    assert gen.returncode == 0, gen.stderr[-2000:]
-    run = tmp_path / "run"
-    done = run_cli("train", "recipes/smolvla.toml", f"--model.lerobot.pretrained={src}",
-                   f"--data.path={tmp_path / 'ds'}", "--train.steps=3", "--train.batch_size=4",
-                   "--train.warmup_steps=0", f"--train.output_dir={run}", "--train.progress=false",
-                   "--train.tensorboard=false", timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    out = tmp_path / "export" / "policy"
-    done = run_cli("export", str(run), "--format=lerobot", f"--out={out}", timeout=120)
-    assert done.returncode == 0 and "wrote" in done.stdout, done.stderr[-2000:]
+    run, out, src = finetuned["run"], finetuned["export"], finetuned["src"]
     model, _, ckpt = load_policy_model(run)
     spec = ObservationSpec.load(ckpt)
     state_dim, action_dim = len(spec.state_mean), len(spec.action_mean)
