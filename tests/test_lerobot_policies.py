@@ -107,6 +107,9 @@ def test_runtime_predict_matches_lerobot_from_raw_observations(kind, session_roo
     assert pred.actions.shape == (5, 6)
     assert np.abs(pred.actions - theirs["post"][0].numpy()).max() <= 1e-4
     assert runtime.describe()["action_chunk"] == 5
+    small = Observation({c: f[0, ::2, ::2].numpy() for c, f in frames.items()}, state[0].numpy(), "pick up the cube")
+    both = runtime.predict_batch([obs, small], ["big", "small"])  # two robots, two camera sizes: batched apart
+    assert [p.actions.shape for p in both] == [(5, 6), (5, 6)] and all(np.isfinite(p.actions).all() for p in both)
     with pytest.raises(VlaforgeError, match="missing"):
         runtime.predict(Observation({"top": frames["top"][0].numpy()}, state[0].numpy(), "x"))
 

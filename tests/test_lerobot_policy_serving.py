@@ -97,6 +97,7 @@ for job in jobs:
     started = client.start()
     results.append({"started": started, "chunks": chunks(client, job["task"]) if started else [],
                     "errors": errors.lines})
+    client.logger.removeHandler(errors)  # (the clients share one logger)
     clients.append(client)
 for job, client, result in zip(jobs, clients, results):
     if job.get("loop_s"):
@@ -181,7 +182,7 @@ def test_the_real_client_gets_a_smolvla_folders_actions(tmp_path, session_root):
     live, address, logs = _live(PolicyRuntime.load(folder, device="cpu"))
     try:
         with served(folder, "--protocol", "lerobot", "--fps", "30") as uri:
-            jobs = [_job(address, "smolvla", tmp_path / "frames.npz", loop_s=1.5),
+            jobs = [_job(address, "smolvla", tmp_path / "frames.npz", loop_s=2.0),
                     _job(uri.removeprefix("grpc://"), "smolvla", tmp_path / "frames.npz"),
                     _job(address, "pi0", tmp_path / "frames.npz")]
             torch.manual_seed(SEED)  # the in-process server's noise: its only predictions are the first job's

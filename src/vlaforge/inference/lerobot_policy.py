@@ -59,11 +59,25 @@ def check_noise(model, noise: np.ndarray | None) -> torch.Tensor | None:
     return torch.from_numpy(arr.copy())
 
 
-@torch.inference_mode()
 def predict_requests(model, pre, post, cameras: list[str], requests: list[_Request],
                      device: torch.device) -> list[Prediction]:
-    """LeRobot's `predict_action_chunk` path for prepared requests, in one batch: uint8 frames to [0, 1], the
-    preprocessor, `prepare`, sampling (the given noise, else a fresh draw), the postprocessor."""
+    """LeRobot's `predict_action_chunk` path for prepared requests: one batch per camera-size group (robots whose
+    cameras send other sizes are resized by the pipeline, apart), in the requests' order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, req in enumerate(requests):
+        groups.setdefault(tuple(tuple(frame.shape) for _, _, frame in req.slots), []).append(i)
+    out: list[Prediction | None] = [None] * len(requests)
+    for rows in groups.values():
+        for i, pred in zip(rows, _predict_batch(model, pre, post, cameras, [requests[i] for i in rows], device)):
+            out[i] = pred
+    return out
+
+
+@torch.inference_mode()
+def _predict_batch(model, pre, post, cameras: list[str], requests: list[_Request],
+                   device: torch.device) -> list[Prediction]:
+    """One batch of requests whose frames share their sizes: uint8 frames to [0, 1], the preprocessor, `prepare`,
+    sampling (the given noise, else a fresh draw), the postprocessor."""
     t0 = time.perf_counter()
     raw = {f"observation.images.{cam}": torch.stack([r.slots[j][2] for r in requests]).permute(0, 3, 1, 2)
            .float().div(255.0) for j, cam in enumerate(cameras)}

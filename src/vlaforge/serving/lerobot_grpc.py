@@ -4,7 +4,8 @@ LeRobot `robot_client` streams observations to a vlaforge policy and receives ac
 The service as LeRobot's `lerobot/transport/services.proto` defines it (package `transport`):
   Ready(Empty) -> Empty                         a robot (the gRPC peer) starts: its session is reset
   SendPolicyInstructions(PolicySetup) -> Empty  a pickled RemotePolicyConfig: the robot's features (which joint
-                                                names make the state, which cameras), actions per chunk
+                                                names make the state, which cameras), actions per chunk, the
+                                                policy_type (checked for a LeRobot policy folder, else logged)
   SendObservations(stream Observation) -> Empty a pickled TimedObservation in 2 MiB chunks (TRANSFER_BEGIN /
                                                 MIDDLE / END; a small one is a single END)
   GetActions(Empty) -> Actions                  the chunk for the latest queued observation, a pickled
@@ -12,7 +13,9 @@ The service as LeRobot's `lerobot/transport/services.proto` defines it (package 
 The messages are built here from their layout in a private descriptor pool (no generated code, no clash with
 LeRobot's own `transport` package in one process). Each peer is a session of the shared `PolicyRuntime`, and
 GetActions of all robots are batched by the server's `Batcher`, as the openpi transport's requests are. A chunk
-is the first `actions_per_chunk` of the policy's; more than the policy predicts is refused at the handshake. An
+is the first `actions_per_chunk` of the policy's; more than the policy predicts is refused at the handshake, and so
+is, for a served LeRobot policy folder (SmolVLA, pi0, pi0.5: a `LeRobotRuntime`), a policy_type other than the
+folder's config.json `type` (a vlaforge run serves whatever policy_type the client names). An
 observation is checked as the runtime will take it when it arrives (its SendObservations fails otherwise), and is
 queued as LeRobot's server queues it: the latest only, and only if it must go, or its timestep was
 not predicted yet and its state moved (L2 >= 1) since the last predicted one. Payloads are read by
@@ -33,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from vlaforge.errors import VlaforgeError, first_line
-from vlaforge.inference.runtime import ObservationError, check_image
+from vlaforge.inference.runtime import LeRobotRuntime, ObservationError, check_image
 from vlaforge.serving import lerobot_pickle, protocol
 from vlaforge.serving.common import authorized, error_kind
 
@@ -160,6 +163,7 @@ class LeRobotService:
             await self._refuse(context, "FAILED_PRECONDITION", "bad_message", "call Ready first")
         try:
             config = self._decode(request.data, lerobot_pickle.RemotePolicyConfig)
+            policy_type(config.get("policy_type"), served_policy_type(self.server.runtime))
             names, cameras = robot_features(config, self.server.runtime.cameras,
                                             len(self.server.runtime.spec.state_mean))
             chunk = actions_per_chunk(config.get("actions_per_chunk"), self.server.runtime.spec.chunk)
@@ -315,6 +319,23 @@ def robot_features(config, cameras: list[str], state_dim: int) -> tuple[list[str
         raise protocol.RequestError(f"the policy takes cameras {cameras}; the robot has {sorted(robot_cams)} - "
                                     f"name them alike (the robot's camera names, or rename_map)")
     return list(names), {c: robot_cams[c] for c in cameras}
+
+
+def served_policy_type(runtime) -> str | None:
+    """The LeRobot type of a served LeRobot policy folder (its config.json's `type`: smolvla, pi0, pi05); None for a
+    vlaforge run (whose policy_type is only logged: LeRobot has no type for it)."""
+    if not isinstance(runtime, LeRobotRuntime):
+        return None
+    spec = runtime.model.spec
+    return str(spec.extra.get("type") or spec.family)
+
+
+def policy_type(asked: Any, served: str | None) -> None:
+    """A LeRobot policy folder is served to a client that names its type (LeRobot's server loads the policy_type the
+    client names: another would be another policy); anything goes for a vlaforge run."""
+    if served is not None and asked != served:
+        raise protocol.RequestError(f"policy_type {str(asked)[:32]!r}: this server serves a LeRobot '{served}' policy "
+                                    f"folder; ask for policy_type={served}")
 
 
 def actions_per_chunk(asked: Any, policy_chunk: int) -> int:
