@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from vlaforge.errors import VlaforgeError
-from vlaforge.inference.runtime import Observation, PolicyRuntime, latency_summary
+from vlaforge.inference.runtime import NO_PREFIX, Observation, PolicyRuntime, latency_summary
 
 MERGES = ("replace", "ensemble", "rtc")
 
@@ -81,7 +81,8 @@ class ChunkExecutor:
         if merge not in MERGES:
             raise VlaforgeError(f"merge {merge!r} is not one of {', '.join(MERGES)}")
         if merge == "rtc" and not runtime.supports_prefix:
-            raise VlaforgeError(f"merge 'rtc' {runtime.prefix_refusal}; use --merge replace or ensemble")
+            why = getattr(runtime, "prefix_refusal", NO_PREFIX)  # (a stand-in runtime may not say)
+            raise VlaforgeError(f"merge 'rtc' {why}; use --merge replace or ensemble")
         if latency_ms < 0 or period_s <= 0:
             raise VlaforgeError("latency_ms must be >= 0 and the control period > 0")
         self.runtime, self.session, self.execute, self.merge = runtime, session, execute, merge
