@@ -193,3 +193,25 @@ def test_folder_refusals_through_the_cli(session_root, tmp_path):
         done = run_cli(verb, str(path), *rest, timeout=120)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and fragment in lines[0], done.stderr[-1500:]
+
+
+def test_the_cli_takes_a_folders_lerobot_settings(session_root):
+    """`vlaforge serve DIR --lerobot-sizes FILE` serves a pi0 folder of other sizes than LeRobot's variants (a client
+    gets its chunk); a --lerobot-* option for something that is not a LeRobot folder is refused in one line."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from vlaforge.inference.runtime import Observation
+    from vlaforge.serving.client import wire_observation
+
+    from conftest import run_cli, served
+
+    folder, options = _folder("pi0", session_root)
+    obs = Observation({c: np.zeros((24, 32, 3), np.uint8) for c in ("top", "wrist")}, np.zeros(6, np.float32),
+                      "pick up the cube")
+    with served(folder, f"--lerobot-sizes={options['sizes']}") as uri:
+        host, port = uri.removeprefix("ws://").split(":")
+        reply = WebsocketClientPolicy(host, int(port)).infer(wire_observation(obs))
+    assert np.asarray(reply["actions"]).shape == (5, 6)
+    done = run_cli("serve", "recipes", "--lerobot-sizes=x.json", "--port=0", timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "--lerobot-sizes applies to a LeRobot policy" in lines[0]

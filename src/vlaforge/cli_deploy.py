@@ -116,6 +116,28 @@ def _eval_tasks(cfg, benchmark: str | None, tasks: str | None, episodes: int | N
     return libero_protocol(benchmark, tasks, episodes, max_steps)
 
 
+_LEROBOT_HELP = {"tokenizer": "a LeRobot policy folder: a local tokenizer folder for a pipeline naming a hub tokenizer "
+                             "(pi0's google/paligemma-3b-pt-224)",
+                 "vlm": "a LeRobot SmolVLA folder: a local copy of the VLM its config.json names",
+                 "sizes": "a LeRobot pi0 / pi0.5 folder: a JSON file of other sizes than LeRobot's variants "
+                          "(docs/lerobot_policies.md)"}
+
+
+def lerobot_settings(checkpoint: Path, **given: str | None) -> dict | None:
+    """The `--lerobot-*` options as `model.lerobot` settings for a LeRobot policy folder (None: none given).
+
+    Raises:
+        VlaforgeError: one given for something that is not a LeRobot policy folder.
+    """
+    from vlaforge.models.policies.reader import is_lerobot_folder
+
+    chosen = {k: str(v) for k, v in given.items() if v is not None}
+    if chosen and not is_lerobot_folder(checkpoint):
+        raise VlaforgeError(f"--lerobot-{next(iter(chosen))} applies to a LeRobot policy folder, and {checkpoint} is "
+                            "not one (a run fine-tuned from one keeps these settings itself); drop it")
+    return chosen or None
+
+
 @app.command()
 def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint), a checkpoints/step_* "
                                                       "folder, a `vlaforge quantize` folder or an exported package"),
@@ -146,7 +168,10 @@ def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
           compile: str = typer.Option("off", help="torch.compile: off, default, reduce-overhead, max-autotune"),
           dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16"),
           device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N"),
-          backend: str = typer.Option("auto", help=_BACKEND)):
+          backend: str = typer.Option("auto", help=_BACKEND),
+          lerobot_tokenizer: Optional[Path] = typer.Option(None, help=_LEROBOT_HELP["tokenizer"]),
+          lerobot_vlm: Optional[Path] = typer.Option(None, help=_LEROBOT_HELP["vlm"]),
+          lerobot_sizes: Optional[Path] = typer.Option(None, help=_LEROBOT_HELP["sizes"])):
     """Serve a policy to robot clients: openpi's websocket protocol (msgpack) or LeRobot's gRPC robot client
     (--protocol lerobot), dynamic batching across connections, HTTP POST /act, Prometheus GET /metrics. Stops
     cleanly on SIGTERM / Ctrl-C."""
@@ -166,8 +191,9 @@ def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
         from vlaforge.inference.adapters import parse_adapters, run_name
 
         named = parse_adapters(adapter, run_name(resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT")))
+    settings = lerobot_settings(checkpoint, tokenizer=lerobot_tokenizer, vlm=lerobot_vlm, sizes=lerobot_sizes)
     runtime = PolicyRuntime.load(checkpoint, device=device, dtype=dtype, compile=compile, cache=cache,
-                                 backend=backend, adapters=named)
+                                 backend=backend, adapters=named, lerobot=settings)
     options = ServeOptions(host=host, port=port, http_port=http_port, max_batch=max_batch, max_wait_ms=max_wait_ms,
                            api_key=api_key, max_message_bytes=int(max_message_mb * 2**20),
                            max_connections=max_connections, idle_timeout_s=idle_timeout_s, protocol=protocol,
@@ -224,7 +250,10 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
            frames: Optional[int] = typer.Option(None, min=1, help="onnx: dataset frames the package is checked on "
                                                                   "against the checkpoint [default: 32]"),
            data: Optional[str] = typer.Option(None, help="onnx: the dataset of those frames (default: the run's "
-                                                         "data.path; none: random observations)")):
+                                                         "data.path; none: random observations)"),
+           lerobot_tokenizer: Optional[Path] = typer.Option(None, help=_LEROBOT_HELP["tokenizer"]),
+           lerobot_vlm: Optional[Path] = typer.Option(None, help=_LEROBOT_HELP["vlm"]),
+           lerobot_sizes: Optional[Path] = typer.Option(None, help=_LEROBOT_HELP["sizes"])):
     """Consolidate a checkpoint's weights into one safetensors file (a sharded checkpoint's shards are read in this
     one process), or write a policy package: manifest.json, tokenizer.json, vision.onnx and policy.onnx
     (encoder.onnx + denoise.onnx for a flow-matching head; .pte programs for executorch), checked against the
@@ -244,12 +273,17 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
     if onnx_only and format in ("safetensors", "lerobot"):
         raise VlaforgeError(f"{', '.join(onnx_only)} apply to --format onnx|executorch (packages), not to "
                             f"--format {format}; drop them or give --format onnx")
+    given = [f"--lerobot-{k}" for k, v in (("tokenizer", lerobot_tokenizer), ("vlm", lerobot_vlm),
+                                            ("sizes", lerobot_sizes)) if v is not None]
+    if given and format != "lerobot":
+        raise VlaforgeError(f"{given[0]} applies to --format lerobot; drop it")
     if format == "lerobot":
         if out is None:
             raise VlaforgeError("--format lerobot needs --out DIR (the LeRobot policy folder to write)")
         from vlaforge.export import lerobot
 
-        typer.echo(lerobot.render(lerobot.export_lerobot(checkpoint, out)))
+        settings = lerobot_settings(checkpoint, tokenizer=lerobot_tokenizer, vlm=lerobot_vlm, sizes=lerobot_sizes)
+        typer.echo(lerobot.render(lerobot.export_lerobot(checkpoint, out, lerobot=settings)))
         return
     if format != "safetensors" or is_lerobot_folder(checkpoint):  # a LeRobot folder is one safetensors file already
         refuse_lerobot_policy(checkpoint, f"vlaforge export --format {format}")
