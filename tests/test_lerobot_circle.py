@@ -1,8 +1,9 @@
 """The circle with LeRobot 0.6.1 itself (tests/lerobot061.py): a LeRobot-made SmolVLA folder fine-tuned from its recipe
 on a generated Meta-World dataset (the loss falls), evaluated in the simulator, exported with `--format lerobot`:
 LeRobot's own `from_pretrained` loads the export with no missing or unexpected keys (tests/lerobot_env061/
-export_check.py) and gives vlaforge's actions for the same inputs and noise; LeRobot-made folders exported as they
-are; refusals in one line."""
+export_check.py) and gives vlaforge's actions for the same inputs and noise, and the export served over LeRobot's gRPC
+answers LeRobot's own robot client with the runtime's actions; LeRobot-made folders exported as they are; refusals in
+one line."""
 
 from __future__ import annotations
 
@@ -171,6 +172,41 @@ def test_circle_export_loads_in_lerobot_with_the_runs_features_statistics_and_ac
         moved.rename(src)
     assert again.returncode == 0 and "default smolvla steps" in again.stdout, again.stderr[-2000:]
     assert {name: json.loads((out / name).read_text())["steps"] for name in PIPELINES} == first
+
+
+@pytest.mark.slow
+def test_circle_served_export_answers_lerobots_robot_client(finetuned, tmp_path):
+    """The circle's last step: the export served (`--protocol lerobot`) to LeRobot 0.4.4's own robot client asking for
+    policy_type smolvla with the run's cameras and sizes: its chunks equal `PolicyRuntime`'s on the export for the same
+    observations, torch seeded alike (tests/test_lerobot_policy_serving.py: the client and the seeding)."""
+    import numpy as np
+
+    from vlaforge.inference.runtime import Observation, PolicyRuntime
+
+    from test_lerobot_policy_serving import SEED, _live, _run_client
+
+    export, task = finetuned["export"], "reach the goal"
+    cfg = json.loads((export / "config.json").read_text())
+    state_dim = cfg["input_features"]["observation.state"]["shape"][0]
+    action_dim = cfg["output_features"]["action"]["shape"][0]
+    g = np.random.default_rng(0)
+    frames = {"state": g.normal(size=(2, state_dim)).astype(np.float32),
+              **{c: g.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8) for c in CAMERAS}}
+    np.savez(tmp_path / "frames.npz", **frames)
+    reference = PolicyRuntime.load(export, device="cpu")
+    live, address, _ = _live(PolicyRuntime.load(export, device="cpu"))
+    job = {"address": address, "policy_type": "smolvla", "path": "lerobot/smolvla", "task": task, "chunk": 5,
+           "frames": str(tmp_path / "frames.npz"), "cameras": list(CAMERAS), "action_dim": action_dim}
+    try:
+        torch.manual_seed(SEED)
+        (result,) = _run_client([job], tmp_path)
+    finally:
+        live.close()
+    assert result["started"] and not result["errors"] and len(result["chunks"]) == 2, result
+    torch.manual_seed(SEED)
+    for i, chunk in enumerate(result["chunks"]):
+        obs = Observation({c: frames[c][i] for c in CAMERAS}, frames["state"][i], task)
+        np.testing.assert_allclose(np.asarray(chunk["actions"]), reference.predict(obs, f"ref{i}").actions, atol=1e-5)
 
 
 def test_export_refusals(root, tmp_path):
