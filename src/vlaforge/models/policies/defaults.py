@@ -116,22 +116,24 @@ class DefaultPolicy:
     dropped: dict[str, int] = field(default_factory=dict)
 
 
+def _expert_head(config: dict) -> dict[str, int]:
+    """pi0's / pi0.5's unused expert LM head: LeRobot's gemma_expert is a GemmaForCausalLM of PaliGemma's vocabulary
+    (modeling_pi0.py, modeling_pi05.py), whose embeddings it deletes and whose head (vocabulary x expert width, no
+    bias) it never calls."""
+    return {"the action expert's LM head": PALIGEMMA_VOCAB * GEMMA_VARIANTS[config["action_expert_variant"]]["width"]}
+
+
 DEFAULT_POLICIES = {
     "pi0": DefaultPolicy(
         config=PI0_CONFIG,
         architecture="LeRobot's pi0: PaliGemma-3B (SigLIP-so400m/14 at 224 px + Gemma-2B) beside a Gemma-300M "
                      "action expert (18 joint layers, width 1024)",
-        # LeRobot's gemma_expert is a GemmaForCausalLM of PaliGemma's vocabulary (modeling_pi0.py), whose embeddings
-        # it deletes and whose LM head (vocabulary x expert width, no bias) it never calls
-        dropped={"the action expert's LM head":
-                 PALIGEMMA_VOCAB * GEMMA_VARIANTS[PI0_CONFIG["action_expert_variant"]]["width"]}),
+        dropped=_expert_head(PI0_CONFIG)),
     "pi05": DefaultPolicy(
         config=PI05_CONFIG,
         architecture="LeRobot's pi0.5: PaliGemma-3B (SigLIP-so400m/14 at 224 px + Gemma-2B) beside a Gemma-300M "
                      "action expert whose norms the flow time conditions (adaRMS; 18 joint layers, width 1024)",
-        # the same unused expert LM head as pi0's (modeling_pi05.py)
-        dropped={"the action expert's LM head":
-                 PALIGEMMA_VOCAB * GEMMA_VARIANTS[PI05_CONFIG["action_expert_variant"]]["width"]}),
+        dropped=_expert_head(PI05_CONFIG)),
     "smolvla": DefaultPolicy(
         config=SMOLVLA_CONFIG, vlm_config=SMOLVLM2_500M,
         architecture="LeRobot's SmolVLA: SmolVLM2-500M's SigLIP-B/16 at 512 px + pixel shuffle and the first 16 of "

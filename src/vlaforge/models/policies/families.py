@@ -13,6 +13,7 @@ SigLIP-so400m tower and 257,152-token vocabulary; a `sizes` mapping (`model.lero
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,14 +298,12 @@ POLICY_FAMILIES.add("pi0", PolicyFamily(
     build=_pi0_build, refused_layouts=_REFUSED))
 
 
-_PI0_KEYS = POLICY_FAMILIES.get("pi0").prefixes
-POLICY_FAMILIES.add("pi05", PolicyFamily(
-    name="pi05", lerobot_types=("pi05",),
-    composition=Composition(state_token=None, actions_causal=False, embed_scale=False, rope_style="multiply",
-                            resize="centered", mask_value=OPENPI_MASK, masks_padded_actions=False,
-                            time_conditioning="adarms"),
-    prefixes=_PI0_KEYS, dropped=POLICY_FAMILIES.get("pi0").dropped,
-    build=lambda cfg, over, fake: _pi0_build(cfg, over, fake, "pi05"), refused_layouts=_REFUSED))
+# pi0.5: pi0's keys, drops and composition, but the state in the prompt and the flow time in every expert norm
+POLICY_FAMILIES.add("pi05", dataclasses.replace(
+    POLICY_FAMILIES.get("pi0"), name="pi05", lerobot_types=("pi05",),
+    composition=dataclasses.replace(POLICY_FAMILIES.get("pi0").composition, state_token=None,
+                                    time_conditioning="adarms"),
+    build=lambda cfg, over, fake: _pi0_build(cfg, over, fake, "pi05")))
 
 
 def family_of(kind: str | None, where: str) -> PolicyFamily:

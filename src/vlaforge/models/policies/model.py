@@ -25,6 +25,7 @@ from torch import nn
 from vlaforge.data.batch import Batch
 from vlaforge.errors import VlaforgeError
 from vlaforge.models import losses as L
+from vlaforge.models.policies.images import pad_vector, resize_with_pad, resize_with_pad_centered
 from vlaforge.models.policies.joint import JointContext, JointLayer, PrefixCache, norm, rope_angles
 from vlaforge.models.vla import VLA, Layout
 
@@ -147,8 +148,6 @@ class PolicyVLA(nn.Module):
 
         Raises:
             VlaforgeError: a camera of the policy is not in the batch."""
-        from vlaforge.models.policies.images import resize_with_pad, resize_with_pad_centered
-
         spec = self.spec
         images, masks = [], []
         for key in spec.cameras:
@@ -163,9 +162,9 @@ class PolicyVLA(nn.Module):
             masks.append(torch.ones(img.shape[0], dtype=torch.bool, device=img.device))
         state = batch["observation.state"]
         state = state[:, -1] if state.ndim > 2 else state
-        actions = pad_to(batch["action"], spec.max_action_dim) if with_actions and "action" in batch else None
+        actions = pad_vector(batch["action"], spec.max_action_dim) if with_actions and "action" in batch else None
         return PolicyInputs(images, masks, batch["observation.language.tokens"],
-                            batch["observation.language.attention_mask"].bool(), pad_to(state, spec.max_state_dim),
+                            batch["observation.language.attention_mask"].bool(), pad_vector(state, spec.max_state_dim),
                             actions, batch.get("action_is_pad") if actions is not None else None)
 
     def embed_image(self, image: torch.Tensor) -> torch.Tensor:
@@ -332,9 +331,9 @@ class PolicyVLA(nn.Module):
     def inputs_from_batch(self, batch: Batch) -> PolicyInputs:
         b, f = batch.images.shape[:2]
         ones = torch.ones(b, dtype=torch.bool, device=batch.images.device)
-        actions = None if batch.actions is None else pad_to(batch.actions, self.spec.max_action_dim)
+        actions = None if batch.actions is None else pad_vector(batch.actions, self.spec.max_action_dim)
         return PolicyInputs([batch.images[:, i] for i in range(f)], [ones] * f, batch.instruction_ids,
-                            batch.instruction_mask.bool(), pad_to(batch.state, self.spec.max_state_dim), actions,
+                            batch.instruction_mask.bool(), pad_vector(batch.state, self.spec.max_state_dim), actions,
                             None if batch.action_mask is None else ~batch.action_mask.bool())
 
     def draw_time(self, b: int, device: torch.device) -> torch.Tensor:
@@ -372,7 +371,7 @@ class PolicyVLA(nn.Module):
         mask = torch.ones_like(instruction_ids, dtype=torch.bool) if instruction_mask is None else instruction_mask
         ones = torch.ones(b, dtype=torch.bool, device=vision_tokens.device)
         x = PolicyInputs([None] * f, [ones] * f, instruction_ids, mask.bool(),
-                         pad_to(state, self.spec.max_state_dim))
+                         pad_vector(state, self.spec.max_state_dim))
         noise = torch.randn(b, self.spec.chunk, self.spec.max_action_dim, device=vision_tokens.device)
         actions = self.sample_actions(x, noise.to(vision_tokens.dtype), image_tokens=vision_tokens)
         return actions[:, :, :self.spec.action_dim]
@@ -393,8 +392,3 @@ class PolicyVLA(nn.Module):
 
     def reset(self) -> None:
         """Start of an episode: the model keeps no state between calls."""
-
-
-def pad_to(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Zero-pad the last dimension to `dim` (LeRobot's pad_vector)."""
-    return x if x.shape[-1] >= dim else F.pad(x, (0, dim - x.shape[-1]))
