@@ -22,8 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
+
+from real_lerobot import require_site
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / ".venv" / "lerobot061"
@@ -40,13 +41,8 @@ TASKS = ("pick up the red cube", "open the top drawer and then close it", "push 
 
 
 def site() -> Path:
-    """The folder LeRobot 0.6.1 is installed in; skips the test where `make test` did not install it (fails on
-    CI)."""
-    if not (SITE / ".installed").is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"{SITE} is missing: `make test` installs LeRobot 0.6.1 for these tests")
-        pytest.skip(f"LeRobot 0.6.1 is not installed in {SITE} (run `make lerobot061-env`)")
-    return SITE
+    """The folder LeRobot 0.6.1 is installed in (`make lerobot061-env`, which `make test` runs)."""
+    return require_site(SITE, "LeRobot 0.6.1", "make lerobot061-env")
 
 
 def env() -> dict[str, str]:

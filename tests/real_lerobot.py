@@ -16,13 +16,19 @@ SITE = ROOT / ".venv" / "lerobot044"
 SCRIPTS = Path(__file__).resolve().parent / "lerobot_env"
 
 
-def lerobot_site() -> Path:
-    """The folder LeRobot is installed in; skips the test where `make venv` did not install it (never on CI)."""
-    if not (SITE / ".installed").is_file():
+def require_site(site: Path, what: str, make: str) -> Path:
+    """`site`, a test-only LeRobot folder (`what`, installed by `make`); skips the test where it is missing, and fails
+    it on CI (which must have built it)."""
+    if not (site / ".installed").is_file():
         if os.environ.get("CI"):
-            pytest.fail(f"{SITE} is missing: `make venv` installs the real LeRobot for these tests")
-        pytest.skip(f"the real LeRobot is not installed in {SITE} (run `make venv`)")
-    return SITE
+            pytest.fail(f"{site} is missing: `{make}` installs {what} for these tests")
+        pytest.skip(f"{what} is not installed in {site} (run `{make}`)")
+    return site
+
+
+def lerobot_site() -> Path:
+    """The folder LeRobot 0.4.4 is installed in (`make lerobot-env`, which `make test` runs)."""
+    return require_site(SITE, "the real LeRobot 0.4.4", "make lerobot-env")
 
 
 def lerobot_env() -> dict[str, str]:

@@ -23,7 +23,7 @@ from vlaforge.serving import protocol
 from vlaforge.serving.lerobot_grpc import policy_type
 
 from conftest import served
-from real_lerobot import lerobot_env
+from real_lerobot import SCRIPTS, lerobot_env
 from test_serving import Live
 
 pytestmark = pytest.mark.xdist_group("lerobot061")
@@ -33,79 +33,6 @@ CAMERAS = ["top", "wrist"]  # the folders' input_features
 CHUNK, ACTION_DIM, STATE_DIM = ref061.CHUNK, ref061.ACTION_DIM, ref061.STATE_DIM
 SEED = 1234
 TOL = 1e-5
-
-# Run under the real LeRobot 0.4.4 (tests/real_lerobot.py): for each job of JOBS.json its own RobotClient on the
-# simulated robot of sim_robot.py (6 joints, cameras top and wrist): start() (Ready + SendPolicyInstructions), then
-# for each frame the robot's observation sent by its own send_observation and GetActions unpickled as its receiver
-# does; then, for the jobs with loop_s, Ready again and its own threads drive the robot. Prints JSON.
-CLIENT = r'''
-import json, logging, pickle, sys, threading, time
-
-import bootstrap  # noqa: F401 - first
-from lerobot.async_inference.configs import RobotClientConfig
-from lerobot.async_inference.helpers import TimedObservation
-from lerobot.async_inference.robot_client import RobotClient
-from lerobot.transport import services_pb2
-
-from sim_robot import SimRobotConfig
-
-
-class Errors(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.ERROR)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-def chunks(client, task):
-    out = []
-    for i in range(len(client.robot.state)):
-        raw = client.robot.get_observation() | {"task": task}
-        assert client.send_observation(TimedObservation(timestamp=time.time(), observation=raw, timestep=100 * i,
-                                                        must_go=True))
-        timed = pickle.loads(client.stub.GetActions(services_pb2.Empty()).data)
-        out.append({"timesteps": [a.get_timestep() for a in timed],
-                    "actions": [a.get_action().tolist() for a in timed]})
-    return out
-
-
-def loop(client, task, seconds):
-    client.robot.shown.clear()
-    assert client.start()
-    receiver = threading.Thread(target=client.receive_actions, daemon=True)
-    control = threading.Thread(target=client.control_loop, args=(task,), daemon=True)
-    receiver.start()
-    control.start()
-    time.sleep(seconds)
-    client.shutdown_event.set()
-    control.join(10)
-    receiver.join(10)
-    return {"executed": client.robot.sent, "shown": client.robot.shown}
-
-
-jobs, results, clients = json.load(open(sys.argv[1])), [], []
-for job in jobs:
-    robot = SimRobotConfig(frames=job["frames"], views=job["cameras"], id="sim", action_dim=job["action_dim"])
-    client = RobotClient(RobotClientConfig(
-        policy_type=job["policy_type"], pretrained_name_or_path=job["path"], robot=robot,
-        actions_per_chunk=job["chunk"], task=job["task"], server_address=job["address"], fps=30,
-        aggregate_fn_name="latest_only", chunk_size_threshold=0.5))
-    errors = Errors()
-    client.logger.addHandler(errors)
-    started = client.start()
-    results.append({"started": started, "chunks": chunks(client, job["task"]) if started else [],
-                    "errors": errors.lines})
-    client.logger.removeHandler(errors)  # (the clients share one logger)
-    clients.append(client)
-for job, client, result in zip(jobs, clients, results):
-    if job.get("loop_s"):
-        result.update(loop(client, job["task"], job["loop_s"]))
-for client in clients:
-    client.channel.close()
-print(json.dumps(results))
-'''
 
 
 @pytest.fixture
@@ -135,9 +62,9 @@ def _job(address: str, kind: str, frames: Path, **extra) -> dict:
 
 
 def _run_client(jobs: list[dict], tmp_path: Path) -> list[dict]:
+    """LeRobot 0.4.4's own robot client for each job (tests/lerobot_env/robot_client_run.py): one result each."""
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    (tmp_path / "client.py").write_text(CLIENT)
-    done = subprocess.run([sys.executable, str(tmp_path / "client.py"), str(tmp_path / "jobs.json")],
+    done = subprocess.run([sys.executable, str(SCRIPTS / "robot_client_run.py"), str(tmp_path / "jobs.json")],
                           env=lerobot_env(), capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)  # (its logger writes logs/ into the working folder)
     assert done.returncode == 0, done.stderr[-3000:]

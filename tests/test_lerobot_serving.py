@@ -66,11 +66,15 @@ def test_the_real_lerobot_robot_client_gets_the_runtime_actions(tmp_path, lerobo
     address, _, live = lerobot_server
     frames = _frames(3)
     np.savez(tmp_path / "frames.npz", **frames)
-    done = subprocess.run([sys.executable, str(SCRIPTS / "robot_client_run.py"), address, str(tmp_path / "frames.npz"),
-                           ",".join(CAMS), TASK, "3", "2"], env=lerobot_env(), capture_output=True, text=True,
+    job = {"address": address, "policy_type": "vlaforge", "path": "vlaforge-run", "task": TASK, "chunk": 3,
+           "frames": str(tmp_path / "frames.npz"), "cameras": list(CAMS), "action_dim": 4, "loop_s": 2.0}
+    (tmp_path / "jobs.json").write_text(json.dumps([job]))
+    done = subprocess.run([sys.executable, str(SCRIPTS / "robot_client_run.py"), str(tmp_path / "jobs.json")],
+                          env=lerobot_env(), capture_output=True, text=True,
                           timeout=180, cwd=tmp_path)  # (its logger writes logs/ into the working folder)
     assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    (out,) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["started"] and not out["errors"], out  # Ready / SendPolicyInstructions
     predictions = [_predict(frames, i) for i in range(3)]
     for i, chunk in enumerate(out["chunks"]):
         assert chunk["type"] == "lerobot.async_inference.helpers.TimedAction"  # the client's own class
