@@ -54,6 +54,20 @@ def backbone_configs(model: VLA, model_cfg: ModelConfig) -> dict[str, dict]:
     return out
 
 
+def _lerobot_policy(model_cfg: ModelConfig, loss_cfg: LossConfig | None, fake: bool,
+                    backbones: dict[str, dict] | None):
+    """A LeRobot policy (models/policies/): the folder `model.lerobot.pretrained` names (or what a checkpoint's
+    backbones.json kept of it), else a policy flavor at LeRobot's default sizes (models/policies/defaults.py)."""
+    if model_cfg.lerobot.pretrained:
+        from vlaforge.models.policies.reader import build_lerobot
+
+        model = build_lerobot(model_cfg, fake=fake, saved=(backbones or {}).get("lerobot"))
+    else:
+        model = build_policy_flavor(model_cfg.flavor, fake=fake)
+    model.objective = objective_from(loss_cfg or LossConfig())
+    return model
+
+
 def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fake: bool = False,
               backbones: dict[str, dict] | None = None) -> VLA:
     """Build the VLA described by `model_cfg`.
@@ -67,17 +81,9 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
             (`model.vlm.pretrained`) is built from the configs its adapter derives, then filled from its files
             (models/vlm.py).
     """
-    if model_cfg.lerobot.pretrained:  # a LeRobot policy: its own composition (models/policies/)
-        from vlaforge.models.policies.reader import build_lerobot
-
-        model = build_lerobot(model_cfg, fake=fake or fake_mode_active(), saved=(backbones or {}).get("lerobot"))
-        model.objective = objective_from(loss_cfg or LossConfig())
-        return model
     flavor = FLAVORS.get(model_cfg.flavor)
-    if flavor.policy:  # LeRobot's policy at its default sizes (models/policies/defaults.py)
-        model = build_policy_flavor(model_cfg.flavor, fake=fake or fake_mode_active())
-        model.objective = objective_from(loss_cfg or LossConfig())
-        return model
+    if model_cfg.lerobot.pretrained or flavor.policy:
+        return _lerobot_policy(model_cfg, loss_cfg, fake or fake_mode_active(), backbones)
     backbones = dict(backbones or {})
     # under a caller's own fake-tensor mode (`profile --fake`, `plan --measure`) the build is a fake one too: the
     # pretrained components come from their configs (weights read into fake tensors would not be the parameters the
