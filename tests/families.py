@@ -58,12 +58,13 @@ def _tokenizer():
                                    unk_token="<unk>")
 
 
-def build_family(name: str, out: Path) -> Path:
-    """A tiny random-init causal LM of family `name` saved with its tokenizer into `out`."""
+def build_family(name: str, out: Path, **overrides) -> Path:
+    """A tiny random-init causal LM of family `name` saved with its tokenizer into `out` (`overrides`: config
+    fields on top of the family's, e.g. more layers)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = CONFIG_MAPPING[name](**{**COMMON, **FAMILIES[name]})
+    config = CONFIG_MAPPING[name](**{**COMMON, **FAMILIES[name], **overrides})
     attn = "eager" if name == "gemma2" else "sdpa"
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     with torch.no_grad():  # norms start at ones (zeros for Gemma's 1 + w): random ones catch a misplaced norm
@@ -87,14 +88,14 @@ def family_folder(name: str, root: Path) -> Path:
     return _cached(name, lambda out: build_family(name, out), Path(root) / name)
 
 
-def build_tower(name: str, out: Path) -> Path:
-    """A tiny random-init vision tower of family `name` saved into `out`."""
+def build_tower(name: str, out: Path, **overrides) -> Path:
+    """A tiny random-init vision tower of family `name` saved into `out` (`overrides`: config fields)."""
     import transformers
 
     torch.manual_seed(0)
     cls_name, extra = VISION_FAMILIES[name]
     cls = getattr(transformers, cls_name)
-    model = cls(cls.config_class(**VISION_COMMON, **extra))
+    model = cls(cls.config_class(**{**VISION_COMMON, **extra, **overrides}))
     with torch.no_grad():  # norms and layer scales off their init values: a misplaced one shows
         for n, p in model.named_parameters():
             if "norm" in n or "layer_scale" in n:

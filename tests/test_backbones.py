@@ -211,10 +211,10 @@ def test_an_onnx_package_of_a_sliding_window_model_is_exact_or_refused(root, tmp
         assert "actions are not the checkpoint's" in done.stderr and not out.exists()
 
 
-def test_the_planner_counts_llama_shaped_families_exactly_and_refuses_the_others(root):
-    """Mistral's, Qwen2's and Qwen3's blocks are Llama's (a window, biases, per-head q/k norms): planned activation
-    bytes equal the fake-tensor count; a block with extra norms, fused projections or experts is refused in one line
-    naming what differs (bench/planner_families.py measured those at 0.57x-1.63x)."""
+def test_the_planner_counts_llama_shaped_families_exactly(root):
+    """Mistral's, Qwen2's and Qwen3's blocks are Llama's (a window, biases, per-head q/k norms): the planner's
+    formula counts them (no measured rows) and its activation bytes equal the fake-tensor count. The other families
+    plan from measured rows (tests/test_planner_families.py)."""
     from vlaforge import COMPONENTS
     from vlaforge.planner.measure import side_by_side
     from vlaforge.planner.types import PlanModel
@@ -224,14 +224,9 @@ def test_the_planner_counts_llama_shaped_families_exactly_and_refuses_the_others
             comps = {c: {"precision": "bf16"} | ({"checkpointing": strategy} if c in ("vision", "llm") else {})
                      for c in COMPONENTS}
             cfg = tiny_config(model={"llm": {"pretrained": str(family_folder(name, root))}}, components=comps)
-            PlanModel(cfg)
+            assert PlanModel(cfg).measured is None
             llm = side_by_side(cfg, 2)["by_component"]["llm"]  # `vlaforge plan --measure`'s comparison
             assert llm["analytic"] == llm["measured"], (name, strategy, llm)
-    for name, what in (("olmo2", r"block: \+post_feedforward_layernorm, -input_layernorm"), ("phi3", "block: "),
-                       ("gpt_neox", "-self_attn")):
-        with pytest.raises(VlaforgeError, match=f"^the planner counts Llama-shaped LLM blocks; this {name} block "
-                                                f"differs \\([^\n]*{what}"):
-            PlanModel(_cfg(root, name))
 
 
 def test_model_attn_implementation_picks_the_kernel_of_both_towers(root):

@@ -190,7 +190,7 @@ def test_whitepaper_has_a_row_and_a_chart_per_cluster(tmp_path):
     from vlaforge.planner.report import whitepaper
 
     path = whitepaper(tmp_path / "wp.md", global_batch=8, models=("tiny",), frames=(1, 2),
-                      clusters=[Cluster(get_gpu("a100-80"), 2, 1), Cluster(get_gpu("h100-80"), 4, 1)])
+                      clusters=[Cluster(get_gpu("a100-80"), 2, 1), Cluster(get_gpu("h100-80"), 4, 1)], families=())
     text = path.read_text()
     assert "16 bytes per trained parameter** (16.0" in text and text.count("| 1 x 2 x a100-80 |") == 2
     charts = sorted((tmp_path / "wp_charts").glob("*.png"))

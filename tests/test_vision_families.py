@@ -126,13 +126,11 @@ def test_checkpointing_each_tower_gives_the_plain_gradients(root, name):
             torch.testing.assert_close(got[n], ref[n], rtol=0, atol=1e-6, msg=f"{strategy}: {n}")
 
 
-def test_what_reads_siglip_internals_refuses_the_other_towers(root):
-    """The planner counts SigLIP-shaped towers only (the token cache runs every tower's own layers now:
-    tests/test_inference.py)."""
+def test_the_planner_counts_siglip_towers_by_formula_and_measures_the_others(root):
+    """SigLIP's blocks are counted by formula; a DINOv2 tower's are measured (tests/test_planner_families.py)."""
     from vlaforge.planner.types import PlanModel
 
-    with pytest.raises(VlaforgeError, match="the planner models SigLIP-shaped vision towers .* this one is dinov2"):
-        PlanModel(_cfg(root, "dinov2"))
+    assert PlanModel(_cfg(root, "dinov2")).measured_components == ("vision",)
     whole_llm = tiny_config(model={"vision": {"pretrained": str(tower_folder("siglip", root))}})
     assert PlanModel(whole_llm).seq.patches == 16  # a SigLIP folder plans, from its config alone
 

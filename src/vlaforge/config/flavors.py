@@ -198,18 +198,52 @@ FLAVORS.add("pi05", replace(
     description="LeRobot's pi0.5 (3.35B; 3.62B in LeRobot with the expert's unused LM head): PaliGemma-3B + a "
                 "Gemma-300M action expert with time-conditioned (adaRMS) norms"))
 
-# OpenVLA-7B: Prismatic's fused DINOv2-L/14 + SigLIP-so400m/14 at 224 px (features concatenated per patch) as one
-# so400m-wide tower of the two towers' parameters and per-patch FLOPs (47 blocks: 0.71B), + Llama-2-7B with the
-# 256 action tokens added to its vocabulary.
+# OpenVLA-7B: Prismatic's fused DINOv2-L/14 (with 4 registers) + SigLIP-so400m/14 at 224 px, each read at its
+# penultimate block (their last blocks are not built), features concatenated per patch (1024 + 1152 = 2176 wide),
+# + Llama-2-7B with the 256 action tokens added to its vocabulary. The towers are built as the fused tower itself
+# (models/vision.py `FusedTower`), from the two towers' configs.
+SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, image_size=224,
+              patch_size=14)
 FLAVORS.add("openvla-7b", Flavor(
-    description="OpenVLA-7B's shapes: fused DINOv2-L + SigLIP-so400m (as one 0.71B tower) + Llama-2-7B",
-    vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=47, num_attention_heads=16,
-                image_size=224, patch_size=14),
+    description="OpenVLA-7B's shapes: the fused DINOv2-L + SigLIP-so400m tower, Llama-2-7B",
+    vision=dict(image_size=224, patch_size=14, towers=[
+        dict(model_type="dinov2_with_registers", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+             mlp_ratio=4, patch_size=14, image_size=224, num_register_tokens=4),
+        dict(model_type="siglip_vision_model", **SO400M)]),
     llm=dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
              num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096),
     projector_hidden=8704,
     action_hidden=1024,
-    nominal_params={"vision": 0.717e9, "llm": 6.74e9},
+    nominal_params={"llm": 6.74e9},
+    vision_type="vlaforge_fused",
+))
+
+# A Gemma3-4B-based VLA: SigLIP-so400m at 224 px (256 tokens, as many as Gemma3's pooled 896-px image) + Gemma3-4B's
+# text model (34 blocks of 2560, 8 heads of 256 over 4 KV heads, five sliding-window blocks of 1024 tokens to one
+# global, four norms per block, q/k norms).
+FLAVORS.add("gemma3-4b-vla", Flavor(
+    description="SigLIP-so400m + Gemma3-4B's text model (a Gemma3-based VLA)",
+    vision=dict(SO400M),
+    llm=dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=256, vocab_size=262208, sliding_window=1024,
+             query_pre_attn_scalar=256, max_position_embeddings=131072),
+    projector_hidden=2560,
+    action_hidden=1024,
+    llm_type="gemma3_text",
+))
+
+# A Qwen3-MoE-based VLA: SigLIP-so400m at 224 px + Qwen3-30B-A3B (48 blocks of 2048, 32 heads of 128 over 4 KV
+# heads, 128 experts of 768 per block, 8 routed per token: 30.5B parameters, 3.3B active).
+FLAVORS.add("qwen3-moe-vla", Flavor(
+    description="SigLIP-so400m + Qwen3-30B-A3B (a Qwen3-MoE-based VLA)",
+    vision=dict(SO400M),
+    llm=dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+             num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+             norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960),
+    projector_hidden=2048,
+    action_hidden=1024,
+    nominal_params={"llm": 30.5e9},  # Qwen3-30B-A3B's published total
+    llm_type="qwen3_moe",
 ))
 
 

@@ -82,13 +82,22 @@ def llm_shape(config, block=None) -> BlockShape:
 
 
 def vision_shape(vision) -> BlockShape:
-    """The shape of a built tower's blocks, of the kind its family's row names (`VisionFamily.planned`)."""
-    from vlaforge.models.vision import tower_width, vision_family
+    """The shape of a built tower's blocks, of the kind its family's row names (`VisionFamily.planned`; "measured"
+    for a tower whose blocks the planner measures, read from its first block: a fused tower's first tower's)."""
+    from vlaforge.models.vision import tower_width, vision_blocks, vision_family
 
-    config, width = vision.config, tower_width(vision)
-    heads = config.num_attention_heads
-    return BlockShape(vision_family(vision).planned or "siglip", width, config.intermediate_size, heads, heads,
-                      width // heads)
+    fam = vision_family(vision)
+    if fam.planned:
+        config, width = vision.config, tower_width(vision)
+        heads = config.num_attention_heads
+        return BlockShape(fam.planned, width, config.intermediate_size, heads, heads, width // heads)
+    from vlaforge.techniques.checkpointing import sublayer
+
+    tower = vision.towers[0] if hasattr(vision, "towers") else vision
+    block = vision_blocks(tower)[0]
+    fc1 = next(p for p in sublayer(block, "ffn").parameters() if p.dim() == 2)
+    heads = tower.config.num_attention_heads
+    return BlockShape("measured", fc1.shape[1], fc1.shape[0], heads, heads, fc1.shape[1] // heads)
 
 
 def compute_bytes(precision: str) -> int:
@@ -214,7 +223,7 @@ class Sequence:
 
 def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, tp: int = 1, cp: int = 1,
                      sequence_parallel: bool = False, allgather: bool = False, zigzag: bool = False,
-                     master: str = "fp32", compiled: bool = False) -> dict[str, int]:
+                     master: str = "fp32", compiled: bool = False, measured=None) -> dict[str, int]:
     """Bytes kept for backward for one micro-batch, by part: 'vision', 'projector', 'llm_block' (one LLM block),
     'llm_once' (shared by the LLM's blocks), 'llm_tail' (final norm and LM-head input; under cp also the layout's
     indices), 'action_head' and 'other' (the loss terms). Under tensor parallel `tp` an LLM block holds its heads'
@@ -225,7 +234,9 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     the whole K/V of every block. `zigzag`: the ring's
     layout, padded to a multiple of 2 x cp tokens (the other methods pad to a multiple of cp). `master`: the master
     dtype (`train.precision_master`), which LoRA adapters take under a lower compute precision (planner/lora.py).
-    `compiled`: `train.compile`, each block one compiled graph (`block_bytes`); an unpadded `seq` builds no mask."""
+    `compiled`: `train.compile`, each block one compiled graph (`block_bytes`); an unpadded `seq` builds no mask.
+    `measured`: the model's `measured.MeasuredRows`, whose components' blocks, once-terms and rest are its measured
+    rows (at tp = cp = 1: `measured.refuse_sharded`) instead of a formula."""
     from vlaforge.planner.lora import adapters_of, block_delta
 
     llm = model.llm.config
@@ -242,16 +253,25 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     lora = adapters_of(model, policies)
     mb = {name: 4 if policies[name].precision == "fp32" else 4 if master == "fp32" else 2 for name in c}
 
+    from vlaforge.models.vision import tower_width
+
+    rows = {comp: measured.rows(comp, policies[comp].checkpointing, policies[comp].precision, master)
+            for comp in (measured.components if measured is not None else ())}
     vshape = vision_shape(model.vision)
-    out["vision"] = _vision_bytes(model, seq, vshape, policies["vision"], mb["vision"], lora.get("vision"), compiled)
+    if "vision" in rows:
+        out["vision"] = rows["vision"].total(b, s)
+    else:
+        out["vision"] = _vision_bytes(model, seq, vshape, policies["vision"], mb["vision"], lora.get("vision"),
+                                      compiled)
     # linear + GELU + linear: the first's input, the GELU's input and output; one linear: its input. A merging
     # connector's linear reads merge^2 patches side by side (its input: the shuffled copy), after Qwen-VL's RMSNorm
     # (fp32: its input, rsqrt, normed output)
-    width = vshape.hidden * seq.merge * seq.merge
+    width = tower_width(model.vision) * seq.merge * seq.merge
     proj = model.projector
     kept = width + 2 * proj.mlp[0].out_features if len(proj.mlp) == 3 else width
     norm = (8 * vshape.hidden + 4) * tvt if proj.norm is not None else 0
-    out["projector"] = 4 * vshape.hidden * tvt if strat["projector"] == "full" else norm + c["projector"] * tv * kept
+    out["projector"] = (4 * tower_width(model.vision) * tvt if strat["projector"] == "full"
+                        else norm + c["projector"] * tv * kept)
     from vlaforge.models.llm import llm_blocks
 
     full = llm_shape(llm, llm_blocks(model.llm)[0])
@@ -267,7 +287,10 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
                                  block_positions=not model.layout.mrope, shared_positions=cp == 1 and not seq.padded)
     out["llm_tail"] = ((4 * D + 4 + 4 * D) * b * s_rank  # final RMSNorm
                        + c["llm"] * b * (seq.text + 1) * D)  # LM head input: the text targets' positions (+1)
-    if "llm" in lora:
+    if "llm" in rows:  # measured whole (tp = cp = 1), LoRA included
+        r = rows["llm"]
+        out["llm_block"], out["llm_once"], out["llm_tail"] = r.block.at(b, s), r.once.at(b, s), r.rest.at(b, s)
+    elif "llm" in lora:
         a = lora["llm"]
         out["llm_block"] += block_delta(a, strat["llm"], "llama", c["llm"], mb["llm"], D, lshape.ffn, b * s_rank,
                                         first=False)
@@ -364,14 +387,14 @@ def qwen_bounds(vis, images: int, seq: Sequence) -> int:
     return 4 * (images + 1) * full + 4 * (images * windows + 1) * windowed
 
 
-def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = True, master: str = "fp32"
-                           ) -> dict[str, int]:
+def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = True, master: str = "fp32",
+                           measured=None) -> dict[str, int]:
     """Bytes kept for backward per component ('other': the loss terms) for one micro-batch, from the model's
     shapes: the blocks (`block_bytes`, `once_bytes`) plus each component's non-block parts.
 
     The regression action head is modeled; projector and action head with `checkpointing = "full"` keep their
-    input only."""
-    parts = activation_parts(model, seq, policies, contrastive, master=master)
+    input only. `measured`: as `activation_parts`'s."""
+    parts = activation_parts(model, seq, policies, contrastive, master=master, measured=measured)
     layers = model.llm.config.num_hidden_layers
     out = {k: v for k, v in parts.items() if not k.startswith("llm_")}
     out["llm"] = layers * parts["llm_block"] + parts["llm_once"] + parts["llm_tail"]

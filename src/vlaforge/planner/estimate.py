@@ -39,6 +39,7 @@ from vlaforge.errors import VlaforgeError
 from vlaforge.planner.activations import activation_parts, compute_bytes
 from vlaforge.planner.hardware import GB, no_fp8
 from vlaforge.planner.lora import adapters_of, block_gather_bytes, cast_share
+from vlaforge.planner.measured import refuse_sharded
 from vlaforge.planner.memory import StateBytes, per_gpu
 from vlaforge.planner.peak import backward_peak, stage_parts
 from vlaforge.planner.throughput import step_time
@@ -88,9 +89,13 @@ def build_case(pm: PlanModel, cfg, cluster: Cluster) -> Case:
     method = par.cp_method
     if cp > 1 and method == "auto":
         method = cp_method_for(par, seq.llm_tokens, pm.model.llm.config.num_attention_heads)[0]
+    why = refuse_sharded(pm.measured_components, tp, cp, par.sequence_parallel)
+    if why:
+        raise VlaforgeError(why)
     parts = activation_parts(pm.model, seq, policies, pm.contrastive, tp=tp, cp=cp,
                              sequence_parallel=par.sequence_parallel, allgather=cp > 1 and method == "allgather",
-                             zigzag=cp > 1 and method == "ring", master=tr.precision_master, compiled=tr.compile)
+                             zigzag=cp > 1 and method == "ring", master=tr.precision_master, compiled=tr.compile,
+                             measured=pm.measured)
     trains = {c: ever_trains(policies[c]) for c in COMPONENTS}
     through = {"vision": trains["vision"], "projector": trains["vision"] or trains["projector"]}
     through["llm"] = through["projector"] or trains["llm"]

@@ -13,6 +13,7 @@ import torch
 
 from vlaforge import COMPONENTS
 from vlaforge.planner.activations import model_activation_bytes, sequence_of
+from vlaforge.planner.measured import MeasuredRows, measured_components
 from vlaforge.planner.memory import model_state
 
 
@@ -35,8 +36,10 @@ def side_by_side(cfg, batch_size: int) -> dict:
         with memory.count_saved(model) as acc:
             model.compute_loss(batch)
     seq = sequence_of(model, batch)
+    comps = measured_components(bare)
+    rows = MeasuredRows(cfg, bare, comps, seq.padded) if comps else None
     analytic = model_activation_bytes(model, seq, policies, model.objective.active("contrastive"),
-                                      cfg.train.precision_master)
+                                      cfg.train.precision_master, measured=rows)
     # offload only moves what is saved: compare everything saved, wherever it went, and report what moved
     measured: dict[str, int] = {}
     for place in (memory.DEVICE, memory.CPU, memory.NVME):

@@ -41,7 +41,7 @@ def plan_json(pm: PlanModel, plan: Plan, assume: Assumptions) -> dict[str, Any]:
         micro, tp = best.config.train.batch_size, f["parallel.tp"]
         ck = f["components.llm.checkpointing"]
         parts = activation_parts(pm.model, replace(pm.seq, batch=micro), dict(best.config.components.items()),
-                                 pm.contrastive, tp=tp)
+                                 pm.contrastive, tp=tp, measured=pm.measured)
         ours = pm.model.llm.config.num_hidden_layers * parts["llm_block"] + parts["llm_once"]
         ref = {"korthikanti_llm_blocks_gb": round(korthikanti_bytes(pm, micro, tp, "full" if ck == "full" else "none")
                                                   / GB, 3),
@@ -145,6 +145,8 @@ def plot(e: Estimate, path: str | Path, title: str) -> Path:
 
 WHITEPAPER_MODELS = ("smolvla_vlm", "pi0_vlm", "qwen2.5-vl-3b", "openvla-7b", "vla-7b", "vla-30b", "vla-70b")
 WHITEPAPER_FRAMES = (1, 8)
+FAMILY_MODELS = ("openvla-7b", "gemma3-4b-vla", "qwen3-moe-vla")  # a fused tower, LLM families measured
+FAMILY_GLOBAL_BATCH = 64
 
 
 def whitepaper_clusters(catalog=None) -> list[Cluster]:
@@ -155,9 +157,11 @@ def whitepaper_clusters(catalog=None) -> list[Cluster]:
 
 
 def whitepaper(path: str | Path, global_batch: int = 256, assume: Assumptions = Assumptions(),
-               models=WHITEPAPER_MODELS, frames=WHITEPAPER_FRAMES, clusters: list[Cluster] | None = None) -> Path:
+               models=WHITEPAPER_MODELS, frames=WHITEPAPER_FRAMES, clusters: list[Cluster] | None = None,
+               families=FAMILY_MODELS) -> Path:
     """`docs/whitepaper.md`: the planner's recommended configuration for each model x input x cluster, with the
-    per-GPU memory chart of each recommendation (PNG files in a folder beside it)."""
+    per-GPU memory chart of each recommendation (PNG files in a folder beside it), then `families` (models whose
+    towers the planner measures) on one and eight GPUs, then LoRA."""
     from vlaforge.config.loading import load_config
     from vlaforge.outputs import write_atomic
     from vlaforge.planner.search import needed_nodes, search
@@ -205,9 +209,48 @@ def whitepaper(path: str | Path, global_batch: int = 256, assume: Assumptions = 
                              f"[{b.memory['total']:.1f}]({charts.name}/{chart.name}) | "
                              f"{b.tokens_per_s:,.0f} | {100 * b.mfu:.0f}% | {why} |")
             lines.append("")
+    lines += _families_section(assume, families) if families else []
     lines += _lora_section(assume, charts)
     write_atomic(path, "\n".join(lines) + "\n")
     return path
+
+
+
+
+def family_clusters(catalog=None) -> list[Cluster]:
+    from vlaforge.planner.hardware import get_gpu
+
+    return [Cluster(get_gpu(g, catalog), n, 1) for g, n in (("rtx-4090", 1), ("h100-80", 1), ("h100-80", 8))]
+
+
+def _families_section(assume: Assumptions, models=FAMILY_MODELS) -> list[str]:
+    """What fits of a VLA on a fused tower and on two LLM families no formula counts (their blocks measured,
+    planner/measured.py) on one 24 GB GPU, one 80 GB GPU and eight."""
+    from vlaforge.config.loading import load_config
+    from vlaforge.planner.search import search
+
+    lines = ["## The fused tower, Gemma3 and Qwen3-MoE on 1 × 24 / 1 × 80 / 8 × 80 GB", "",
+             f"Global batch {FAMILY_GLOBAL_BATCH}, one frame, full fine-tuning. openvla-7b's fused DINOv2 + SigLIP "
+             "tower, Gemma3's and Qwen3-MoE's blocks are counted from rows measured under fake tensors "
+             "(docs/planner.md, \"Measured rows\"); tensor and context parallel are not planned for a measured LLM.",
+             "", "| model | cluster | fits | layout | precision / checkpointing | micro × accum | GB per GPU | "
+             "step s | tokens/s | why |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for flavor in models:
+        pm = PlanModel(load_config(None, {"model": {"flavor": flavor}}))
+        for cluster in family_clusters():
+            plan = search(pm, cluster, FAMILY_GLOBAL_BATCH, assume=assume, keep=1)
+            b = plan.best
+            if b is None:
+                m = plan.best_misfit
+                alts = "; ".join(x for x in plan.explanations if x.startswith("alternative"))
+                need = f"{m.memory['total']:.1f} needed" if m else "—"
+                lines.append(f"| {flavor} | {cluster.describe()} | no | — | — | — | {need} | — | — | "
+                             f"{alts or 'no alternative fits'} |")
+                continue
+            lines.append(f"| {flavor} | {cluster.describe()} | yes | {_short(b)} | {_policy(b, plan.with_blocks)} | "
+                         f"{b.config.train.batch_size} × {b.config.train.grad_accum} | {b.memory['total']:.1f} | "
+                         f"{b.step_time_s:.2f} | {b.tokens_per_s:,.0f} | {'; '.join(plan.explanations[:2])} |")
+    return lines + [""]
 
 
 LORA_SETUPS = {"full fine-tuning": None, "LoRA r32 (bf16 base)": {"rank": 32, "base": "bf16"},

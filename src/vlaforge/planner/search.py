@@ -29,6 +29,7 @@ from vlaforge import COMPONENTS
 from vlaforge.errors import VlaforgeError
 from vlaforge.planner.estimate import GB, Estimate, estimate
 from vlaforge.planner.explain import explain, usable_gb
+from vlaforge.planner.measured import refuse_sharded
 from vlaforge.planner.types import Assumptions, Cluster, PlanModel, config_fields
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -217,6 +218,11 @@ def _configs(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str
                 check_layout(cfg, world)
             except VlaforgeError as e:
                 refusals[str(e)] += 1
+                continue
+            sharded = refuse_sharded(pm.measured_components, cfg.parallel.tp, cfg.parallel.cp,
+                                     cfg.parallel.sequence_parallel)
+            if sharded:
+                refusals[sharded] += 1
                 continue
             for knob in _free(knobs, fixed):
                 cand = cfg if not knob else cfg.model_copy(update={"components": _components(cfg, knob)})

@@ -120,13 +120,21 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     vs = vision_shape(model.vision)
     patch = vis.patch_size
     qwen = vs.kind == "qwen_vit"  # a Conv3d over the repeated frame, a SwiGLU MLP, attention within windows
-    conv = 2.0 * tv * 3 * patch * patch * vs.hidden * (vis.temporal_patch_size if qwen else 1)
-    v_out = 2.0 * tv * vs.hidden * vs.hidden  # out_proj
-    v_attn_mm = 4 * v_out
-    v_fc2 = 2.0 * tv * vs.ffn * vs.hidden
-    v_ffn_mm = (3 if qwen else 2) * v_fc2
+    if qwen:
+        conv = 2.0 * tv * 3 * patch * patch * vs.hidden * vis.temporal_patch_size
+        v_out = 2.0 * tv * vs.hidden * vs.hidden  # out_proj
+        v_attn_mm = 4 * v_out
+        v_fc2 = 2.0 * tv * vs.ffn * vs.hidden
+        v_ffn_mm = 3 * v_fc2
+        v_core = 4.0 * images * vs.hidden * sum(_attention_pairs(vis, seq, i, qwen)
+                                                for i in range(vis.num_hidden_layers))
+    else:  # any tower (a fused one's blocks of two widths): each block's own weights, patches^2 pairs per image
+        blocks, outside = model_matmuls(model, "vision")
+        conv = 2.0 * tv * outside
+        v_out, v_attn_mm, v_fc2, v_ffn_mm = (2.0 * tv * sum(b[k] for b in blocks) / len(blocks)
+                                             for k in ("attn_out", "attn", "ffn_out", "ffn"))
+        v_core = 4.0 * images * seq.tower_patches ** 2 * sum(b["width"] for b in blocks)
     v_blocks = vis.num_hidden_layers * (v_attn_mm + v_ffn_mm)
-    v_core = 4.0 * images * vs.hidden * sum(_attention_pairs(vis, seq, i, qwen) for i in range(vis.num_hidden_layers))
     out.forward["vision"] = conv + v_blocks
     out.backward["vision"] = (conv + 2 * v_blocks) if trains["vision"] else 0.0
     rec, core_again = _recomputed(policies["vision"].checkpointing, v_attn_mm, v_ffn_mm, v_out, v_fc2)
@@ -141,12 +149,12 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
                      policies["projector"].checkpointing)
 
     # llm: blocks (q, k, v, o; gate, up, down), LM head over the text positions (+1), causal attention core
+    # each block's own weights (Llama's q, k, v, o; gate, up, down; a MoE block's routed experts' share)
     ls = llm_shape(llm)
     D, hd = ls.hidden, ls.heads * ls.head_dim
-    l_out = 2.0 * t * hd * D  # o_proj
-    l_attn_mm = 2.0 * t * (D * hd + 2 * D * ls.kv_heads * ls.head_dim) + l_out
-    l_down = 2.0 * t * ls.ffn * D
-    l_ffn_mm = 3 * l_down
+    lb = model_matmuls(model, "llm")[0]
+    l_out, l_attn_mm, l_down, l_ffn_mm = (2.0 * t * sum(b[k] for b in lb) / len(lb)
+                                          for k in ("attn_out", "attn", "ffn_out", "ffn"))
     l_blocks = llm.num_hidden_layers * (l_attn_mm + l_ffn_mm)
     head = 2.0 * b * (seq.text + 1) * D * llm.vocab_size
     l_core = llm.num_hidden_layers * 4.0 * b * s * s * hd
@@ -175,6 +183,62 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     out.forward["other"] = 2.0 * b * b * D if contrastive else 0.0  # contrastive logits (B x B)
     out.backward["other"] = (1 if "llm" in lora else 2) * out.forward["other"]  # LoRA: frozen instruction side
     return out
+
+
+def model_matmuls(model, comp: str) -> tuple[list[dict[str, float]], int]:
+    """(`block_matmuls` of each of `comp`'s blocks, the weights of its linears and convolutions outside them), read
+    from the model once (the search asks for every candidate)."""
+    cache = model.__dict__.setdefault("_vlaforge_matmuls", {})
+    if comp not in cache:
+        from vlaforge.models.llm import llm_blocks
+        from vlaforge.models.vision import vision_blocks
+
+        blocks = vision_blocks(model.vision) if comp == "vision" else llm_blocks(model.llm)
+        cache[comp] = ([block_matmuls(b) for b in blocks], outside_matmuls(getattr(model, comp), blocks))
+    return cache[comp]
+
+
+def block_matmuls(block) -> dict[str, float]:
+    """Weights one token meets in `block`'s matmuls, per sub-layer: 'attn' and 'ffn' (every weight of two or more
+    dimensions; a MoE block's 3-D expert weights by the share of experts a token is routed to, top-k / experts),
+    'attn_out' / 'ffn_out' (the sub-layer's last matmul: o_proj, down_proj), and 'width' (the attention's heads x
+    head dim: the last matmul's input)."""
+    from vlaforge.techniques.checkpointing import sublayer
+
+    out = {}
+    for region in ("attn", "ffn"):
+        weights = []
+        for name, p in sublayer(block, region).named_parameters():
+            if "lora_" in name:  # LoRA's adapters: planner/lora.py counts them (`_lora_flops`)
+                continue
+            if p.dim() == 3:  # (experts, out, in): a token meets top-k of them
+                weights.append((p, p[0].numel() * _routed(block)))
+            elif p.dim() >= 2:
+                weights.append((p, p.numel()))
+        out[region] = float(sum(n for _, n in weights))
+        out[f"{region}_out"] = float(weights[-1][1]) if weights else 0.0
+        if region == "attn":
+            last = weights[-1][0] if weights else None
+            out["width"] = float(last.shape[-1]) if last is not None else 0.0
+    return out
+
+
+def _routed(block) -> float:
+    """Experts a token is routed to in `block`'s MoE layer (1 without one)."""
+    for m in block.modules():
+        k = getattr(m, "top_k", None) or getattr(getattr(m, "config", None), "num_experts_per_tok", None)
+        if isinstance(k, int) and k > 0:
+            return float(k)
+    return 1.0
+
+
+def outside_matmuls(module, blocks) -> int:
+    """Weights of `module`'s linears and convolutions outside its `blocks` (a tower's patch embedding)."""
+    from torch import nn
+
+    inside = {id(m) for b in blocks for m in b.modules()}
+    return sum(m.weight.numel() for m in module.modules()
+               if isinstance(m, (nn.Linear, nn.Conv2d)) and id(m) not in inside)
 
 
 def _projector_flops(out: StepFlops, model, width: int, tokens: int, hidden: int, trains: dict, strategy: str
@@ -292,7 +356,8 @@ def _stage_compute(pm: "PlanModel", case: "Case", cluster: "Cluster", assume: "A
     plain = {c: p.model_copy(update={"checkpointing": "none"}) for c, p in policies.items()}
     # a compiled block's fused kernels move what its partitioner saves, not every eager intermediate
     work = activation_parts(pm.model, case.seq, plain, pm.contrastive, tp=tp, cp=cp,
-                            master=case.cfg.train.precision_master, compiled=case.cfg.train.compile)
+                            master=case.cfg.train.precision_master, compiled=case.cfg.train.compile,
+                            measured=pm.measured)
     fp8_share = _block_linear_share(pm, case.seq, f) if policies["llm"].precision == "fp8" else 0.0
     out = []
     for stage, (a, b) in enumerate(case.bounds):

@@ -86,8 +86,7 @@ class PlanModel:
         from vlaforge.distributed.parallel_dims import model_facts
         from vlaforge.models.build import build_vla, synthetic_batch
         from vlaforge.models.fake import fake_build
-        from vlaforge.models.families import family, unlike_llama
-        from vlaforge.models.vision import vision_family
+        from vlaforge.planner.measured import MeasuredRows, measured_components
 
         self.cfg = cfg
         if not cfg.model.lerobot.pretrained:
@@ -96,23 +95,16 @@ class PlanModel:
         with fake_build():
             self.model = build_vla(cfg.model, cfg.loss, fake=True)  # a pretrained folder: its config alone
             self.seq = replace(sequence_of(self.model, synthetic_batch(cfg, self.model, 1)), padded=padded)
-        block = unlike_llama(llm_blocks(self.model.llm)[0])
-        if block is not None:  # NOTE: activations.py counts Llama's block term by term (bench/planner_families.py)
-            raise VlaforgeError(f"the planner counts Llama-shaped LLM blocks; this {family(self.model.llm.config)} "
-                                f"block differs ({block}), which it does not count yet: plan with a Llama-shaped "
-                                "LLM of the same width and depth (--model.flavor)")
         proj = self.model.projector
         if proj.spec["norm"] not in (None, "rms"):
             # NOTE: activations.py counts linear + GELU + linear or one linear, after a merge and an RMSNorm or none
             raise VlaforgeError("the planner counts two-layer and one-linear connectors, after a pixel shuffle or "
                                 "Qwen2.5-VL's RMSNorm-and-merge; this VLM's patch merger normalizes with a LayerNorm "
                                 "(model.vlm.pretrained), which it does not count yet")
-        tower = vision_family(self.model.vision)
-        if not tower.planned:  # NOTE: activations.py / throughput.py count SigLIP's block, embeddings and norms
-            raise VlaforgeError(f"the planner models SigLIP-shaped vision towers (SigLIP, Idefics3's, SmolVLM's) "
-                                "and Qwen2.5-VL's; "
-                                f"this one is {tower.name} (model.vision.pretrained), which it does not count yet: "
-                                "plan with a SigLIP tower of the same width and depth")
+        # the blocks no formula counts exactly are measured under fake tensors (planner/measured.py)
+        self.measured_components = measured_components(self.model)
+        self.measured = (MeasuredRows(cfg, self.model, self.measured_components, padded)
+                         if self.measured_components else None)
         self.facts = model_facts(cfg.model)
         self.contrastive = self.model.objective.active("contrastive")
         self._states: dict = {}
@@ -166,8 +158,9 @@ class PlanModel:
         for comp in COMPONENTS:
             blocks = blocks_of(self.model, comp)
             row = {"rest": numel(getattr(self.model, comp)), "attn": 0, "ffn": 0}
-            if blocks is not None:
-                row["attn"], row["ffn"] = (numel(sublayer(blocks[0], r)) for r in ("attn", "ffn"))
+            if blocks is not None:  # the average block (a fused tower's blocks are of two widths)
+                row["attn"], row["ffn"] = (sum(numel(sublayer(b, r)) for b in blocks) // len(blocks)
+                                           for r in ("attn", "ffn"))
                 row["rest"] -= len(blocks) * (row["attn"] + row["ffn"])
             out[comp] = row
         return out
@@ -197,7 +190,7 @@ class PlanModel:
     def vision_block_numel(self) -> int:
         from vlaforge.models.vision import vision_blocks
 
-        return sum(p.numel() for p in vision_blocks(self.model.vision)[0].parameters())
+        return max(sum(p.numel() for p in b.parameters()) for b in vision_blocks(self.model.vision))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,111 @@
+"""The planner plans every family vlaforge trains (issue 59): each LLM family of tests/families.py and each vision
+tower family (the fused tower too) plans from a tiny `save_pretrained` folder, its activation bytes taken from
+measured rows (`planner/measured.py`) where no formula counts its blocks exactly, and equal to a fake-tensor count of
+a real step at another sequence length than the one the rows were measured at (bench/planner_families.py runs every
+checkpointing strategy at two lengths and deeper models)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from vlaforge import COMPONENTS
+from vlaforge.errors import VlaforgeError
+
+from conftest import run_cli, tiny_config
+from families import FAMILIES, VISION_FAMILIES, family_folder, tower_folder
+
+MEASURED_LLMS = sorted(set(FAMILIES) - {"llama", "qwen2", "qwen3", "mistral"})
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("planner_families")
+
+
+def _config(section: dict, comp: str, strategy: str, length: int | None = None):
+    comps = {c: {"precision": "bf16"} for c in COMPONENTS}
+    comps[comp]["checkpointing"] = strategy
+    return tiny_config(model=section, components=comps,
+                       data={"max_instruction_tokens": length} if length else {})
+
+
+def _planned_over_counted(section: dict, comp: str, strategy: str) -> tuple[float, object]:
+    """(planned / fake-tensor-counted activation bytes of `comp` at 40 instruction tokens, the PlanModel) for rows
+    measured at the recipe's instruction length."""
+    from vlaforge.planner.activations import model_activation_bytes
+    from vlaforge.planner.measure import side_by_side
+    from vlaforge.planner.types import PlanModel
+
+    pm = PlanModel(_config(section, comp, strategy))
+    cfg = _config(section, comp, strategy, 40)
+    counted = side_by_side(cfg, 2)["by_component"][comp]["measured"]
+    planned = model_activation_bytes(pm.model, replace(pm.seq, batch=2, instruction=40),
+                                     dict(cfg.components.items()), pm.contrastive, "fp32", measured=pm.measured)
+    return planned[comp] / counted, pm
+
+
+@pytest.mark.parametrize("name", MEASURED_LLMS)
+def test_every_llm_family_plans_from_measured_blocks(root, name):
+    """OLMo2, Gemma / Gemma2 / Gemma3, Phi3, Phi, GPT-NeoX and Qwen3-MoE (its routed experts through transformers'
+    grouped-matmul fallback under fake tensors): measured rows equal the count at another length, none and
+    selective; a plan on one GPU recommends a configuration."""
+    from vlaforge.planner.hardware import CATALOG
+    from vlaforge.planner.search import search
+    from vlaforge.planner.types import Cluster
+
+    section = {"llm": {"pretrained": str(family_folder(name, root))}}
+    for strategy in ("none", "selective"):
+        ratio, pm = _planned_over_counted(section, "llm", strategy)
+        assert pm.measured_components == ("llm",)
+        assert abs(ratio - 1.0) <= 0.02, (name, strategy, ratio)
+    plan = search(pm, Cluster(CATALOG["h100-80"], gpus_per_node=1), 8)
+    assert plan.best is not None and plan.best.fits
+
+
+@pytest.mark.parametrize("name", [*sorted(set(VISION_FAMILIES) - {"siglip"}), "fused"])
+def test_every_vision_tower_plans_from_measured_blocks(root, name):
+    """CLIP, DINOv2 (with registers), SigLIP2 (its position resize with transformers' value checks off under fake
+    tensors) and the fused DINOv2-with-registers + SigLIP tower: measured rows equal the count, none and full."""
+    if name == "fused":
+        section = {"vision": {"pretrained": str(tower_folder("dinov2_with_registers", root)),
+                              "fused": str(tower_folder("siglip", root))}}
+    else:
+        section = {"vision": {"pretrained": str(tower_folder(name, root))}}
+    for strategy in ("none", "full"):
+        ratio, pm = _planned_over_counted(section, "vision", strategy)
+        assert pm.measured_components == ("vision",)
+        assert abs(ratio - 1.0) <= 0.02, (name, strategy, ratio)
+
+
+def test_a_measured_llm_refuses_sharded_layouts_and_plans_the_rest(root, tmp_path):
+    """`vlaforge plan` on a Gemma3 folder exits 0 with a plan; pinning tensor parallel, which the measured rows do
+    not divide, is refused in one line naming it."""
+    recipe = tmp_path / "gemma3.toml"
+    recipe.write_text(f'[model.llm]\npretrained = "{family_folder("gemma3_text", root)}"\n')
+    done = run_cli("plan", f"--model={recipe}", "--gpu=h100-80", "--gpus-per-node=2", "--global-batch=8")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "best:" in done.stdout
+    done = run_cli("plan", f"--model={recipe}", "--gpu=h100-80", "--gpus-per-node=2", "--global-batch=8",
+                   "--fix", "parallel.tp=2")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "measures this LLM's blocks whole and does not divide them for tensor parallel" in done.stderr
+
+
+def test_a_block_the_planner_cannot_measure_is_refused_naming_its_type(root, monkeypatch):
+    """A module whose forward fake tensors cannot run (here: one that reads a value) is refused in one line naming
+    the block type, never a traceback or a zero row."""
+    import transformers.models.phi.modeling_phi as phi
+
+    from vlaforge.planner.types import PlanModel
+
+    def reads_a_value(self, hidden_states, *args, **kwargs):
+        return hidden_states * float(hidden_states.sum())  # a host read: no value under fake tensors
+
+    monkeypatch.setattr(phi.PhiMLP, "forward", reads_a_value)
+    pm = PlanModel(_config({"llm": {"pretrained": str(family_folder("phi", root))}}, "llm", "none"))
+    with pytest.raises(VlaforgeError, match="^the planner could not measure the PhiDecoderLayer blocks under fake "
+                                            "tensors"):
+        pm.measured.rows("llm", "none", "bf16", "fp32")
