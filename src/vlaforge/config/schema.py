@@ -75,10 +75,22 @@ class VLAConfig(Section):
         why = "is not built for LeRobot policies yet (their joint layers call both blocks' sub-layers directly)"
         defaults = ComponentConfig()
         for c, comp in self.components.items():
-            for name in ("precision", "checkpointing", "offload", "qat", "lora"):
+            for name in ("precision", "offload", "qat", "lora"):
                 if getattr(comp, name) != getattr(defaults, name):
                     raise ValueError(f"components.{c}.{name} = {getattr(comp, name)!r} {why}; drop it (fp32, no "
-                                     "checkpointing, offload, QAT or LoRA)")
+                                     "offload, QAT or LoRA)")
+        # checkpointing: the tower's blocks as any tower's; the LLM's unit is the joint layer (VLM block i and the
+        # expert block it meets, recomputed together), whole or every n-th; the expert's blocks have no unit of
+        # their own, and the selective strategies' sub-layers are one block's, not a joint layer's two
+        llm, head = self.components.llm.checkpointing, self.components.action_head.checkpointing
+        if llm.startswith("selective"):
+            raise ValueError(f"components.llm.checkpointing = '{llm}' is not built for LeRobot policies: their unit "
+                             "is the joint layer (a VLM block and an expert block), which 'full' and 'every_nth' "
+                             "recompute whole; use one of those")
+        if head != "none":
+            raise ValueError(f"components.action_head.checkpointing = '{head}': a LeRobot policy's expert blocks run "
+                             "inside the joint layers, which components.llm.checkpointing recomputes; set that "
+                             "instead")
         p, extra = self.parallel, {k: v for k, v in self.loss.weights.items() if k != "action" and v > 0}
         for what, hit in {"parallel.tp > 1": p.tp > 1, "parallel.pp > 1": p.pp > 1, "parallel.cp > 1": p.cp > 1,
                           "parallel.backend = 'deepspeed'": p.backend == "deepspeed",

@@ -254,7 +254,10 @@ def apply_data_parallel(model: nn.Module, dims, mesh, policies: Mapping[str, Any
     dp_mesh = mesh["dp_replicate", shard_dim]  # 2-D: HSDP in general, DDP when dp_shard = 1, FSDP when replicate = 1
     for comp in COMPONENTS:
         for block in blocks_of(model, comp) or ():
-            fully_shard(block, mesh=dp_mesh, mp_policy=_policy(policies[comp].precision))
+            # NOTE: a LeRobot policy's joint layers hold their two blocks without owning them (the parameters stay
+            # under their components' names): not a unit; their parameters go to the root's
+            if next(block.parameters(), None) is not None:
+                fully_shard(block, mesh=dp_mesh, mp_policy=_policy(policies[comp].precision))
     fully_shard(root if root is not None else model, mesh=dp_mesh, reshard_after_forward=False,
                 mp_policy=_policy("fp32"))
     shard_group = mesh.get_group(shard_dim) if "dp_shard" in names and dims.dp_shard * dims.cp > 1 else None

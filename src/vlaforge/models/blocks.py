@@ -12,13 +12,17 @@ from vlaforge import COMPONENTS
 def blocks_of(model: nn.Module, component: str) -> nn.ModuleList | None:
     """The transformer blocks of `component` (None for a component without blocks - the projector, an MLP action
     head - and for a component another pipeline stage holds). A component other than the tower and the LLM declares
-    its blocks as a `blocks` ModuleList attribute."""
+    its blocks as a `blocks` ModuleList attribute; a model whose blocks are not its components' own units says which
+    are (`component_blocks`: a LeRobot policy's joint layers, models/policies/joint.py)."""
     from vlaforge.models.llm import llm_blocks
     from vlaforge.models.vision import vision_blocks
 
     child = getattr(model, component)
     if getattr(child, "removed", False):
         return None
+    own = getattr(model, "component_blocks", None)
+    if own is not None:  # a model whose blocks run otherwise than inside their component (a policy's joint layers)
+        return own(component)
     if component == "vision":
         return vision_blocks(model.vision)
     if component == "llm":

@@ -209,6 +209,9 @@ def local_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
     """
     scaler, reducer = guards.scaler, guards.reducer
     optimizer.zero_grad(set_to_none=True)
+    begin = getattr(model, "begin_step", None)
+    if begin is not None:  # a model whose step draws its randomness once, for every micro-batch (a LeRobot policy)
+        begin()
     denominators = loss_denominators(model, micro_batches, reducer)
     if pipeline is not None:  # the schedule runs every micro-batch and syncs gradients after the last
         sums = pipeline.run(micro_batches, weighting, scaler, denominators)

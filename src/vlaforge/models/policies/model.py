@@ -317,6 +317,20 @@ class PolicyVLA(nn.Module):
     # tokenized by the policy's own tokenizer (models/policies/processors.py:PolicyTokenizer)
     weigh = VLA.weigh
 
+    def component_blocks(self, component: str) -> nn.ModuleList | None:
+        """The units the techniques wrap per component (`models.blocks.blocks_of`): the tower's blocks; for the LLM
+        the joint layers (VLM block i with the expert block it meets: the expert's blocks run there, so the action
+        head has none of its own). The list is not a child: parameter names stay the components' own."""
+        if component == "vision":
+            from vlaforge.models.vision import vision_blocks
+
+            return vision_blocks(self.vision)
+        if component == "llm":
+            if "_joint_list" not in self.__dict__:
+                self.__dict__["_joint_list"] = nn.ModuleList(self.joint_layers)
+            return self.__dict__["_joint_list"]
+        return None
+
     @property
     def layout(self) -> Layout:
         tower = self.vision.config
@@ -342,6 +356,31 @@ class PolicyVLA(nn.Module):
         dist = torch.distributions.Beta(torch.tensor(alpha), torch.tensor(beta))
         return (dist.sample((b,)) * scale + offset).to(device=device, dtype=torch.float32)
 
+    def begin_step(self) -> None:
+        """Called by the trainer once per optimizer step, before its micro-batches (`training.step.local_step`):
+        draws the step's seed from torch's generator, one draw whatever the step's split into micro-batches."""
+        self.__dict__["_step_seed"] = int(torch.randint(0, 2 ** 62, (1,)).item())
+
+    def draw_noise(self, batch: Batch, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flow-matching noise (B, T, A) and times (B,) of a training batch. Within a step (`begin_step`), each
+        sample's own, from its step seed and dataset row (`Batch.index`): the same for a sample whatever the
+        micro-batch it is in, so accumulated micro-batches give the large batch's gradient exactly. Without them
+        (a caller outside the trainer, a source without rows), from torch's generator for the whole batch."""
+        seed = self.__dict__.get("_step_seed")
+        if seed is None or batch.index is None:
+            noise = torch.randn(actions.shape, device=actions.device)
+            return noise, self.draw_time(noise.shape[0], noise.device)
+        import numpy as np
+
+        alpha, beta, scale, offset = self.spec.time_beta
+        noises, times = [], []
+        for row in batch.index.reshape(-1).tolist():
+            sample_seed = (seed * 1_000_003 + int(row)) % 2 ** 63
+            noises.append(torch.randn(actions.shape[1:], generator=torch.Generator().manual_seed(sample_seed)))
+            times.append(np.random.default_rng(sample_seed).beta(alpha, beta) * scale + offset)
+        return (torch.stack(noises).to(actions.device),
+                torch.tensor(times, dtype=torch.float32, device=actions.device))
+
     def forward(self, batch: Batch, denominators: dict[str, torch.Tensor] | None = None,
                 extra=None) -> dict[str, torch.Tensor]:
         """The flow-matching term at random noise and times, averaged over the chunk steps inside the episode and
@@ -349,8 +388,8 @@ class PolicyVLA(nn.Module):
         if extra is not None:
             raise VlaforgeError("distillation is not built for LeRobot policies; train without [distill]")
         x = self.inputs_from_batch(batch)
-        noise = torch.randn(x.actions.shape, device=x.actions.device)
-        losses = self.losses(x, noise, self.draw_time(noise.shape[0], noise.device))[:, :, :self.spec.action_dim]
+        noise, time = self.draw_noise(batch, x.actions)
+        losses = self.losses(x, noise, time)[:, :, :self.spec.action_dim]
         den = (denominators or {}).get("action")
         action = L.masked_mean(losses, batch.action_mask, None if den is None else den * losses.shape[-1])
         return {"action": action}
