@@ -153,3 +153,37 @@ def test_a_policy_over_two_ranks_steps_as_one_process(session_root, tmp_path):
         assert two.keys() == one.keys()
         diffs = sorted(((float((two[k] - one[k]).abs().max()), k) for k in one), reverse=True)
         assert diffs[0][0] <= 2e-6, (name, diffs[:6])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_planner_counts_a_policy_from_its_measured_joint_layers(kind, session_root):
+    """`vlaforge plan` on a LeRobot folder: every part of the policy measured under fake tensors at 2 and 4 samples
+    (its joint layers as the LLM's blocks), planned at 6 samples within 2 % of the fake-tensor count there, joint
+    layers checkpointed or not."""
+    from vlaforge.config.loading import load_config
+    from vlaforge.planner.measure import side_by_side
+    from vlaforge.planner.types import PlanModel
+
+    out = ref061.policy_folder(kind, session_root)
+    lerobot = {"pretrained": str(out / "policy"), **_options(out)}
+    for strategy in ("none", "full"):
+        cfg = load_config(None, {"model": {"lerobot": lerobot}, "components": {"llm": {"checkpointing": strategy}}})
+        pm = PlanModel(cfg)
+        assert pm.measured.policy and pm.seq.chunk == pm.model.spec.chunk
+        rows = side_by_side(pm.cfg, 6)
+        assert abs(rows["activations"]["ratio"] - 1.0) <= 0.02, (kind, strategy, rows["activations"])
+
+
+def test_the_planner_plans_pi05_at_its_published_size():
+    """The `pi05` flavor (LeRobot's defaults): 3,353,433,872 parameters planned (3,616,757,520 with the expert's
+    LM head LeRobot builds and never calls); on 8 x h100-80 a configuration fits, in fp32 as a policy trains."""
+    from vlaforge.config.loading import load_config
+    from vlaforge.planner.hardware import CATALOG
+    from vlaforge.planner.search import search
+    from vlaforge.planner.types import Cluster, PlanModel
+
+    pm = PlanModel(load_config(None, {"model": {"flavor": "pi05"}}))
+    assert pm.state(dict(pm.cfg.components.items()), "fp32").total.numel == 3_353_433_872
+    plan = search(pm, Cluster(CATALOG["h100-80"], gpus_per_node=8), 32)
+    assert plan.best is not None and plan.best.fits
+    assert all(p.precision == "fp32" for _, p in plan.best.config.components.items())

@@ -159,14 +159,12 @@ def test_lerobot_policy_flavors_are_the_policies_at_their_published_sizes(flavor
         assert f"{lerobot_total:,} parameters in LeRobot" in render_summary(summary)
 
 
-@pytest.mark.parametrize("args, flavor", [
-    (("plan", "--model", "pi0"), "pi0"),
+@pytest.mark.parametrize("args, flavor", [  # (`vlaforge plan` plans them: tests/test_lerobot_policy_techniques.py)
     (("profile", "--fake", "--model.flavor=pi0"), "pi0"),
     (("train", "recipes/tiny_synthetic.toml", "--model.flavor=smolvla"), "smolvla"),
-    (("plan", "--model", "pi05"), "pi05"),
     (("profile", "--fake", "--model.flavor=pi05"), "pi05"),
     (("train", "recipes/tiny_synthetic.toml", "--model.flavor=pi05"), "pi05"),
-], ids=["plan", "profile", "train", "plan-pi05", "profile-pi05", "train-pi05"])
+], ids=["profile", "train", "profile-pi05", "train-pi05"])
 def test_what_cannot_handle_a_policy_flavor_refuses_it_naming_the_vlm_flavor(args, flavor, tmp_path):
     proc = run_cli(*args, f"--train.output_dir={tmp_path / 'run'}" if args[0] == "train" else "--json")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -251,7 +251,7 @@ def refuse_policy(name: str, doing: str, instead: str) -> None:
     """Refuse flavor `name` when it is a LeRobot policy, which `doing` cannot handle.
 
     Args:
-        doing: what cannot handle it, e.g. "the planner plans LeRobot policies from measured joint layers later".
+        doing: what cannot handle it, e.g. "profile checkpoints vlaforge's components".
         instead: how to use its VLM's shapes; "{vlm}" stands for that flavor's name.
 
     Raises:

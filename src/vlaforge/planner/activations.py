@@ -239,6 +239,8 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     rows (at tp = cp = 1: `measured.refuse_sharded`) instead of a formula."""
     from vlaforge.planner.lora import adapters_of, block_delta
 
+    if measured is not None and measured.policy:  # a LeRobot policy: every part measured (tp = cp = 1)
+        return measured.parts(seq.batch, seq.llm_tokens, policies, master)
     llm = model.llm.config
     b, s = seq.batch, seq.llm_tokens
     multiple = 2 * cp if zigzag and cp > 1 else cp
@@ -408,5 +410,6 @@ def sequence_of(model, batch) -> Sequence:
     return Sequence(batch=batch.size, frames=lay.frames, patches=lay.patches_per_frame, image_size=lay.image_size,
                     instruction=batch.instruction_ids.shape[1], chunk=model.action_head.chunk,
                     text=0 if batch.text_ids is None else batch.text_ids.shape[1],
-                    action_dim=batch.actions.shape[-1], state_dim=batch.state.shape[-1], merge=model.projector.merge,
+                    action_dim=batch.actions.shape[-1], state_dim=batch.state.shape[-1],
+                    merge=getattr(model.projector, "merge", getattr(model.projector, "scale_factor", 1)),
                     padded=not (getattr(batch, "full", None) and not lay.mrope))

@@ -89,7 +89,7 @@ def build_case(pm: PlanModel, cfg, cluster: Cluster) -> Case:
     method = par.cp_method
     if cp > 1 and method == "auto":
         method = cp_method_for(par, seq.llm_tokens, pm.model.llm.config.num_attention_heads)[0]
-    why = refuse_sharded(pm.measured_components, tp, cp, par.sequence_parallel)
+    why = refuse_sharded(pm.measured_components, tp, cp, pp, par.backend)
     if why:
         raise VlaforgeError(why)
     parts = activation_parts(pm.model, seq, policies, pm.contrastive, tp=tp, cp=cp,

@@ -6,8 +6,8 @@ How a row is measured (`MeasuredRows.rows`): the model is rebuilt under `FakeTen
 cut to a few blocks (`_depth`: every distinct block, by class, sub-layer class and `layer_types` entry, and one
 repeat), the component's precision and checkpointing strategy are applied by the trainer's own code
 (`apply_techniques`, LoRA included), and `techniques.accounting.count_saved` counts what a forward keeps, per block,
-at five (batch, sequence) points: batch 1 and 2 at the configured instruction length, batch 1 and 2 at a longer one,
-and batch 1 at a longer one still. Each quantity q is then solved exactly for the five terms it can have:
+at five (batch, sequence) points: batch 2 and 4 at the configured instruction length, batch 2 and 4 at a longer one,
+and batch 2 at a longer one still. Each quantity q is then solved exactly for the five terms it can have:
 
     q(B, S) = per_token x B x S + per_pair x B x S^2 + per_sample x B + shared x S + fixed
 
@@ -34,6 +34,9 @@ from vlaforge.errors import VlaforgeError
 MEASURED = ("vision", "llm")
 # instruction tokens added at the second and third point: sequence lengths far enough apart that the fit is exact
 LONGER = (16, 48)
+# the micro-batches measured: a batch of one takes other paths (views where a larger one copies: a pi0 step counted at
+# 1 and 2 samples overstates 4 by 4 %)
+BATCHES = (2, 4)
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,8 @@ def measured_components(model) -> tuple[str, ...]:
     from vlaforge.models.llm import llm_blocks
     from vlaforge.models.vision import vision_family
 
+    if is_policy(model):  # a LeRobot policy: every part measured, its joint layers as the LLM's blocks
+        return POLICY_PARTS
     out = []
     tower = vision_family(model.vision)
     if not tower.planned:
@@ -118,6 +123,26 @@ def measured_components(model) -> tuple[str, ...]:
     if not formula_llm(llm_blocks(model.llm)[0]):
         out.append("llm")
     return tuple(out)
+
+
+POLICY_PARTS = ("vision", "projector", "llm", "action_head", "other")
+
+
+def is_policy(model) -> bool:
+    """A LeRobot policy (models/policies/): its blocks are its own units (`component_blocks`: joint layers)."""
+    return hasattr(model, "component_blocks")
+
+
+def policy_shapes(cfg, model):
+    """`cfg` with a policy's own shapes (its `PolicySpec`): action chunk, state and action sizes, its tokenizer's
+    prompt length, no text targets - what its training batches hold - and its one loss term."""
+    from vlaforge.config.loading import deep_merge, validate
+
+    spec = model.spec
+    return validate(deep_merge(cfg.model_dump(), {
+        "model": {"action_chunk": spec.chunk, "action_dim": spec.action_dim, "state_dim": spec.state_dim},
+        "data": {"max_instruction_tokens": int(spec.extra.get("tokenizer_max_length", 48)), "max_text_tokens": 0},
+        "loss": {"weights": {"action": 1.0}}}))  # its one loss term (a folder's config gets it from the schema)
 
 
 def _signatures(blocks, layer_types) -> list[tuple]:
@@ -160,9 +185,15 @@ class MeasuredRows:
         from vlaforge.models.blocks import blocks_of
 
         self.cfg, self.components, self.padded = cfg, components, padded
+        self.policy = is_policy(model)
         self._cache: dict[tuple, Rows] = {}
         self._full = {}  # component -> its blocks' signatures at full depth
         self._depths = {}
+        if self.policy:  # measured whole (its joint layers are built from one config): each block its own kind
+            self._full = {c: [(c, i) for i in range(len(blocks_of(model, c) or ()) if c != "other" else 0)]
+                          for c in components}
+            self._cut_sigs, self._backbones = dict(self._full), None
+            return
         llm_types = getattr(model.llm.config, "layer_types", None)
         self._full["llm"] = _signatures(blocks_of(model, "llm"), llm_types)
         towers = list(model.vision.towers) if hasattr(model.vision, "towers") else [model.vision]
@@ -192,6 +223,8 @@ class MeasuredRows:
         checkpointed blocks' and plain blocks' rows mixed by count)."""
         from vlaforge.planner.activations import compute_bytes
 
+        if strategy == "every_nth" and not self._full.get(comp):  # no blocks of its own to alternate
+            strategy = "none"
         if strategy == "every_nth":
             every = getattr(getattr(self.cfg.components, comp), "checkpoint_every_n", 2)
             n = len(self._full[comp])
@@ -201,7 +234,7 @@ class MeasuredRows:
             return Rows(block, full.once, full.rest, n)
         # the master dtype changes what is kept only through LoRA's adapters (`activations.py`): measured with fp32
         # masters otherwise (a bf16 cast of a fake model's tied weights does not run)
-        lora = any(getattr(self.cfg.components, c).lora is not None for c in self.components)
+        lora = any(getattr(self.cfg.components, c).lora is not None for c in self.components if c != "other")
         key = (comp, strategy, compute_bytes(precision), master if lora and precision != "fp32" else "fp32")
         if key not in self._cache:
             self._measure(strategy, "fp32" if key[2] == 4 else "bf16", key[3])
@@ -215,7 +248,8 @@ class MeasuredRows:
         from vlaforge.techniques import accounting as memory
         from vlaforge.techniques.freezing import apply_freezing
 
-        comps = {c: {"precision": precision, "checkpointing": strategy, "offload": "none"} for c in self.components}
+        comps = {c: {"precision": precision, "checkpointing": self._allowed(c, strategy), "offload": "none"}
+                 for c in self.components if c != "other"}
         base = self.cfg.model_dump()
         instr = self.cfg.data.max_instruction_tokens
         override = {"components": comps, "train": {"compile": False, "precision_master": master}}
@@ -223,29 +257,41 @@ class MeasuredRows:
         points: dict[str, dict[tuple[int, int], list[int]]] = {}
         with fake_build():
             try:
-                model = build_vla(cfg.model, cfg.loss, fake=True, backbones=self._backbones)
+                model = (build_vla(cfg.model, cfg.loss, fake=True) if self._backbones is None
+                         else build_vla(cfg.model, cfg.loss, fake=True, backbones=self._backbones))
                 apply_techniques(model, cfg, torch.device("cpu"))
                 apply_freezing(model, dict(cfg.components.items()), 0)
                 for n in (instr, instr + LONGER[0], instr + LONGER[1]):
                     at = validate(deep_merge(base, {**override, "data": {"max_instruction_tokens": n}}))
-                    for b in ((1, 2) if n != instr + LONGER[1] else (1,)):
+                    for b in (BATCHES if n != instr + LONGER[1] else BATCHES[:1]):
                         batch = synthetic_batch(at, model, b, padded=self.padded)
                         with memory.count_saved(model) as acc:
                             model.compute_loss(batch)
                         seq = model.layout.frames * model.layout.patches_per_frame + n + model.action_head.chunk \
                             + (0 if batch.text_ids is None else batch.text_ids.shape[1])
                         for comp in self.components:
-                            by = acc.per_block(comp)
+                            by = acc.per_block(comp) if comp != "other" else {"rest": acc.per_component().get(
+                                "other", 0)}
                             n_blocks = len(self._cut_sigs[comp])
                             points.setdefault(comp, {})[(b, seq)] = [by.get(str(i), 0) for i in range(n_blocks)] \
                                 + [by.get("rest", 0)]
             except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
                 raise VlaforgeError(self._refusal(model if "model" in locals() else None, e)) from None
         for comp in self.components:
-            pts = points[comp]
+            pts = points[comp]  # (a component without blocks: its bytes as `rest`)
             n_blocks = len(self._cut_sigs[comp])
             fitted = [fit({k: v[i] for k, v in pts.items()}) for i in range(n_blocks + 1)]
             self._cache[(comp, strategy, 4 if precision == "fp32" else 2, master)] = self._combine(comp, fitted)
+
+    def _allowed(self, comp: str, strategy: str) -> str:
+        """`strategy` where `comp` takes it when measured beside the others: a connector is checkpointed whole or not
+        at all; a policy's action head has no unit of its own (its expert blocks are in the joint layers), nor its
+        LLM a selective one (docs/lerobot_policies.md)."""
+        if comp == "projector":
+            return strategy if strategy in ("none", "full") else "none"
+        if self.policy and (comp == "action_head" or (comp == "llm" and strategy.startswith("selective"))):
+            return "none"
+        return strategy
 
     def _combine(self, comp: str, fitted: list[Row]) -> Rows:
         cut, full = self._cut_sigs[comp], self._full[comp]
@@ -256,13 +302,27 @@ class MeasuredRows:
         total = Row()
         for s in full:
             total = total + steady[s]
-        return Rows(block=total.scaled(1 / len(full)), once=once, rest=fitted[-1], blocks=len(full))
+        return Rows(block=total.scaled(1 / max(1, len(full))), once=once, rest=fitted[-1], blocks=len(full))
+
+    def parts(self, batch: int, seq: int, policies, master: str) -> dict[str, int]:
+        """A policy's `activation_parts`: every part from its measured rows (the LLM's: its joint layers; 'other':
+        the embeddings, the expert's projections and the loss, keyed by the LLM's strategy)."""
+        out = {}
+        for comp in self.components:
+            pol = policies["llm" if comp == "other" else comp]
+            r = self.rows(comp, pol.checkpointing, pol.precision, master)
+            if comp == "llm":
+                out["llm_block"], out["llm_once"], out["llm_tail"] = (r.block.at(batch, seq), r.once.at(batch, seq),
+                                                                      r.rest.at(batch, seq))
+            else:
+                out[comp] = r.total(batch, seq)
+        return out
 
     def _refusal(self, model, error: Exception) -> str:
         from vlaforge.models.blocks import blocks_of
 
         kinds = []
-        for comp in self.components:
+        for comp in (c for c in self.components if c != "other"):
             blocks = blocks_of(model, comp) if model is not None else None
             kinds.append(type(blocks[0]).__name__ if blocks else comp)
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -276,8 +336,12 @@ def _tower_blocks(tower):
     return vision_blocks(tower)
 
 
-def refuse_sharded(measured: tuple[str, ...], tp: int, cp: int, sequence_parallel: bool) -> str | None:
-    """Why a layout that shards a measured LLM block is not planned (None when none is asked)."""
+def refuse_sharded(measured: tuple[str, ...], tp: int, cp: int, pp: int = 1, backend: str = "fsdp2") -> str | None:
+    """Why a layout that shards a measured LLM block (or a layout a LeRobot policy does not train with: pipeline
+    stages, DeepSpeed) is not planned (None when none is asked)."""
+    if measured == POLICY_PARTS and (pp > 1 or backend == "deepspeed"):
+        return ("a LeRobot policy trains with FSDP2 / DDP, not pipeline parallel or DeepSpeed "
+                "(docs/lerobot_policies.md): plan it with those")
     if "llm" not in measured or (tp == 1 and cp == 1):
         return None
     what = "tensor parallel" if tp > 1 else "context parallel"

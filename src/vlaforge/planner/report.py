@@ -210,6 +210,7 @@ def whitepaper(path: str | Path, global_batch: int = 256, assume: Assumptions = 
                              f"{b.tokens_per_s:,.0f} | {100 * b.mfu:.0f}% | {why} |")
             lines.append("")
     lines += _families_section(assume, families) if families else []
+    lines += policy_section(assume) if families else []
     lines += _lora_section(assume, charts)
     write_atomic(path, "\n".join(lines) + "\n")
     return path
@@ -250,6 +251,49 @@ def _families_section(assume: Assumptions, models=FAMILY_MODELS) -> list[str]:
             lines.append(f"| {flavor} | {cluster.describe()} | yes | {_short(b)} | {_policy(b, plan.with_blocks)} | "
                          f"{b.config.train.batch_size} × {b.config.train.grad_accum} | {b.memory['total']:.1f} | "
                          f"{b.step_time_s:.2f} | {b.tokens_per_s:,.0f} | {'; '.join(plan.explanations[:2])} |")
+    return lines + [""]
+
+
+POLICY_SETUPS = {"full fine-tuning": {}, "train_expert_only (VLM frozen)": {
+    c: {"trainable": False} for c in ("vision", "projector", "llm")}}
+POLICY_GLOBAL_BATCH = 32  # LeRobot's pi0.5 fine-tuning batch
+
+
+def policy_clusters(catalog=None) -> list[Cluster]:
+    from vlaforge.planner.hardware import get_gpu
+
+    return [Cluster(get_gpu(g, catalog), n, 1) for g, n in (("rtx-4090", 1), ("l40s", 1), ("h100-80", 1),
+                                                            ("h100-80", 8))]
+
+
+def policy_section(assume: Assumptions, flavor: str = "pi05") -> list[str]:
+    """Fine-tuning LeRobot's pi0.5 (its `pi05` flavor, LeRobot's default sizes) as vlaforge trains a policy today:
+    fp32, joint layers and tower checkpointed or not, FSDP2 / DDP with the whole policy one unit."""
+    from vlaforge.config.loading import load_config
+    from vlaforge.planner.search import search
+
+    lines = [f"## Fine-tune pi0.5 ({flavor}) on 1 × 24 / 1 × 48 / 1 × 80 / 8 × 80 GB", "",
+             f"Global batch {POLICY_GLOBAL_BATCH} (LeRobot's), 3 cameras at 224 px, a 200-token prompt, chunk 50. "
+             "A LeRobot policy trains in fp32 in vlaforge today, with its joint layers (VLM block + expert block) "
+             "and tower checkpointed or not, and over ranks as one FSDP2 / DDP unit (docs/lerobot_policies.md): "
+             "that is what is searched. Every part's activations are measured under fake tensors "
+             "(docs/planner.md, \"Measured rows\"). bf16 compute, CPU optimizer offload, LoRA and QLoRA are not "
+             "built for policies yet, so a full fine-tune on one 24 or 48 GB GPU does not fit yet.", "",
+             "| setup | cluster | fits | layout | checkpointing | micro × accum | GB per GPU | step s | tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for setup, comps in POLICY_SETUPS.items():
+        pm = PlanModel(load_config(None, {"model": {"flavor": flavor}, "components": comps}))
+        for cluster in policy_clusters():
+            plan = search(pm, cluster, POLICY_GLOBAL_BATCH, assume=assume, keep=1)
+            b = plan.best
+            if b is None:
+                m = plan.best_misfit
+                need = f"{m.memory['total']:.1f} needed" if m else "—"
+                lines.append(f"| {setup} | {cluster.describe()} | no | — | — | — | {need} | — | — |")
+                continue
+            lines.append(f"| {setup} | {cluster.describe()} | yes | {_short(b)} | {_policy(b, plan.with_blocks)} | "
+                         f"{b.config.train.batch_size} × {b.config.train.grad_accum} | {b.memory['total']:.1f} | "
+                         f"{b.step_time_s:.2f} | {b.tokens_per_s:,.0f} |")
     return lines + [""]
 
 

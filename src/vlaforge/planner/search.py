@@ -151,7 +151,10 @@ def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, 
         for name, extra in ALTERNATIVES.items():
             if any(k in fixed for k in extra):
                 continue
-            alt = search(pm, cluster, global_batch, {**fixed, **extra}, assume, keep=1, alternatives=False)
+            try:
+                alt = search(pm, cluster, global_batch, {**fixed, **extra}, assume, keep=1, alternatives=False)
+            except VlaforgeError:  # a fallback the model refuses (DeepSpeed for a LeRobot policy): not offered
+                continue
             if alt.best is not None or alt.best_misfit is not None:
                 plan.alternatives[name] = alt.best or alt.best_misfit
     plan.explanations = explain(plan, candidates, cluster, assume)
@@ -187,9 +190,10 @@ def _configs(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str
 
     base = pm.cfg.model_dump()
     world = World(rank=0, local_rank=0, size=cluster.gpus)
-    knobs = _knobs(cluster, lora_rank)
-    defaults = {"components.vision.precision": "bf16", "components.projector.precision": "bf16",
-                "components.action_head.precision": "bf16"}
+    knobs = _knobs(cluster, lora_rank, policy=pm.measured is not None and pm.measured.policy)
+    low = "fp32" if "components.llm.precision" not in knobs else "bf16"  # a LeRobot policy trains in fp32 for now
+    defaults = {"components.vision.precision": low, "components.projector.precision": low,
+                "components.action_head.precision": low}
     defaults = {k: v for k, v in defaults.items() if k not in fixed}
     for layout in _layouts(cluster, fixed):
         if layout["parallel.cp"] == 1 and "parallel.cp_method" in fixed:  # no method choice without cp
@@ -219,8 +223,8 @@ def _configs(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str
             except VlaforgeError as e:
                 refusals[str(e)] += 1
                 continue
-            sharded = refuse_sharded(pm.measured_components, cfg.parallel.tp, cfg.parallel.cp,
-                                     cfg.parallel.sequence_parallel)
+            sharded = refuse_sharded(pm.measured_components, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp,
+                                     cfg.parallel.backend)
             if sharded:
                 refusals[sharded] += 1
                 continue
@@ -308,8 +312,11 @@ def _refusal(base: dict, flat: dict[str, Any], cluster: Cluster) -> str | None:
     return None
 
 
-def _knobs(cluster: Cluster, lora_rank: int | None) -> dict[str, tuple]:
-    """The per-component choices the search tries (each only where --fix leaves it free)."""
+def _knobs(cluster: Cluster, lora_rank: int | None, policy: bool = False) -> dict[str, tuple]:
+    """The per-component choices the search tries (each only where --fix leaves it free). A LeRobot policy: what it
+    trains with (docs/lerobot_policies.md): fp32, its joint layers and tower checkpointed or not, no offload."""
+    if policy:
+        return {"components.llm.checkpointing": ("none", "full"), "components.vision.checkpointing": ("none", "full")}
     fp8 = ("bf16", "fp8") if cluster.gpu.fp8_tflops else ("bf16",)
     knobs = {"components.llm.precision": fp8, "components.llm.checkpointing": ("none", "selective", "full"),
              "components.vision.checkpointing": ("none", "full"), "components.llm.offload": ("none", "cpu")}

@@ -171,11 +171,17 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     out.recompute_attention["llm"] = l_core if core_again and needs_backward else 0.0
     out.attention["llm"] = l_core + (2 * l_core if needs_backward else 0.0) + out.recompute_attention["llm"]
 
-    # action head (regression): in_proj and state_proj, then an MLP of two linears
     ah = model.action_head
-    ha, chunk = ah.in_proj.out_features, seq.chunk
-    body = 2.0 * b * chunk * (D * ha + ha * ha + ha * seq.action_dim)
-    state = 2.0 * b * seq.state_dim * ha
+    if hasattr(ah, "in_proj"):  # vlaforge's regression head: in_proj and state_proj, then an MLP of two linears
+        ha, chunk = ah.in_proj.out_features, seq.chunk
+        body = 2.0 * b * chunk * (D * ha + ha * ha + ha * seq.action_dim)
+        state = 2.0 * b * seq.state_dim * ha
+    else:  # a policy's action expert over its action tokens: its blocks' and projections' weights, its attention
+        # core over the prefix and itself (the state token and its projection counted as one more action token)
+        expert, outside = model_matmuls(model, "action_head")
+        per_token = sum(x["attn"] + x["ffn"] for x in expert) + outside
+        body = 2.0 * b * (seq.chunk + 1) * per_token + 4.0 * b * (seq.chunk + 1) * s * sum(x["width"] for x in expert)
+        state = 0.0
     out.forward["action_head"] = body + state
     out.backward["action_head"] = body * (trains["action_head"] + 1) + state * trains["action_head"]
     out.recompute["action_head"] = (body + state) if policies["action_head"].checkpointing == "full" else 0.0
@@ -193,7 +199,8 @@ def model_matmuls(model, comp: str) -> tuple[list[dict[str, float]], int]:
         from vlaforge.models.llm import llm_blocks
         from vlaforge.models.vision import vision_blocks
 
-        blocks = vision_blocks(model.vision) if comp == "vision" else llm_blocks(model.llm)
+        blocks = {"vision": lambda: vision_blocks(model.vision), "llm": lambda: llm_blocks(model.llm),
+                  "action_head": lambda: model.action_head.blocks}[comp]()
         cache[comp] = ([block_matmuls(b) for b in blocks], outside_matmuls(getattr(model, comp), blocks))
     return cache[comp]
 
@@ -244,8 +251,10 @@ def outside_matmuls(module, blocks) -> int:
 def _projector_flops(out: StepFlops, model, width: int, tokens: int, hidden: int, trains: dict, strategy: str
                      ) -> None:
     """The projector's part of `step_flops`: two linears over the vision tokens, or one (after a pixel shuffle:
-    merge^2 patches of `width` per token)."""
-    if len(model.projector.mlp) == 3:
+    merge^2 patches of `width` per token; a policy's connector: its linears' weights per token)."""
+    if not hasattr(model.projector, "mlp"):
+        fc1, fc2 = 0.0, 2.0 * tokens * outside_matmuls(model.projector, [])
+    elif len(model.projector.mlp) == 3:
         hp = model.projector.mlp[0].out_features
         fc1, fc2 = 2.0 * tokens * width * hp, 2.0 * tokens * hp * hidden
     else:  # its one linear's input gradient reaches the vision tower, its weight gradient the projector
@@ -254,7 +263,7 @@ def _projector_flops(out: StepFlops, model, width: int, tokens: int, hidden: int
     out.forward["projector"] = proj
     # weight gradients when it trains; fc2's input gradient to reach fc1's weights or the vision tower; the first
     # linear's input gradient for what is below it: the vision tower, or a norm before it that trains (Qwen-VL's)
-    below = trains["vision"] or (model.projector.norm is not None and trains["projector"])
+    below = trains["vision"] or (getattr(model.projector, "norm", None) is not None and trains["projector"])
     if fc1:
         out.backward["projector"] = (proj * trains["projector"] + fc2 * (trains["projector"] or trains["vision"])
                                      + fc1 * below)

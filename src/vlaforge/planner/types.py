@@ -82,21 +82,20 @@ class PlanModel:
     (a benchmark's full-length synthetic batches do not: `padded=False`)."""
 
     def __init__(self, cfg, padded: bool = True):
-        from vlaforge.config.flavors import refuse_policy
         from vlaforge.distributed.parallel_dims import model_facts
-        from vlaforge.models.build import build_vla, synthetic_batch
+        from vlaforge.models.build import build_vla, objective_from, synthetic_batch
         from vlaforge.models.fake import fake_build
-        from vlaforge.planner.measured import MeasuredRows, measured_components
+        from vlaforge.planner.measured import MeasuredRows, is_policy, measured_components, policy_shapes
 
-        self.cfg = cfg
-        if not cfg.model.lerobot.pretrained:
-            refuse_policy(cfg.model.flavor, "the planner plans LeRobot policies from measured joint layers later",
-                          "plan its VLM's shapes with vlaforge's action head, model.flavor = '{vlm}' (--model {vlm})")
         with fake_build():
             self.model = build_vla(cfg.model, cfg.loss, fake=True)  # a pretrained folder: its config alone
+            if is_policy(self.model):  # its own chunk, vectors and prompt length, whatever the config's defaults
+                cfg = policy_shapes(cfg, self.model)
+                self.model.objective = objective_from(cfg.loss)
             self.seq = replace(sequence_of(self.model, synthetic_batch(cfg, self.model, 1)), padded=padded)
+        self.cfg = cfg
         proj = self.model.projector
-        if proj.spec["norm"] not in (None, "rms"):
+        if getattr(proj, "spec", {}).get("norm") not in (None, "rms"):
             # NOTE: activations.py counts linear + GELU + linear or one linear, after a merge and an RMSNorm or none
             raise VlaforgeError("the planner counts two-layer and one-linear connectors, after a pixel shuffle or "
                                 "Qwen2.5-VL's RMSNorm-and-merge; this VLM's patch merger normalizes with a LayerNorm "
@@ -156,7 +155,8 @@ class PlanModel:
 
         out = {}
         for comp in COMPONENTS:
-            blocks = blocks_of(self.model, comp)
+            # the LLM's own decoder blocks (a LeRobot policy's units are joint layers, which own no weights)
+            blocks = llm_blocks(self.model.llm) if comp == "llm" else blocks_of(self.model, comp)
             row = {"rest": numel(getattr(self.model, comp)), "attn": 0, "ffn": 0}
             if blocks is not None:  # the average block (a fused tower's blocks are of two widths)
                 row["attn"], row["ffn"] = (sum(numel(sublayer(b, r)) for b in blocks) // len(blocks)

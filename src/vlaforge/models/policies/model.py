@@ -353,7 +353,7 @@ class PolicyVLA(nn.Module):
     def draw_time(self, b: int, device: torch.device) -> torch.Tensor:
         """Flow times (B,): Beta(alpha, beta) * scale + offset, the family's distribution."""
         alpha, beta, scale, offset = self.spec.time_beta
-        dist = torch.distributions.Beta(torch.tensor(alpha), torch.tensor(beta))
+        dist = torch.distributions.Beta(torch.tensor(alpha), torch.tensor(beta), validate_args=False)
         return (dist.sample((b,)) * scale + offset).to(device=device, dtype=torch.float32)
 
     def begin_step(self) -> None:
