@@ -185,37 +185,36 @@ class MeasuredRows:
         from vlaforge.models.blocks import blocks_of
 
         self.cfg, self.components, self.padded = cfg, components, padded
+        self.modules = tuple(c for c in components if c != "other")  # the parts that are the model's own modules
         self.policy = is_policy(model)
         self._cache: dict[tuple, Rows] = {}
-        self._full = {}  # component -> its blocks' signatures at full depth
-        self._depths = {}
         if self.policy:  # measured whole (its joint layers are built from one config): each block its own kind
-            self._full = {c: [(c, i) for i in range(len(blocks_of(model, c) or ()) if c != "other" else 0)]
-                          for c in components}
+            self._full = {c: [(c, i) for i in range(len(blocks_of(model, c) or ()) if c in self.modules else 0)]
+                          for c in components}  # component -> its blocks' signatures at full depth
             self._cut_sigs, self._backbones = dict(self._full), None
             return
         llm_types = getattr(model.llm.config, "layer_types", None)
-        self._full["llm"] = _signatures(blocks_of(model, "llm"), llm_types)
         towers = list(model.vision.towers) if hasattr(model.vision, "towers") else [model.vision]
-        self._full["vision"] = [(t, *s) for t, tower in enumerate(towers)
-                                for s in _signatures(_tower_blocks(tower), None)]
-        self._depths["llm"] = _depth(self._full["llm"])
-        self._depths["vision"] = [min(2, len(_tower_blocks(t))) for t in towers]
-        self._backbones = self._cut_backbones(model)
-        self._cut_sigs = {"llm": self._full["llm"][:self._depths["llm"]],
-                          "vision": [s for t, n in enumerate(self._depths["vision"])
+        self._full = {"llm": _signatures(blocks_of(model, "llm"), llm_types),
+                      "vision": [(t, *s) for t, tower in enumerate(towers)
+                                 for s in _signatures(_tower_blocks(tower), None)]}
+        llm_depth = _depth(self._full["llm"])
+        vision_depths = [min(2, len(_tower_blocks(t))) for t in towers]
+        self._backbones = self._cut_backbones(model, llm_depth, vision_depths)
+        self._cut_sigs = {"llm": self._full["llm"][:llm_depth],
+                          "vision": [s for t, n in enumerate(vision_depths)
                                      for s in [x for x in self._full["vision"] if x[0] == t][:n]]}
 
-    def _cut_backbones(self, model) -> dict:
+    @staticmethod
+    def _cut_backbones(model, llm_depth: int, vision_depth: list[int]) -> dict:
         from vlaforge.models.vision import FUSED
 
-        vision_depth = self._depths["vision"]
         if hasattr(model.vision, "towers"):
             vision = {"model_type": FUSED, "towers": [_cut(c, n) for c, n in
                                                       zip(_config(model.vision)["towers"], vision_depth)]}
         else:
             vision = _cut(_config(model.vision), vision_depth[0])
-        return {"vision": vision, "llm": _cut(_config(model.llm), self._depths["llm"]),
+        return {"vision": vision, "llm": _cut(_config(model.llm), llm_depth),
                 "projector": dict(model.projector.spec)}
 
     def rows(self, comp: str, strategy: str, precision: str, master: str) -> Rows:
@@ -234,7 +233,7 @@ class MeasuredRows:
             return Rows(block, full.once, full.rest, n)
         # the master dtype changes what is kept only through LoRA's adapters (`activations.py`): measured with fp32
         # masters otherwise (a bf16 cast of a fake model's tied weights does not run)
-        lora = any(getattr(self.cfg.components, c).lora is not None for c in self.components if c != "other")
+        lora = any(getattr(self.cfg.components, c).lora is not None for c in self.modules)
         key = (comp, strategy, compute_bytes(precision), master if lora and precision != "fp32" else "fp32")
         if key not in self._cache:
             self._measure(strategy, "fp32" if key[2] == 4 else "bf16", key[3])
@@ -245,11 +244,12 @@ class MeasuredRows:
         from vlaforge.distributed.apply import apply_techniques
         from vlaforge.models.build import build_vla, synthetic_batch
         from vlaforge.models.fake import fake_build
+        from vlaforge.planner.activations import sequence_of
         from vlaforge.techniques import accounting as memory
         from vlaforge.techniques.freezing import apply_freezing
 
         comps = {c: {"precision": precision, "checkpointing": self._allowed(c, strategy), "offload": "none"}
-                 for c in self.components if c != "other"}
+                 for c in self.modules}
         base = self.cfg.model_dump()
         instr = self.cfg.data.max_instruction_tokens
         override = {"components": comps, "train": {"compile": False, "precision_master": master}}
@@ -257,8 +257,7 @@ class MeasuredRows:
         points: dict[str, dict[tuple[int, int], list[int]]] = {}
         with fake_build():
             try:
-                model = (build_vla(cfg.model, cfg.loss, fake=True) if self._backbones is None
-                         else build_vla(cfg.model, cfg.loss, fake=True, backbones=self._backbones))
+                model = build_vla(cfg.model, cfg.loss, fake=True, backbones=self._backbones)  # a policy: None
                 apply_techniques(model, cfg, torch.device("cpu"))
                 apply_freezing(model, dict(cfg.components.items()), 0)
                 for n in (instr, instr + LONGER[0], instr + LONGER[1]):
@@ -267,8 +266,7 @@ class MeasuredRows:
                         batch = synthetic_batch(at, model, b, padded=self.padded)
                         with memory.count_saved(model) as acc:
                             model.compute_loss(batch)
-                        seq = model.layout.frames * model.layout.patches_per_frame + n + model.action_head.chunk \
-                            + (0 if batch.text_ids is None else batch.text_ids.shape[1])
+                        seq = sequence_of(model, batch).llm_tokens  # the S the planner evaluates rows at
                         for comp in self.components:
                             by = acc.per_block(comp) if comp != "other" else {"rest": acc.per_component().get(
                                 "other", 0)}
@@ -322,7 +320,7 @@ class MeasuredRows:
         from vlaforge.models.blocks import blocks_of
 
         kinds = []
-        for comp in (c for c in self.components if c != "other"):
+        for comp in self.modules:
             blocks = blocks_of(model, comp) if model is not None else None
             kinds.append(type(blocks[0]).__name__ if blocks else comp)
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

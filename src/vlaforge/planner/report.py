@@ -239,19 +239,28 @@ def _families_section(assume: Assumptions, models=FAMILY_MODELS) -> list[str]:
     for flavor in models:
         pm = PlanModel(load_config(None, {"model": {"flavor": flavor}}))
         for cluster in family_clusters():
-            plan = search(pm, cluster, FAMILY_GLOBAL_BATCH, assume=assume, keep=1)
-            b = plan.best
-            if b is None:
-                m = plan.best_misfit
-                alts = "; ".join(x for x in plan.explanations if x.startswith("alternative"))
-                need = f"{m.memory['total']:.1f} needed" if m else "—"
-                lines.append(f"| {flavor} | {cluster.describe()} | no | — | — | — | {need} | — | — | "
-                             f"{alts or 'no alternative fits'} |")
-                continue
-            lines.append(f"| {flavor} | {cluster.describe()} | yes | {_short(b)} | {_policy(b, plan.with_blocks)} | "
-                         f"{b.config.train.batch_size} × {b.config.train.grad_accum} | {b.memory['total']:.1f} | "
-                         f"{b.step_time_s:.2f} | {b.tokens_per_s:,.0f} | {'; '.join(plan.explanations[:2])} |")
+            lines.append(_fit_row(flavor, cluster, search(pm, cluster, FAMILY_GLOBAL_BATCH, assume=assume, keep=1),
+                                  why=True))
     return lines + [""]
+
+
+def _fit_row(lead: str, cluster: Cluster, plan, why: bool) -> str:
+    """One row of a what-fits table: `lead` (the model or setup) and the cluster, then the plan's best candidate
+    (layout, policy, micro x accum, GB per GPU, step s, tokens/s) or the smallest misfit's need; `why`: a last column
+    with the plan's first two explanations (nothing fits: its alternatives)."""
+    b = plan.best
+    if b is None:
+        m = plan.best_misfit
+        cells = [lead, cluster.describe(), "no", "—", "—", "—", f"{m.memory['total']:.1f} needed" if m else "—", "—",
+                 "—"]
+        alts = "; ".join(x for x in plan.explanations if x.startswith("alternative"))
+        cells += [alts or "no alternative fits"] if why else []
+    else:
+        cells = [lead, cluster.describe(), "yes", _short(b), _policy(b, plan.with_blocks),
+                 f"{b.config.train.batch_size} × {b.config.train.grad_accum}", f"{b.memory['total']:.1f}",
+                 f"{b.step_time_s:.2f}", f"{b.tokens_per_s:,.0f}"]
+        cells += ["; ".join(plan.explanations[:2])] if why else []
+    return "| " + " | ".join(cells) + " |"
 
 
 POLICY_SETUPS = {"full fine-tuning": {}, "train_expert_only (VLM frozen)": {
@@ -259,16 +268,10 @@ POLICY_SETUPS = {"full fine-tuning": {}, "train_expert_only (VLM frozen)": {
 POLICY_GLOBAL_BATCH = 32  # LeRobot's pi0.5 fine-tuning batch
 
 
-def policy_clusters(catalog=None) -> list[Cluster]:
-    from vlaforge.planner.hardware import get_gpu
-
-    return [Cluster(get_gpu(g, catalog), n, 1) for g, n in (("rtx-4090", 1), ("l40s", 1), ("h100-80", 1),
-                                                            ("h100-80", 8))]
-
-
 def policy_section(assume: Assumptions, flavor: str = "pi05") -> list[str]:
     """Fine-tuning LeRobot's pi0.5 (its `pi05` flavor, LeRobot's default sizes) as vlaforge trains a policy today:
-    fp32, joint layers and tower checkpointed or not, FSDP2 / DDP with the whole policy one unit."""
+    fp32, joint layers and tower checkpointed or not, FSDP2 / DDP with the whole policy one unit; on the LoRA
+    table's clusters (1 x 24 / 48 / 80, 8 x 80 GB)."""
     from vlaforge.config.loading import load_config
     from vlaforge.planner.search import search
 
@@ -283,17 +286,9 @@ def policy_section(assume: Assumptions, flavor: str = "pi05") -> list[str]:
              "|---|---|---|---|---|---|---|---|---|"]
     for setup, comps in POLICY_SETUPS.items():
         pm = PlanModel(load_config(None, {"model": {"flavor": flavor}, "components": comps}))
-        for cluster in policy_clusters():
-            plan = search(pm, cluster, POLICY_GLOBAL_BATCH, assume=assume, keep=1)
-            b = plan.best
-            if b is None:
-                m = plan.best_misfit
-                need = f"{m.memory['total']:.1f} needed" if m else "—"
-                lines.append(f"| {setup} | {cluster.describe()} | no | — | — | — | {need} | — | — |")
-                continue
-            lines.append(f"| {setup} | {cluster.describe()} | yes | {_short(b)} | {_policy(b, plan.with_blocks)} | "
-                         f"{b.config.train.batch_size} × {b.config.train.grad_accum} | {b.memory['total']:.1f} | "
-                         f"{b.step_time_s:.2f} | {b.tokens_per_s:,.0f} |")
+        for cluster in lora_clusters():
+            lines.append(_fit_row(setup, cluster, search(pm, cluster, POLICY_GLOBAL_BATCH, assume=assume, keep=1),
+                                  why=False))
     return lines + [""]
 
 
