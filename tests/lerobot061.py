@@ -87,6 +87,13 @@ def policy_folder(kind: str, root: Path) -> Path:
     return out
 
 
+def folder_options(out: Path) -> dict[str, str]:
+    """The `model.lerobot` settings a folder from `policy_folder` needs beside it: pi0's declared sizes and its local
+    tokenizer (none for SmolVLA)."""
+    files = {"sizes": out / "sizes.json", "tokenizer": out / "tokenizer"}
+    return {k: str(v) for k, v in files.items() if v.exists()}
+
+
 def _digest(kind: str, inputs: dict[str, torch.Tensor], tasks: list[str]) -> str:
     h = hashlib.sha256(json.dumps([kind, list(tasks)]).encode())
     for name in sorted(inputs):

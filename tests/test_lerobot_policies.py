@@ -156,7 +156,8 @@ def test_folder_refusals(session_root, tmp_path):
     ("--components.llm.checkpointing=selective", "components.llm.checkpointing = 'selective' is not built for "
                                                  "LeRobot policies: their unit is the joint layer"),
     ("--components.action_head.checkpointing=full", "a LeRobot policy's expert blocks run inside the joint layers"),
-    ("--components.action_head.precision=bf16", "components.action_head.precision = 'bf16' is not built"),
+    ("--components.action_head.precision=bf16", "run the VLM's and the expert's blocks in one attention"),
+    ("--components.llm.precision=fp8", "precision = 'fp8' is not built for LeRobot policies"),
     ("--parallel.tp=2", "parallel.tp > 1 is not built for LeRobot policies"),
     ("--loss.weights.language=0.5", "loss.weights.language is not built for LeRobot policies"),
 ])

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from vlaforge.data.tokenizer import state_bins
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.policies.images import pad_vector, resize_with_pad, resize_with_pad_centered
 from vlaforge.models.policies.processors import (
@@ -23,7 +24,6 @@ from vlaforge.models.policies.processors import (
     LANG_TOKENS,
     DegenerateStatsWarning,
     load_pipelines,
-    state_bins,
 )
 
 from families import _tokenizer

@@ -22,10 +22,12 @@ class LoraConfig(Section):
     alpha: float = Field(16.0, gt=0, description="scaling numerator: the update is (alpha / rank) B A x "
                                                  "(alpha / sqrt(rank) with rslora)")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter path's input")
-    targets: Literal["all-linear"] | list[str] = Field(
+    targets: Literal["all-linear", "lerobot"] | list[str] = Field(
         "all-linear", description="the linears that get adapters: every nn.Linear of the component (the LLM's "
-                                  "output head excepted), or module names inside the component, each matching a "
-                                  "module whose name is it or ends in '.' + it (e.g. ['q_proj', 'v_proj'])")
+                                  "output head excepted), 'lerobot' (a LeRobot policy's action head: LeRobot's own "
+                                  "default targets, the expert's q_proj / v_proj and the state, action and time "
+                                  "projections), or module names inside the component, each matching a module "
+                                  "whose name is it or ends in '.' + it (e.g. ['q_proj', 'v_proj'])")
     init: Literal["kaiming", "gaussian"] = Field(
         "kaiming", description="initialisation of A (B starts at zero either way): peft's default (Kaiming-uniform) "
                                "or gaussian with std 1 / rank")
@@ -47,8 +49,11 @@ class LoraConfig(Section):
         return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
 
 
-# The folders that give each component pretrained weights (the action head has none: only train.init_from).
-PRETRAINED_FIELDS = {"vision": ("vision", "vlm"), "projector": ("vlm",), "llm": ("llm", "vlm"), "action_head": ()}
+# The folders that give each component pretrained weights (an assembled model's action head has none: only
+# train.init_from).
+# A LeRobot policy folder (`model.lerobot`) gives every component its weights.
+PRETRAINED_FIELDS = {"vision": ("vision", "vlm", "lerobot"), "projector": ("vlm", "lerobot"),
+                     "llm": ("llm", "vlm", "lerobot"), "action_head": ("lerobot",)}
 
 
 def random_bases(cfg) -> list[str]:

@@ -75,10 +75,20 @@ class VLAConfig(Section):
         why = "is not built for LeRobot policies yet (their joint layers call both blocks' sub-layers directly)"
         defaults = ComponentConfig()
         for c, comp in self.components.items():
-            for name in ("precision", "offload", "qat", "lora"):
+            for name in ("offload", "qat"):
                 if getattr(comp, name) != getattr(defaults, name):
-                    raise ValueError(f"components.{c}.{name} = {getattr(comp, name)!r} {why}; drop it (fp32, no "
-                                     "offload, QAT or LoRA)")
+                    raise ValueError(f"components.{c}.{name} = {getattr(comp, name)!r} {why}; drop it (no offload "
+                                     "or QAT)")
+            if comp.precision == "fp8":
+                raise ValueError(f"components.{c}.precision = 'fp8' is not built for LeRobot policies (not measured "
+                                 "on a GPU yet); use 'bf16' or 'fp16'")
+        # precision: the joint layer's one attention spans the VLM's and the expert's queries, so the expert's blocks
+        # compute in the LLM's precision (models/policies/model.py:precision_regions)
+        llm_p, head_p = self.components.llm.precision, self.components.action_head.precision
+        if llm_p != head_p:
+            raise ValueError(f"components.llm.precision = {llm_p!r} and components.action_head.precision = "
+                             f"{head_p!r}: a LeRobot policy's joint layers run the VLM's and the expert's blocks in "
+                             "one attention, so the two compute in one precision; set both to the same")
         # checkpointing: the tower's blocks as any tower's; the LLM's unit is the joint layer (VLM block i and the
         # expert block it meets, recomputed together), whole or every n-th; the expert's blocks have no unit of
         # their own, and the selective strategies' sub-layers are one block's, not a joint layer's two
@@ -93,7 +103,6 @@ class VLAConfig(Section):
                              "instead")
         p, extra = self.parallel, {k: v for k, v in self.loss.weights.items() if k != "action" and v > 0}
         for what, hit in {"parallel.tp > 1": p.tp > 1, "parallel.pp > 1": p.pp > 1, "parallel.cp > 1": p.cp > 1,
-                          "parallel.backend = 'deepspeed'": p.backend == "deepspeed",
                           "train.compile": self.train.compile,
                           "distill.teacher": self.distill.teacher is not None,
                           f"loss.weights.{next(iter(extra), '')}": bool(extra)}.items():

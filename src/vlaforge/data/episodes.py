@@ -104,6 +104,8 @@ class DemoDataset(Dataset):
         task_idx = cols.get("task_index")
         self.task_of_row = task_idx if task_idx is not None else np.zeros(reader.num_frames, dtype=np.int64)
         self.instr_ids, self.instr_mask = tokenizer.encode(reader.tasks, spec.instruction_tokens)
+        # pi0.5 prompts with the sample's state: its instruction is encoded per sample (`TextTokenizer.state_prompt`)
+        self.prompts = tokenizer if getattr(tokenizer, "state_prompt", False) else None
         self.text = None
         if text_column and spec.text_tokens > 0 and text_column in cols:
             phases, self.text_of_row = np.unique(cols[text_column].astype(str), return_inverse=True)
@@ -145,8 +147,11 @@ class DemoDataset(Dataset):
         if self.text is not None:
             k = int(self.text_of_row[row])
             text_ids, text_mask = self.text[0][k], self.text[1][k]
-        return Batch(images=images, state=self.state[row],
-                     instruction_ids=self.instr_ids[task], instruction_mask=self.instr_mask[task],
+        ids, mask = self.instr_ids[task], self.instr_mask[task]
+        if self.prompts is not None:
+            ids, mask = (x[0] for x in self.prompts.encode_with_states(
+                [self.reader.tasks[task]], self.state[row][None], spec.instruction_tokens))
+        return Batch(images=images, state=self.state[row], instruction_ids=ids, instruction_mask=mask,
                      actions=actions, action_mask=valid, text_ids=text_ids, text_mask=text_mask,
                      index=torch.tensor(row), env_state=None if self.env_state is None else self.env_state[row])
 

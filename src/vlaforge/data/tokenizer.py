@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from vlaforge.errors import VlaforgeError
@@ -22,19 +23,45 @@ SPECIALS = ("<pad>", "<unk>", "<eos>")  # <pad> is id 0
 STYLE_FILE = "vlaforge_text.json"  # beside a saved pretrained tokenizer: how texts are encoded (`TextTokenizer.style`)
 
 
+def state_bins(state: torch.Tensor) -> np.ndarray:
+    """pi0.5's state bins (openpi's `PaligemmaTokenizer`), LeRobot's `digitize(state, linspace(-1, 1, 257)[:-1]) - 1`:
+    [-1, 1) in 256 bins 1/128 wide, a value on an edge in the bin it opens, below -1 -> -1, from 1 - 1/128 up -> 255
+    (NaN too). (..., D) in, (..., D) int64 out. Cast to float64 first, as numpy compares against its float64 edges."""
+    edges = np.linspace(-1, 1, 256 + 1)[:-1]
+    return np.digitize(state.detach().to("cpu", torch.float64).numpy(), bins=edges) - 1
+
+
+def state_prompt(task: str, state: torch.Tensor) -> str:
+    r"""pi0.5's prompt (LeRobot's `Pi05PrepareStateTokenizerProcessorStep`): "Task: {task}, State: {bins};\nAction: ",
+    the task stripped, '_' and newlines made spaces, the normalized state row (D,) as `state_bins` joined by spaces."""
+    clean = task.strip().replace("_", " ").replace("\n", " ")
+    return f"Task: {clean}, State: {' '.join(map(str, state_bins(state).tolist()))};\nAction: "
+
+
 class TextTokenizer:
     """Encodes batches of strings to fixed-length (ids, mask); appends <eos> so targets have an end.
 
     `suffix` / `special`: a LeRobot policy's pipeline style - the text gets `suffix` appended (its newline step)
-    and the tokenizer's own special tokens (BOS), with no <eos> (models/policies/processors.py)."""
+    and the tokenizer's own special tokens (BOS), with no <eos> (models/policies/processors.py). `state_prompt`:
+    pi0.5's - an instruction is encoded with the sample's normalized state (`encode_with_states`)."""
 
-    def __init__(self, tok, pad_id: int, eos_id: int | None, suffix: str = "", special: bool = False):
+    def __init__(self, tok, pad_id: int, eos_id: int | None, suffix: str = "", special: bool = False,
+                 state_prompt: bool = False):
         self.tok, self.pad_id, self.eos_id = tok, pad_id, eos_id
-        self.suffix, self.special = suffix, special
+        self.suffix, self.special, self.state_prompt = suffix, special, state_prompt
 
     @property
     def style(self) -> dict:
-        return {"suffix": self.suffix, "special": self.special, "eos": self.eos_id is not None}
+        return {"suffix": self.suffix, "special": self.special, "eos": self.eos_id is not None,
+                "state_prompt": self.state_prompt}
+
+    def encode_with_states(self, texts: list[str], states: torch.Tensor,
+                           length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`encode` of each instruction as its state's prompt (`state_prompt`) when the style asks for it; states:
+        (N, D) normalized as the model is fed."""
+        if self.state_prompt:
+            texts = [state_prompt(t, s) for t, s in zip(texts, states, strict=True)]
+        return self.encode(texts, length)
 
     @property
     def vocab_size(self) -> int:
@@ -109,7 +136,8 @@ def pretrained_tokenizer(path: str) -> TextTokenizer:
     style_file = Path(path) / STYLE_FILE
     style = json.loads(style_file.read_text()) if style_file.is_file() else {}
     return TextTokenizer(tok, pad, tok.eos_token_id if style.get("eos", True) else None,
-                         suffix=style.get("suffix", ""), special=style.get("special", False))
+                         suffix=style.get("suffix", ""), special=style.get("special", False),
+                         state_prompt=style.get("state_prompt", False))
 
 
 def build_tokenizer(texts: list[str], vocab_size: int, llm_pretrained: str | None) -> TextTokenizer:

@@ -78,8 +78,9 @@ def build_engine(model: nn.Module, cfg, dp: int, groups: list[dict], scheduler_f
     if cfg.parallel.zero_stage == 3:
         # ZeRO-3 gathers a module's parameters around its own forward; these two are read by the VLA's forward
         # outside their modules' (the action queries join the LLM input, the temperature scales the contrastive
-        # logits), so the root module gathers them too.
-        for param in (model.action_head.queries, model.projector.logit_scale):
+        # logits), so the root module gathers them too. A LeRobot policy reads none outside its modules.
+        outside = (getattr(model.action_head, "queries", None), getattr(model.projector, "logit_scale", None))
+        for param in (p for p in outside if p is not None):
             deepspeed.zero.register_external_parameter(model, param)
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists on it; torchrun sets it, one process has rank 0
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,

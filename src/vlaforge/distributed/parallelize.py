@@ -134,6 +134,26 @@ class GradReducer:
         return dict(zip(keys, stacked.unbind()))
 
 
+def _shard_joint(layer: nn.Module, blocks: list[nn.Module], mesh, mp_policy) -> None:
+    """A LeRobot policy's joint layer (models/policies/joint.py) as one FSDP2 unit: its VLM block and expert block
+    sharded as one group (`fully_shard([vlm, expert])`: one all-gather, one reduce-scatter), gathered around the joint
+    layer's forward - the blocks stay where their components hold them (their parameter names unchanged), and the
+    joint layer, which calls their sub-layers directly, is where the group's forward hooks go.
+
+    NOTE: FSDP2 registers a unit's hooks on the modules given to `fully_shard`, whose own `forward` never runs here;
+    they move to the joint layer (the state's `_pre_forward` / `_post_forward`, as FSDP2 registers them for a
+    one-module unit). Checked against one process in tests/test_lerobot_policy_techniques.py."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(blocks if len(blocks) > 1 else blocks[0], mesh=mesh, mp_policy=mp_policy)
+    state = blocks[0]._get_fsdp_state()
+    state._pre_forward_hook_handle.remove()
+    state._post_forward_hook_handle.remove()
+    state._pre_forward_hook_handle = layer.register_forward_pre_hook(state._pre_forward, prepend=True,
+                                                                     with_kwargs=True)
+    state._post_forward_hook_handle = layer.register_forward_hook(state._post_forward, prepend=False)
+
+
 def _policy(precision: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -254,9 +274,10 @@ def apply_data_parallel(model: nn.Module, dims, mesh, policies: Mapping[str, Any
     dp_mesh = mesh["dp_replicate", shard_dim]  # 2-D: HSDP in general, DDP when dp_shard = 1, FSDP when replicate = 1
     for comp in COMPONENTS:
         for block in blocks_of(model, comp) or ():
-            # NOTE: a LeRobot policy's joint layers hold their two blocks without owning them (the parameters stay
-            # under their components' names): not a unit; their parameters go to the root's
-            if next(block.parameters(), None) is not None:
+            members = getattr(block, "fsdp_members", None)
+            if members is not None:  # a LeRobot policy's joint layer: its two blocks, one unit
+                _shard_joint(block, members(), dp_mesh, _policy(policies[comp].precision))
+            elif next(block.parameters(), None) is not None:
                 fully_shard(block, mesh=dp_mesh, mp_policy=_policy(policies[comp].precision))
     fully_shard(root if root is not None else model, mesh=dp_mesh, reshard_after_forward=False,
                 mp_policy=_policy("fp32"))

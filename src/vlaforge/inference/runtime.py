@@ -223,9 +223,16 @@ class PolicyRuntime:
         s.adapter = want
         return s
 
-    def _record(self, s: Session, frames: dict[str, torch.Tensor], instruction: str) -> Session:
-        if instruction != s.instruction:  # tokenized once per instruction, not per call
-            tokenizer = self.tokenizer if s.adapter is None else self.adapters.adapters[s.adapter].tokenizer
+    def _record(self, s: Session, frames: dict[str, torch.Tensor], instruction: str,
+                state: torch.Tensor | None = None) -> Session:
+        tokenizer = self.tokenizer if s.adapter is None else self.adapters.adapters[s.adapter].tokenizer
+        if state is not None and getattr(tokenizer, "state_prompt", False):  # pi0.5: a prompt per state, each call
+            norm = self._norms[s.adapter]
+            normed = (state.to(norm["state_mean"].device) - norm["state_mean"]) / norm["state_std"]
+            ids, mask = tokenizer.encode_with_states([instruction], normed[None].cpu(), self.spec.instruction_tokens)
+            s.tokens = (ids[0].to(self.device), mask[0].to(self.device), int(mask[0].sum()))
+            s.instruction = None
+        elif instruction != s.instruction:  # tokenized once per instruction, not per call
             ids, mask = tokenizer.encode([instruction], self.spec.instruction_tokens)
             s.tokens = (ids[0].to(self.device), mask[0].to(self.device), int(mask[0].sum()))
             s.instruction = instruction
@@ -241,7 +248,7 @@ class PolicyRuntime:
             raise VlaforgeError("noise= is taken by LeRobot policies (pi0, SmolVLA); a vlaforge action head draws its "
                                 "noise from torch's generator: seed it instead")
         frames, state = self.check(obs)
-        s = self._record(self._session_for(session, obs), frames, obs.instruction)
+        s = self._record(self._session_for(session, obs), frames, obs.instruction, state)
         spec = self.spec
         norm = self._norms[s.adapter]
         rows = spec.history(len(s.frames[self.cameras[0]]) - 1)  # positions in the deque, as the dataset picks

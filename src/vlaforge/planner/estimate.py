@@ -268,7 +268,7 @@ def _buffers(pm: PlanModel, case: Case) -> float:
     if case.fsdp:
         n = pm.llm_numel
         root = sum(n for c, n in pm.root_numel.items())
-        block = max(n["block"] / case.tp, pm.vision_block_numel)
+        block = max(pm.llm_unit_numel / case.tp, pm.vision_block_numel)  # a policy's: a joint layer
         out += (root + 2 * block) * (llm_c + 4)
         if "llm" in case.lora:  # its largest block gathered as stored, gradients for its adapters only
             master = 4 if case.policies["llm"].precision == "fp32" else compute_bytes(case.cfg.train.precision_master)

@@ -34,7 +34,8 @@ from torch import nn
 NF4_BLOCK = 64  # techniques.lora.NF4_BLOCK
 # The components whose adapters the planner counts (and `--lora` adds): the tower and the LLM, whose blocks
 # activations.py and throughput.py count term by term. LoRA itself adapts any component (techniques/lora.py); a
-# pretrained policy's action expert has blocks too (models.blocks.blocks_of) but is not counted yet.
+# LeRobot policy's action head is counted too (its expert's blocks run in the joint layers, whose activations the
+# planner measures with the adapters in place: planner/measured.py).
 LORA_COUNTED = ("vision", "llm")
 
 
@@ -65,8 +66,9 @@ def adapted(model: nn.Module, comp: str, policy) -> Adapted | None:
     if cfg is None:
         return None
     from vlaforge.errors import VlaforgeError
+    from vlaforge.planner.measured import is_policy
 
-    if comp not in LORA_COUNTED:
+    if comp not in LORA_COUNTED and not (is_policy(model) and comp == "action_head"):
         raise VlaforgeError(f"the planner counts LoRA on the vision tower and the LLM; components.{comp}.lora is "
                             f"not counted yet: plan the {comp} trained in full (its adapters would be a few per cent "
                             "of it)")
@@ -111,7 +113,10 @@ def _adapted(model: nn.Module, comp: str, cfg) -> Adapted:
     chosen = set() if injected else {id(module.get_submodule(n)) for n in target_linears(model, comp, cfg.targets)}
     units = [m for m, on in _units(module, chosen) if on]
     linears = tuple((m.in_features, m.out_features, m.bias is not None) for m in units)
-    blocks = blocks_of(model, comp)
+    from vlaforge.planner.measured import is_policy
+
+    # a policy's blocks (joint layers) are measured with their adapters, not counted by sub-layer
+    blocks = None if is_policy(model) else blocks_of(model, comp)
     rows, last = {"attn": (), "ffn": ()}, {"attn": False, "ffn": False}
     if blocks is not None:
         for region in ("attn", "ffn"):

@@ -336,9 +336,9 @@ def _tower_blocks(tower):
 
 def refuse_sharded(measured: tuple[str, ...], tp: int, cp: int, pp: int = 1, backend: str = "fsdp2") -> str | None:
     """Why a layout that shards a measured LLM block (or a layout a LeRobot policy does not train with: pipeline
-    stages, DeepSpeed) is not planned (None when none is asked)."""
-    if measured == POLICY_PARTS and (pp > 1 or backend == "deepspeed"):
-        return ("a LeRobot policy trains with FSDP2 / DDP, not pipeline parallel or DeepSpeed "
+    stages) is not planned (None when none is asked)."""
+    if measured == POLICY_PARTS and pp > 1:
+        return ("a LeRobot policy trains with FSDP2 / DDP / DeepSpeed, not pipeline parallel "
                 "(docs/lerobot_policies.md): plan it with those")
     if "llm" not in measured or (tp == 1 and cp == 1):
         return None

@@ -263,32 +263,53 @@ def _fit_row(lead: str, cluster: Cluster, plan, why: bool) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-POLICY_SETUPS = {"full fine-tuning": {}, "train_expert_only (VLM frozen)": {
-    c: {"trainable": False} for c in ("vision", "projector", "llm")}}
+_FROZEN_VLM = {c: {"trainable": False} for c in ("vision", "projector", "llm")}
+POLICY_SETUPS = {
+    "full fine-tuning": {},
+    "train_expert_only (VLM frozen)": _FROZEN_VLM,
+    "LoRA r32, LeRobot's targets (VLM frozen)": {**_FROZEN_VLM, "action_head": {
+        "lora": {"rank": 32, "alpha": 32, "targets": "lerobot"}}},
+    "QLoRA r32 (NF4 VLM and expert)": {"vision": {"trainable": False}, **{
+        c: {"lora": {"rank": 32, "alpha": 32, "base": "nf4"}} for c in ("llm", "action_head")}},
+}
 POLICY_GLOBAL_BATCH = 32  # LeRobot's pi0.5 fine-tuning batch
+OFFLOAD = "DeepSpeed ZeRO-3 with optimizer and parameter offload to CPU"  # search.ALTERNATIVES' name
 
 
 def policy_section(assume: Assumptions, flavor: str = "pi05") -> list[str]:
-    """Fine-tuning LeRobot's pi0.5 (its `pi05` flavor, LeRobot's default sizes) as vlaforge trains a policy today:
-    fp32, joint layers and tower checkpointed or not, FSDP2 / DDP with the whole policy one unit; on the LoRA
-    table's clusters (1 x 24 / 48 / 80, 8 x 80 GB)."""
+    """Fine-tuning LeRobot's pi0.5 (its `pi05` flavor, LeRobot's default sizes): full, `train_expert_only`, LoRA on
+    LeRobot's targets and QLoRA, on the LoRA table's clusters (1 x 24 / 48 / 80, 8 x 80 GB); where nothing fits on
+    the GPUs, DeepSpeed ZeRO-3 with the optimizer and the parameters on the CPU."""
     from vlaforge.config.loading import load_config
     from vlaforge.planner.search import search
 
     lines = [f"## Fine-tune pi0.5 ({flavor}) on 1 × 24 / 1 × 48 / 1 × 80 / 8 × 80 GB", "",
              f"Global batch {POLICY_GLOBAL_BATCH} (LeRobot's), 3 cameras at 224 px, a 200-token prompt, chunk 50. "
-             "A LeRobot policy trains in fp32 in vlaforge today, with its joint layers (VLM block + expert block) "
-             "and tower checkpointed or not, and over ranks as one FSDP2 / DDP unit (docs/lerobot_policies.md): "
-             "that is what is searched. Every part's activations are measured under fake tensors "
-             "(docs/planner.md, \"Measured rows\"). bf16 compute, CPU optimizer offload, LoRA and QLoRA are not "
-             "built for policies yet, so a full fine-tune on one 24 or 48 GB GPU does not fit yet.", "",
-             "| setup | cluster | fits | layout | checkpointing | micro × accum | GB per GPU | step s | tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Searched as vlaforge trains a LeRobot policy (docs/lerobot_policies.md): bf16 compute over fp32 master "
+             "weights, the joint layers (VLM block + expert block) and the tower checkpointed or not, FSDP2 with each "
+             "joint layer one unit, or DDP; where nothing fits, DeepSpeed ZeRO-3 with the AdamW state, its step and "
+             "the parameters on the CPU (`zero3 cpu` below). Every part's activations are measured under fake "
+             "tensors (docs/planner.md, \"Measured rows\"). LoRA: rank 32, alpha 32 on LeRobot's default targets "
+             "(the expert's q / v projections, the action projections), the VLM frozen; QLoRA: every linear of the "
+             "VLM and the expert adapted over an NF4 base, the tower frozen. The full fine-tune on one 24 GB GPU is "
+             "`recipes/pi05_24gb.toml`.", "",
+             "| setup | cluster | fits | layout | precision / checkpointing | micro × accum | GB per GPU | CPU GB | "
+             "step s | tokens/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for setup, comps in POLICY_SETUPS.items():
         pm = PlanModel(load_config(None, {"model": {"flavor": flavor}, "components": comps}))
         for cluster in lora_clusters():
-            lines.append(_fit_row(setup, cluster, search(pm, cluster, POLICY_GLOBAL_BATCH, assume=assume, keep=1),
-                                  why=False))
+            plan = search(pm, cluster, POLICY_GLOBAL_BATCH, assume=assume, keep=1)
+            best = plan.best or plan.alternatives.get(OFFLOAD)
+            if best is None or not best.fits:
+                need = plan.best_misfit or best
+                needed = "—" if need is None else f"{need.memory['total']:.1f} needed"
+                lines.append(f"| {setup} | {cluster.describe()} | no | — | — | — | {needed} | — | — | — |")
+                continue
+            layout = _short(best) + (" zero3 cpu" if best is not plan.best else "")
+            lines.append(f"| {setup} | {cluster.describe()} | yes | {layout} | {_policy(best, plan.with_blocks)} | "
+                         f"{best.config.train.batch_size} × {best.config.train.grad_accum} | "
+                         f"{best.memory['total']:.1f} | {best.memory.get('cpu', 0.0):.1f} | {best.step_time_s:.2f} | "
+                         f"{best.tokens_per_s:,.0f} |")
     return lines + [""]
 
 

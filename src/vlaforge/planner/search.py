@@ -106,6 +106,8 @@ def _layouts(cluster: Cluster, fixed: dict[str, Any]):
             shardings.append(("fsdp2", cluster.nodes, dp // cluster.nodes))
         if dp > 1:
             shardings.append(("ddp", dp, 1))
+        if fixed.get("parallel.backend") == "deepspeed":  # pinned (an alternative): ZeRO over every data rank
+            shardings = [("deepspeed", 1, dp)]
         methods = ("ring", "ulysses", "allgather") if cp > 1 else ("ring",)
         for (backend, rep, shard), method in itertools.product(shardings, methods):
             yield {"parallel.tp": tp, "parallel.sequence_parallel": tp > 1 and pp == 1, "parallel.pp": pp,
@@ -191,7 +193,7 @@ def _configs(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str
     base = pm.cfg.model_dump()
     world = World(rank=0, local_rank=0, size=cluster.gpus)
     knobs = _knobs(cluster, lora_rank, policy=pm.measured is not None and pm.measured.policy)
-    low = "fp32" if "components.llm.precision" not in knobs else "bf16"  # a LeRobot policy trains in fp32 for now
+    low = "bf16"
     defaults = {"components.vision.precision": low, "components.projector.precision": low,
                 "components.action_head.precision": low}
     defaults = {k: v for k, v in defaults.items() if k not in fixed}
@@ -314,9 +316,11 @@ def _refusal(base: dict, flat: dict[str, Any], cluster: Cluster) -> str | None:
 
 def _knobs(cluster: Cluster, lora_rank: int | None, policy: bool = False) -> dict[str, tuple]:
     """The per-component choices the search tries (each only where --fix leaves it free). A LeRobot policy: what it
-    trains with (docs/lerobot_policies.md): fp32, its joint layers and tower checkpointed or not, no offload."""
+    trains with (docs/lerobot_policies.md): bf16 (the expert's blocks in the LLM's precision), its joint layers and
+    tower checkpointed or not, no activation offload."""
     if policy:
-        return {"components.llm.checkpointing": ("none", "full"), "components.vision.checkpointing": ("none", "full")}
+        return {"components.llm.precision": ("bf16",), "components.llm.checkpointing": ("none", "full"),
+                "components.vision.checkpointing": ("none", "full")}
     fp8 = ("bf16", "fp8") if cluster.gpu.fp8_tflops else ("bf16",)
     knobs = {"components.llm.precision": fp8, "components.llm.checkpointing": ("none", "selective", "full"),
              "components.vision.checkpointing": ("none", "full"), "components.llm.offload": ("none", "cpu")}

@@ -177,14 +177,33 @@ class PlanModel:
     @cached_property
     def root_numel(self) -> dict[str, int]:
         """Parameters outside the transformer blocks per component: FSDP2's root unit, gathered whole."""
+
+        inside = {id(p) for unit in self.fsdp_units for p in unit.parameters()}
+        return {comp: sum(p.numel() for p in getattr(self.model, comp).parameters() if id(p) not in inside)
+                for comp in COMPONENTS}
+
+    @cached_property
+    def fsdp_units(self) -> list[nn.Module]:
+        """The modules FSDP2 shards as units (`distributed.parallelize.apply_data_parallel`), each a list's worth of
+        blocks: every tower and LLM block, or a LeRobot policy's joint layer (its VLM block and expert block)."""
         from vlaforge.models.blocks import blocks_of
 
-        out = {}
+        units = []
         for comp in COMPONENTS:
-            blocks = blocks_of(self.model, comp)
-            inside = sum(p.numel() for p in blocks.parameters()) if blocks is not None else 0
-            out[comp] = sum(p.numel() for p in getattr(self.model, comp).parameters()) - inside
-        return out
+            for block in blocks_of(self.model, comp) or ():
+                members = getattr(block, "fsdp_members", None)
+                units.append(nn.ModuleList(members()) if members is not None else block)
+        return units
+
+    @cached_property
+    def llm_unit_numel(self) -> int:
+        """Parameters of the LLM's largest FSDP2 unit: a block, or a policy's joint layer (both its blocks)."""
+        from vlaforge.models.blocks import blocks_of
+
+        blocks = blocks_of(self.model, "llm") or ()
+        sizes = [sum(p.numel() for m in (b.fsdp_members() if hasattr(b, "fsdp_members") else [b])
+                     for p in m.parameters()) for b in blocks]
+        return max(sizes, default=0)
 
     @cached_property
     def vision_block_numel(self) -> int:

@@ -62,8 +62,9 @@ class LoraReport:
 
 def target_linears(model: nn.Module, component: str, targets) -> list[str]:
     """Names inside `component` of the linears that get adapters: every nn.Linear (the LLM's output head
-    excepted: it is tied to the embeddings in most families and the vocabulary-wide adapter buys nothing), or the
-    named ones (a name matches a module called it or ending in '.' + it).
+    excepted: it is tied to the embeddings in most families and the vocabulary-wide adapter buys nothing), the
+    model's preset (`lerobot`: `PolicyVLA.lora_preset`), or the named ones (a name matches a module called it or
+    ending in '.' + it).
 
     Raises:
         VlaforgeError: a name in `targets` matches no linear of the component.
@@ -74,6 +75,12 @@ def target_linears(model: nn.Module, component: str, targets) -> list[str]:
     linears = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and m is not head and n]
     if targets == "all-linear":
         return linears
+    if targets == "lerobot":
+        preset = getattr(model, "lora_preset", None)
+        if preset is None:
+            raise VlaforgeError(f"components.{component}.lora.targets = 'lerobot' is a LeRobot policy's default "
+                                "(model.lerobot.pretrained); name the linears, or use 'all-linear'")
+        targets = preset(component)
     chosen = []
     for target in targets:
         found = [n for n in linears if n == target or n.endswith("." + target)]

@@ -88,9 +88,17 @@ def apply_precision(model: nn.Module, policies: Mapping[str, Any], device: torch
         masters[name] = master_dtype(precision, master)
         if masters[name] != torch.float32:
             module.to(masters[name])
-        _AutocastRegion(module, device.type, DTYPES[precision])
+        for region in _regions(model, name):
+            _AutocastRegion(region, device.type, DTYPES[precision])
         used[name] = precision
     return PrecisionSetup(used, masters, reports)
+
+
+def _regions(model: nn.Module, name: str) -> list[nn.Module]:
+    """The modules whose forwards compute component `name`: the component itself, or what the model names (a
+    LeRobot policy's joint layers call their blocks' sub-layers directly: `PolicyVLA.precision_regions`)."""
+    find = getattr(model, "precision_regions", None)
+    return find(name) if find is not None else [getattr(model, name)]
 
 
 class _AutocastRegion:

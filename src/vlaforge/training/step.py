@@ -293,6 +293,9 @@ def deepspeed_step(engine, micro_batches: list[Batch], weighting, reducer) -> di
     numerics monitor need the gradients, which ZeRO keeps in its partitions: only the total norm is reported."""
     model = engine.module
     n = len(micro_batches)
+    begin = getattr(model, "begin_step", None)
+    if begin is not None:  # as `local_step`: the step's randomness drawn once, for every micro-batch
+        begin()
     denominators = loss_denominators(model, micro_batches, reducer)
     sums: dict[str, torch.Tensor] = {}
     for batch in micro_batches:

@@ -93,16 +93,6 @@ def build_loss_weighting(cfg: VLAConfig, model: nn.Module, device: torch.device,
     return weighting.to(device)
 
 
-def check_trainable_policy(source) -> None:
-    """pi0.5 does not train yet: refused before the run folder is made. (Over several processes a policy is one
-    FSDP2 / DDP unit: `distributed.parallelize.apply_data_parallel`.)"""
-    from vlaforge.models.policies.reader import read_policy_config
-
-    if read_policy_config(source.pretrained).get("type") == "pi05":
-        raise VlaforgeError("fine-tuning pi0.5 is not built yet: its prompt carries the discretized state of each "
-                            "frame, which vlaforge's data pipeline does not write; serve or evaluate it as it is")
-
-
 def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
     if cfg.eval.every and evaluate is None:
         raise VlaforgeError(f"eval.every = {cfg.eval.every} evaluates in the simulator during training, and no "
@@ -113,8 +103,6 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
     if world.is_main:
         for line in ([describe_shapes(chosen, cfg.data.path)] if chosen else []) + term_lines:
             print(line, flush=True)
-    if cfg.model.lerobot.pretrained:
-        check_trainable_policy(cfg.model.lerobot)
     dims = check_layout(cfg, world)
     run_dir = Path(cfg.train.output_dir)
     resume_from = resolve_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None

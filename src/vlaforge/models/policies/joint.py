@@ -44,9 +44,10 @@ def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """(B, Lq, H, D) queries over (B, Lk, Hkv, D) keys / values with an additive mask (B, 1, Lq, Lk) -> (B, Lq, H*D).
     One SDPA call; grouped keys through `enable_gqa`. A fully masked row (a padding token's) averages every value,
-    as the references' eager softmax over a constant row does: no NaN reaches the gradients."""
+    as the references' eager softmax over a constant row does: no NaN reaches the gradients. The mask's large negative
+    is clamped to the queries' dtype (fp16's is -65504: the references' -2.4e38 would be -inf there)."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2),
-                                         attn_mask=mask.to(q.dtype), scale=scale,
+                                         attn_mask=mask.clamp_min(torch.finfo(q.dtype).min).to(q.dtype), scale=scale,
                                          enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2).flatten(2)
 
@@ -133,6 +134,10 @@ class JointLayer(nn.Module):
         super().__init__()
         self.index, self.mode, self.scale = index, mode, scale
         self.__dict__["vlm"], self.__dict__["expert"] = vlm, expert  # NOTE: not children (see the class docstring)
+
+    def fsdp_members(self) -> list[nn.Module]:
+        """The blocks FSDP2 shards as this layer's unit (`distributed.parallelize._shard_joint`)."""
+        return [self.vlm] + ([self.expert] if self.expert is not None else [])
 
     def forward(self, prefix: torch.Tensor | None, suffix: torch.Tensor | None,
                 ctx: JointContext) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -331,6 +331,34 @@ class PolicyVLA(nn.Module):
             return self.__dict__["_joint_list"]
         return None
 
+    def precision_regions(self, component: str) -> list[nn.Module]:
+        """The modules whose forwards are `component`'s computation, for its autocast region
+        (`techniques.precision.apply_precision`): the tower and the connector themselves; for the LLM the joint layers
+        (both streams: their one attention spans the VLM's and the expert's queries, so the expert's blocks compute
+        in the LLM's precision, which the config checks equal to the action head's); for the action head its
+        projections, time MLP and final norm, which run outside the joint layers."""
+        if component == "llm":
+            return list(self.joint_layers)
+        if component == "action_head":
+            return [m for name, m in self.action_head.named_children() if name != "blocks"]
+        return [getattr(self, component)]
+
+    def lora_preset(self, component: str) -> list[str]:
+        """LeRobot's default LoRA targets (`_get_default_peft_targets` of its SmolVLA, pi0 and pi0.5 policies: the
+        expert's q_proj and v_proj, and the state, action and action-time projections, where the family has them:
+        pi0.5's time MLP is `time_mlp_*`, which LeRobot's pattern does not name), as names inside `component`.
+
+        Raises:
+            VlaforgeError: `component` is not the action head (LeRobot adapts only the expert's side)."""
+        if component != "action_head":
+            raise VlaforgeError(f"components.{component}.lora.targets = 'lerobot': LeRobot's default targets are all "
+                                "in the action expert; set components.action_head.lora and leave the "
+                                f"{component} frozen (components.{component}.trainable = false) or name its linears")
+        names = ("state_proj", "action_in_proj", "action_out_proj", "action_time_mlp_in", "action_time_mlp_out")
+        own = [n for n in names if isinstance(getattr(self.action_head, n, None), nn.Linear)]
+        return own + [f"blocks.{i}.self_attn.{p}" for i in range(len(self.action_head.blocks))
+                      for p in ("q_proj", "v_proj")]
+
     @property
     def layout(self) -> Layout:
         tower = self.vision.config
@@ -416,8 +444,8 @@ class PolicyVLA(nn.Module):
         return actions[:, :, :self.spec.action_dim]
 
     def policy_tokenizer(self):
-        """(a `TextTokenizer` encoding instructions as the folder's pipeline does - its newline step, its
-        tokenizer's special tokens, right padding - and its max length), for vlaforge's data pipeline."""
+        """(a `TextTokenizer` encoding instructions as the folder's pipeline does - its newline step or pi0.5's state
+        prompt, its tokenizer's special tokens, right padding - and its max length), for vlaforge's data pipeline."""
         from vlaforge.data.tokenizer import TextTokenizer
 
         pre = self.pipelines[0]
@@ -427,7 +455,9 @@ class PolicyVLA(nn.Module):
                                 "instructions on the right: fine-tune a policy whose pipeline pads on the right")
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         suffix = "\n" if any("new_line" in n for n in pre.step_names) else ""
-        return TextTokenizer(tok, pad, None, suffix=suffix, special=True), int(pre.max_length)
+        with_state = any("prepare_state_tokenizer" in n for n in pre.step_names)  # pi0.5's prompt
+        return (TextTokenizer(tok, pad, None, suffix=suffix, special=True, state_prompt=with_state),
+                int(pre.max_length))
 
     def reset(self) -> None:
         """Start of an episode: the model keeps no state between calls."""

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from vlaforge.data.tokenizer import state_prompt
 from vlaforge.errors import VlaforgeError, first_line
 
 PREPROCESSOR_FILE = "policy_preprocessor.json"
@@ -119,18 +119,11 @@ def _new_line(b: dict[str, Any]) -> dict[str, Any]:
     return b
 
 
-def state_bins(state: Tensor) -> np.ndarray:
-    """pi0.5's state bins (openpi's `PaligemmaTokenizer`), LeRobot's `digitize(state, linspace(-1, 1, 257)[:-1]) - 1`:
-    [-1, 1) in 256 bins 1/128 wide, a value on an edge in the bin it opens, below -1 -> -1, from 1 - 1/128 up -> 255
-    (NaN too). (B, D) in, (B, D) int64 out. Cast to float64 first, as numpy compares against its float64 edges."""
-    edges = np.linspace(-1, 1, 256 + 1)[:-1]
-    return np.digitize(state.detach().to("cpu", torch.float64).numpy(), bins=edges) - 1
-
-
 @dataclass
 class _StatePrompt:
     r"""`pi05_prepare_state_tokenizer_processor_step`: each task becomes "Task: {task}, State: {bins};\nAction: ", the
-    task stripped, '_' and newlines made spaces, the (already normalized) state row's `state_bins` joined by spaces."""
+    task stripped, '_' and newlines made spaces, the (already normalized) state row's bins joined by spaces
+    (`data.tokenizer.state_prompt`, which vlaforge's data pipeline writes too)."""
     task_key: str
 
     def __call__(self, b: dict[str, Any]) -> dict[str, Any]:
@@ -144,9 +137,7 @@ class _StatePrompt:
             got = type(tasks).__name__ + (f" of {len(tasks)}" if isinstance(tasks, list | tuple) else "")
             raise VlaforgeError(f"the pre-processor's {name} reads raw[{self.task_key!r}], one str per state row "
                                 f"({state.shape[0]}), and got {got}; pass the task instruction there")
-        rows = [" ".join(map(str, r)) for r in state_bins(state).tolist()]  # a host copy, as LeRobot's .numpy()
-        clean = [t.strip().replace("_", " ").replace("\n", " ") for t in tasks]
-        return {**b, self.task_key: [f"Task: {t}, State: {r};\nAction: " for t, r in zip(clean, rows, strict=True)]}
+        return {**b, self.task_key: [state_prompt(t, r) for t, r in zip(tasks, state, strict=True)]}
 
 
 @dataclass
