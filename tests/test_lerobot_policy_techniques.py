@@ -244,6 +244,37 @@ def test_pi05_fine_tunes_with_its_state_prompt_in_training_and_serving(session_r
         assert tokens[mask].tolist() == ids
 
 
+def test_two_lora_fine_tunes_of_a_policy_serve_side_by_side(session_root, tmp_path):
+    """Two LoRA fine-tunes of one SmolVLA (LeRobot's targets, other seeds) served by one runtime over the one base
+    (`adapters=`): each observation's actions are its own run's, as that run's own runtime gives them."""
+    import numpy as np
+
+    from fake_lerobot import write_dataset
+    from vlaforge.inference.runtime import Observation, PolicyRuntime
+
+    out = ref061.policy_folder("smolvla", session_root)
+    write_dataset(tmp_path / "ds")
+    for name, seed in (("a", 0), ("b", 3)):
+        done = run_cli("train", "recipes/smolvla.toml", f"--model.lerobot.pretrained={out / 'policy'}",
+                       f"--data.path={tmp_path / 'ds'}", "--train.batch_size=2", "--train.steps=2",
+                       "--train.warmup_steps=0", "--train.progress=false", "--train.tensorboard=false",
+                       "--components.action_head.lora.targets=lerobot", "--components.action_head.lora.rank=4",
+                       f"--train.seed={seed}", f"--train.output_dir={tmp_path / name}", timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    both = PolicyRuntime.load(tmp_path / "a", device="cpu", adapters={"b": tmp_path / "b"})  # "a": its own
+    images = {c: np.zeros((32, 32, 3), np.uint8) for c in both.cameras}
+    state = np.zeros(len(both.spec.state_mean), np.float32)
+    served = {}
+    for name in "ab":
+        torch.manual_seed(0)
+        served[name] = both.predict(Observation(images, state, "press the button", adapter=name)).actions
+        alone = PolicyRuntime.load(tmp_path / name, device="cpu")
+        torch.manual_seed(0)
+        own = alone.predict(Observation(images, state, "press the button")).actions
+        assert np.abs(own - served[name]).max() <= 1e-5, name  # measured 1.8e-7
+    assert np.abs(served["a"] - served["b"]).max() > 1e-3  # two adapters, two policies
+
+
 def test_a_checkpointed_policy_trains_to_the_same_weights(session_root, tmp_path):
     """Through the trainer: two steps of SmolVLA with its joint layers and tower checkpointed end on the same weights
     as without (fp32, the same seed: the same noise, times and batches)."""
