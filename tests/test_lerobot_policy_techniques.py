@@ -249,8 +249,9 @@ def test_two_lora_fine_tunes_of_a_policy_serve_side_by_side(session_root, tmp_pa
     (`adapters=`): each observation's actions are its own run's, as that run's own runtime gives them."""
     import numpy as np
 
-    from fake_lerobot import write_dataset
     from vlaforge.inference.runtime import Observation, PolicyRuntime
+
+    from fake_lerobot import write_dataset
 
     out = ref061.policy_folder("smolvla", session_root)
     write_dataset(tmp_path / "ds")

@@ -81,6 +81,16 @@ def bpe_tokenizer(special: list[str], bos: str | None = None, spaces: bool = Fal
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", **tokens)
 
 
+def smolvlm_tokenizer():
+    """A small BPE with SmolVLM's special tokens (its processor reads them)."""
+    return bpe_tokenizer(
+        ["<pad>", "<s>", "</s>", "<unk>", "<fake_token_around_image>", "<image>", "<global-img>",
+         "<end_of_utterance>"],
+        pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        extra_special_tokens={"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
+                              "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"})
+
+
 def build_smolvlm(out: Path) -> Path:
     """The tiny SmolVLM SmolVLA builds from (`vlm_model_name` = this folder, `load_vlm_weights=False`: only its
     config, processor and tokenizer are read): SigLIP-shaped tower 32 wide, 2 layers, patch 8 on 32 px, a 2 x 2
@@ -95,12 +105,7 @@ def build_smolvlm(out: Path) -> Path:
         SmolVLMVisionConfig,
     )
 
-    tokenizer = bpe_tokenizer(
-        ["<pad>", "<s>", "</s>", "<unk>", "<fake_token_around_image>", "<image>", "<global-img>",
-         "<end_of_utterance>"],
-        pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-        extra_special_tokens={"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
-                              "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"})
+    tokenizer = smolvlm_tokenizer()
     vocab = len(tokenizer)
     vision = SmolVLMVisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                  patch_size=8, image_size=32)
@@ -148,15 +153,46 @@ def features():
                 output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(ACTION_DIM,))})
 
 
-def perturb(policy, seed: int = 1) -> None:
+def perturb(policy, seed: int = 1, check: bool = True) -> None:
     """Seeded noise on every parameter (frozen ones included): norms by 0.1 (LeRobot/HF init them at 1 or 0), the
-    rest by 0.02, so parity checks compare non-trivial weights."""
+    rest by 0.02, so parity checks compare non-trivial weights. `check`: no parameter left with a zero (at published
+    sizes a sum of two floats is exactly zero somewhere by chance: bench_policy.py turns it off)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in policy.named_parameters():
             scale = 0.1 if "norm" in name else 0.02
             p.add_(scale * torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype))
-            assert p.count_nonzero() == p.numel(), f"{name} still has zeros"
+            assert not check or p.count_nonzero() == p.numel(), f"{name} still has zeros"
+
+
+def pi_tokenizer(kind: str, out: Path, sizes_of) -> Path:
+    """OUT/tokenizer (a small BPE in place of PaliGemma's) and OUT/sizes.json (`sizes_of(vocabulary size)`), applied to
+    LeRobot's pi0 / pi0.5 in this process (tiny_pi0.apply); the tokenizer's folder."""
+    import tiny_pi0
+
+    tokenizer = bpe_tokenizer(["<pad>", "<bos>", "<eos>", "<unk>"], bos="<bos>", spaces=kind == "pi05",
+                              pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    tokenizer_dir = (out / "tokenizer").resolve()
+    tokenizer.save_pretrained(tokenizer_dir)
+    sizes = sizes_of(len(tokenizer))
+    (out / "sizes.json").write_text(json.dumps(sizes, indent=1) + "\n")
+    tiny_pi0.apply(sizes)
+    return tokenizer_dir
+
+
+def pi_classes(kind: str):
+    """(processor module, config class, policy class, make_pre_post_processors) of LeRobot's pi0 or pi0.5."""
+    if kind == "pi0":
+        from lerobot.policies.pi0 import processor_pi0 as processor
+        from lerobot.policies.pi0.configuration_pi0 import PI0Config as Config
+        from lerobot.policies.pi0.modeling_pi0 import PI0Policy as Policy
+
+        return processor, Config, Policy, processor.make_pi0_pre_post_processors
+    from lerobot.policies.pi05 import processor_pi05 as processor
+    from lerobot.policies.pi05.configuration_pi05 import PI05Config as Config
+    from lerobot.policies.pi05.modeling_pi05 import PI05Policy as Policy
+
+    return processor, Config, Policy, processor.make_pi05_pre_post_processors
 
 
 def build(kind: str, out: Path) -> dict:
@@ -180,26 +216,9 @@ def build(kind: str, out: Path) -> dict:
     else:
         import tiny_pi0
 
-        tokenizer = bpe_tokenizer(["<pad>", "<bos>", "<eos>", "<unk>"], bos="<bos>", spaces=kind == "pi05",
-                                  pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
-        tokenizer_dir = (out / "tokenizer").resolve()
-        tokenizer.save_pretrained(tokenizer_dir)
-        sizes = tiny_pi0.sizes(len(tokenizer))
-        (out / "sizes.json").write_text(json.dumps(sizes, indent=1) + "\n")
-        tiny_pi0.apply(sizes)
-        if kind == "pi0":
-            from lerobot.policies.pi0 import processor_pi0 as processor
-            from lerobot.policies.pi0.configuration_pi0 import PI0Config as Config
-            from lerobot.policies.pi0.modeling_pi0 import PI0Policy as Policy
-
-            make_processors, common = processor.make_pi0_pre_post_processors, COMMON
-        else:
-            from lerobot.policies.pi05 import processor_pi05 as processor
-            from lerobot.policies.pi05.configuration_pi05 import PI05Config as Config
-            from lerobot.policies.pi05.modeling_pi05 import PI05Policy as Policy
-
-            make_processors = processor.make_pi05_pre_post_processors
-            common = {**COMMON, "tokenizer_max_length": PI05_TOKENIZER_MAX_LENGTH}
+        tokenizer_dir = pi_tokenizer(kind, out, tiny_pi0.sizes)
+        processor, Config, Policy, make_processors = pi_classes(kind)
+        common = COMMON if kind == "pi0" else {**COMMON, "tokenizer_max_length": PI05_TOKENIZER_MAX_LENGTH}
         config = Config(**common, **features(), image_resolution=(32, 32), num_inference_steps=3)
         torch.manual_seed(0)
         policy = Policy(config)

@@ -1,0 +1,158 @@
+"""vlaforge's side of bench/lerobot_policies.py, one measurement per process (its memory figures are its own):
+
+    python bench/lerobot_policies_worker.py train --folder DIR --kind KIND --inputs FILE --variant V [--steps N]
+    python bench/lerobot_policies_worker.py predict --folder DIR --kind KIND --inputs FILE [--runs N]
+
+DIR is a folder LeRobot's save_pretrained wrote (DIR/policy, and DIR/sizes.json, DIR/tokenizer for pi0 / pi0.5);
+FILE the batch bench_policy.py reads too (tests/lerobot_env061/bench_policy.py: its memory probes are shared).
+train: the kind's recipe (recipes/KIND.toml: LeRobot's fine-tuning defaults, what trains) with the variant's
+techniques, built by the trainer's `build_model` (`apply_techniques`), `apply_freezing` at step 0 and the trainer's
+`build_optimizer`; a variant the config refuses is a row with its one-line message. predict: `sample_actions` (10
+steps, the prefix's keys and values computed once) in fp32 and bf16, and `PolicyRuntime.predict` the same way.
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests" / "lerobot_env061"), str(ROOT / "tests")]
+from bench_policy import peaks, read_inputs, settle, train_steps
+from lerobot061 import folder_options as options
+
+KINDS = ("smolvla", "pi0", "pi05")
+# per component checkpointing / precision (compute: autocast regions) and train.precision_master (weights,
+# gradients, AdamW moments)
+VARIANTS = {
+    "fp32": {},
+    "fp32+checkpointing": {"checkpointing": "full"},
+    "bf16+checkpointing": {"checkpointing": "full", "precision": "bf16"},
+    "bf16-master+checkpointing": {"checkpointing": "full", "precision": "bf16", "master": "bf16"},
+}
+PREDICT_DTYPES = ("fp32", "bf16")
+
+
+def variant_config(kind: str, folder: Path, variant: str):
+    """The kind's recipe on the folder with the variant's techniques.
+
+    Raises:
+        VlaforgeError: a variant the config refuses (its one line)."""
+    from vlaforge.config.loading import load_config
+    from vlaforge.models.policies.reader import read_policy_config, shapes_of
+
+    v = VARIANTS[variant]
+    cameras, state_dim, action_dim = shapes_of(read_policy_config(folder / "policy"))
+    components = {c: ({"precision": v["precision"]} if "precision" in v else {})
+                  for c in ("vision", "projector", "llm", "action_head")}
+    if "checkpointing" in v:
+        components["llm"]["checkpointing"] = v["checkpointing"]  # the joint layers
+        if kind != "smolvla":  # SmolVLA's tower is frozen: it keeps nothing for backward
+            components["vision"]["checkpointing"] = v["checkpointing"]
+    overrides = {"model": {"lerobot": {"pretrained": str(folder / "policy"), **options(folder)},
+                           "cameras": cameras, "state_dim": state_dim, "action_dim": action_dim},
+                 "components": {c: p for c, p in components.items() if p}}
+    if "master" in v:
+        overrides["train"] = {"precision_master": v["master"]}
+    return load_config(ROOT / "recipes" / f"{kind}.toml", overrides)
+
+
+def train(args) -> dict:
+    """`args.steps` training steps of the variant at the pinned noise and flow times."""
+    from vlaforge.errors import VlaforgeError
+    from vlaforge.techniques.freezing import apply_freezing
+    from vlaforge.training.optim import build_optimizer
+    from vlaforge.training.trainer import build_model
+
+    try:
+        cfg = variant_config(args.kind, args.folder, args.variant)
+    except (VlaforgeError, ValueError) as exc:
+        return {"variant": args.variant, "refused": str(exc).strip().splitlines()[0]}
+    start = settle()
+    model, precision = build_model(cfg, torch.device("cpu"))
+    apply_freezing(model, dict(cfg.components.items()), 0)
+    optimizer = build_optimizer(model, cfg)
+    inputs, tasks = read_inputs(args.inputs)
+    noise, time_ = inputs.pop("noise"), inputs.pop("time")
+    batch = model.pipelines[0]({**inputs, "task": tasks})  # the folder's own preprocessor, as LeRobot's
+    trained = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    loaded = settle()
+    times, losses = train_steps(lambda: model.loss(model.prepare(batch), noise, time_), trained,
+                                cfg.train.grad_clip, optimizer, args.steps)
+    setup = precision.to_json()
+    return {"variant": args.variant, "rss_start_mib": start, "rss_loaded_mib": loaded, **peaks(),
+            "step_s": times, "loss": losses[0], "losses": losses, "compute": setup["compute"],
+            "master": setup["master"], "trainable_parameters": sum(p.numel() for p in trained),
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def timed(fn, runs: int) -> tuple[dict, object]:
+    """({median_ms, ms}, the warm-up call's output): one warm-up call, then `runs` timed ones."""
+    out = fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - t0))
+    return {"median_ms": statistics.median(times), "ms": times}, out
+
+
+def predict(args) -> dict:
+    """One action chunk at the batch's first sample: `sample_actions` on the preprocessed batch (prepare included,
+    as LeRobot's predict_action_chunk prepares its images) and `PolicyRuntime.predict` on uint8 frames."""
+    import numpy as np
+
+    from vlaforge.checkpoints.load import load_policy_model
+    from vlaforge.inference.runtime import LeRobotRuntime, Observation
+
+    model, _, _ = load_policy_model(args.folder / "policy", lerobot=options(args.folder))
+    model.spec = dataclasses.replace(model.spec, num_steps=10)  # what the runtime samples
+    model.eval()
+    inputs, tasks = read_inputs(args.inputs)
+    noise = inputs.pop("noise")[:1]
+    raw = {k: v[:1] for k, v in inputs.items() if k not in ("time", "action")}
+    batch = model.pipelines[0]({**raw, "task": tasks[:1]})
+    frames = {k.removeprefix("observation.images."): (v[0].permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+              for k, v in raw.items() if k.startswith("observation.images.")}
+    obs = Observation(frames, raw["observation.state"][0].numpy(), tasks[0])
+    out = {}
+    for name in PREDICT_DTYPES:
+        dtype = torch.float32 if name == "fp32" else torch.bfloat16
+        model.to(dtype)
+        with torch.inference_mode():
+            row, actions = timed(lambda start=noise.to(dtype): model.sample_actions(
+                model.prepare(batch, with_actions=False), start, steps=10), args.runs)
+        out[f"sample_actions_{name}"] = {**row, "actions": actions[:, :, :model.spec.action_dim].float()
+                                         .flatten().tolist()}
+        runtime = LeRobotRuntime(model, *model.pipelines, str(args.folder), device="cpu", dtype=name)
+        row, _ = timed(lambda rt=runtime: rt.predict(obs, noise=np.asarray(noise[0])), args.runs)
+        out[f"runtime_{name}"] = row
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=("train", "predict"))
+    ap.add_argument("--folder", type=Path, required=True)
+    ap.add_argument("--kind", choices=KINDS, required=True)
+    ap.add_argument("--inputs", type=Path, required=True)
+    ap.add_argument("--variant", choices=tuple(VARIANTS), default="fp32")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(json.dumps(train(args) if args.mode == "train" else predict(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""bench/lerobot_policies.py's two sides on the tiny pi0 folder: LeRobot 0.6.1's training step (its site, with its
+gradient checkpointing) and vlaforge's (a fresh worker process, its joint layers checkpointed) each report memory
+and step time, and their losses at the same pinned noise and flow times agree in fp32."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import lerobot061 as ref061
+import pytest
+
+pytestmark = pytest.mark.xdist_group("lerobot061")
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "lerobot_policies.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_lerobot_policies", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_both_sides_step_once_and_agree_on_the_loss(tmp_path_factory, tmp_path):
+    bench = _bench()
+    folder = ref061.policy_folder("pi0", ref061.session_root(tmp_path_factory))
+    inputs = bench.write_inputs(tmp_path / "in.safetensors", 2, quick=True)
+    args = SimpleNamespace(threads=1, quiet_wait=0)
+    theirs = bench.run_lerobot("train", str(folder / "policy"), str(inputs), "float32+gc", "2", args=args)
+    mine = bench.run_vlaforge("train", "--folder", str(folder), "--kind", "pi0", "--inputs", str(inputs),
+                              "--variant", "fp32+checkpointing", "--steps", "2", args=args)
+    for row in (theirs, mine):
+        assert "failed" not in row, row
+        assert len(row["step_s"]) == 2 and row["peak_rss_mib"] >= row["rss_loaded_mib"] > row["rss_start_mib"] > 0
+    assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * abs(theirs["loss"]), (mine["loss"], theirs["loss"])
+    assert mine["trainable_parameters"] > 0 and mine["compute"]["llm"] == "fp32"
