@@ -16,15 +16,20 @@ pytestmark = pytest.mark.xdist_group("lerobot061")
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "lerobot_policies.py"
 
 
-def _bench():
+def _bench(monkeypatch):
+    """The bench module; the folders it puts on sys.path (bench/, tests/) are taken off again after the test
+    (`monkeypatch`): bench/libero.py would shadow the libero package for the worker's later tests."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
     spec = importlib.util.spec_from_file_location("bench_lerobot_policies", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_both_sides_step_once_and_agree_on_the_loss(tmp_path_factory, tmp_path):
-    bench = _bench()
+def test_both_sides_step_once_and_agree_on_the_loss(tmp_path_factory, tmp_path, monkeypatch):
+    bench = _bench(monkeypatch)
     folder = ref061.policy_folder("pi0", ref061.session_root(tmp_path_factory))
     inputs = bench.write_inputs(tmp_path / "in.safetensors", 2, quick=True)
     args = SimpleNamespace(threads=1, quiet_wait=0)

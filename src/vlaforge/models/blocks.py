@@ -34,3 +34,8 @@ def blocks_of(model: nn.Module, component: str) -> nn.ModuleList | None:
 def components_with_blocks(model: nn.Module) -> tuple[str, ...]:
     """The components whose transformer blocks the techniques wrap and the planner counts, in COMPONENTS order."""
     return tuple(c for c in COMPONENTS if blocks_of(model, c) is not None)
+
+
+def is_policy(model) -> bool:
+    """A LeRobot policy (models/policies/): its blocks are its own units (`component_blocks`: joint layers)."""
+    return hasattr(model, "component_blocks")

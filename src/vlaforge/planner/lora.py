@@ -66,7 +66,7 @@ def adapted(model: nn.Module, comp: str, policy) -> Adapted | None:
     if cfg is None:
         return None
     from vlaforge.errors import VlaforgeError
-    from vlaforge.planner.measured import is_policy
+    from vlaforge.models.blocks import is_policy
 
     if comp not in LORA_COUNTED and not (is_policy(model) and comp == "action_head"):
         raise VlaforgeError(f"the planner counts LoRA on the vision tower and the LLM; components.{comp}.lora is "
@@ -113,7 +113,7 @@ def _adapted(model: nn.Module, comp: str, cfg) -> Adapted:
     chosen = set() if injected else {id(module.get_submodule(n)) for n in target_linears(model, comp, cfg.targets)}
     units = [m for m, on in _units(module, chosen) if on]
     linears = tuple((m.in_features, m.out_features, m.bias is not None) for m in units)
-    from vlaforge.planner.measured import is_policy
+    from vlaforge.models.blocks import is_policy
 
     # a policy's blocks (joint layers) are measured with their adapters, not counted by sub-layer
     blocks = None if is_policy(model) else blocks_of(model, comp)

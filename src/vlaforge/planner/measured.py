@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from vlaforge.errors import VlaforgeError
+from vlaforge.models.blocks import is_policy
 
 MEASURED = ("vision", "llm")
 # instruction tokens added at the second and third point: sequence lengths far enough apart that the fit is exact
@@ -126,11 +127,6 @@ def measured_components(model) -> tuple[str, ...]:
 
 
 POLICY_PARTS = ("vision", "projector", "llm", "action_head", "other")
-
-
-def is_policy(model) -> bool:
-    """A LeRobot policy (models/policies/): its blocks are its own units (`component_blocks`: joint layers)."""
-    return hasattr(model, "component_blocks")
 
 
 def policy_shapes(cfg, model):

@@ -83,9 +83,10 @@ class PlanModel:
 
     def __init__(self, cfg, padded: bool = True):
         from vlaforge.distributed.parallel_dims import model_facts
+        from vlaforge.models.blocks import is_policy
         from vlaforge.models.build import build_vla, objective_from, synthetic_batch
         from vlaforge.models.fake import fake_build
-        from vlaforge.planner.measured import MeasuredRows, is_policy, measured_components, policy_shapes
+        from vlaforge.planner.measured import MeasuredRows, measured_components, policy_shapes
 
         with fake_build():
             self.model = build_vla(cfg.model, cfg.loss, fake=True)  # a pretrained folder: its config alone
