@@ -94,6 +94,33 @@ def folder_options(out: Path) -> dict[str, str]:
     return {k: str(v) for k, v in files.items() if v.exists()}
 
 
+QUIET = ("--train.warmup_steps=0", "--train.progress=false", "--train.tensorboard=false")
+
+
+def train_args(kind: str, root: Path, data: Path, recipe: str | None = None) -> list[str]:
+    """`vlaforge train` of `recipe` (default recipes/KIND.toml) on the kind's folder (`policy_folder`, with its
+    `folder_options`) and a fake LeRobot dataset written to `data`, with no warmup, progress bar or TensorBoard: what
+    every fine-tune test starts from."""
+    from fake_lerobot import write_dataset
+
+    out = policy_folder(kind, root)
+    write_dataset(data)
+    return ["train", recipe or f"recipes/{kind}.toml", f"--model.lerobot.pretrained={out / 'policy'}",
+            *(f"--model.lerobot.{k}={v}" for k, v in folder_options(out).items()), f"--data.path={data}", *QUIET]
+
+
+def trained(run: Path, step: int) -> dict[str, torch.Tensor]:
+    """A run's weights at `step` (its checkpoints/step_* model.safetensors)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run) / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two state dicts over `a`'s names."""
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
 def _digest(kind: str, inputs: dict[str, torch.Tensor], tasks: list[str]) -> str:
     h = hashlib.sha256(json.dumps([kind, list(tasks)]).encode())
     for name in sorted(inputs):

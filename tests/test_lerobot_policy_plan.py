@@ -104,15 +104,9 @@ def test_the_24gb_recipe_is_the_planners_choice():
 def test_the_24gb_recipe_trains_a_pi05_folder(session_root, tmp_path):
     """recipes/pi05_24gb.toml (DeepSpeed ZeRO-3, CPU offload, bf16, joint layers checkpointed) trains a tiny pi0.5
     folder LeRobot wrote for a step."""
-    from fake_lerobot import write_dataset
-
     pytest.importorskip("deepspeed")
-    out = ref061.policy_folder("pi05", session_root)
-    write_dataset(tmp_path / "ds")
-    done = run_cli("train", "recipes/pi05_24gb.toml", f"--model.lerobot.pretrained={out / 'policy'}",
-                   *(f"--model.lerobot.{k}={v}" for k, v in ref061.folder_options(out).items()),
-                   f"--data.path={tmp_path / 'ds'}",
-                   "--train.batch_size=2", "--train.steps=1", "--train.warmup_steps=0", "--train.progress=false",
-                   "--train.tensorboard=false", f"--train.output_dir={tmp_path / 'run'}", timeout=300)
+    args = ref061.train_args("pi05", session_root, tmp_path / "ds", recipe="recipes/pi05_24gb.toml")
+    done = run_cli(*args, "--train.batch_size=2", "--train.steps=1", f"--train.output_dir={tmp_path / 'run'}",
+                   timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "run" / "checkpoints" / "step_00000001" / "model.safetensors").is_file()

@@ -26,6 +26,13 @@ def session_root(tmp_path_factory) -> Path:
     return ref061.session_root(tmp_path_factory)
 
 
+def _run(args: list[str], out: Path, *extra: str) -> Path:
+    """`vlaforge train ARGS EXTRA` into `out` in its own process; asserts it exits 0."""
+    done = run_cli(*args, *extra, f"--train.output_dir={out}", timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
 def _step(kind: str, root: Path, strategies: dict[str, str], precisions: dict[str, str] | None = None,
           master: str = "fp32", seen: list | None = None) -> tuple[float, dict, int]:
     """(loss, gradients, bytes kept for backward) of one training forward at LeRobot's reference inputs (fixed noise
@@ -160,23 +167,17 @@ def test_a_lora_bf16_fine_tune_writes_back_a_merged_lerobot_folder(session_root,
     adapters."""
     from safetensors.torch import load_file
 
-    from fake_lerobot import write_dataset
-
-    out = ref061.policy_folder("smolvla", session_root)
-    write_dataset(tmp_path / "ds")
-    run = tmp_path / "run"
-    done = run_cli("train", "recipes/smolvla.toml", f"--model.lerobot.pretrained={out / 'policy'}",
-                   f"--data.path={tmp_path / 'ds'}", "--train.batch_size=2", "--train.warmup_steps=0",
-                   "--train.progress=false", "--train.tensorboard=false", "--train.steps=2",
-                   "--components.action_head.lora.targets=lerobot", "--components.action_head.lora.rank=4",
-                   "--components.llm.precision=bf16", "--components.action_head.precision=bf16",
-                   "--components.llm.checkpointing=full", f"--train.output_dir={run}", timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    args = ref061.train_args("smolvla", session_root, tmp_path / "ds")
+    run = _run(args, tmp_path / "run", "--train.batch_size=2", "--train.steps=2",
+               "--components.action_head.lora.targets=lerobot", "--components.action_head.lora.rank=4",
+               "--components.llm.precision=bf16", "--components.action_head.precision=bf16",
+               "--components.llm.checkpointing=full")
     done = run_cli("export", str(run), "--format=lerobot", f"--out={tmp_path / 'back'}", timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    out = ref061.policy_folder("smolvla", session_root)
     source = load_file(str(out / "policy" / "model.safetensors"))
     back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    ckpt = load_file(str(run / "checkpoints" / "step_00000002" / "model.safetensors"))
+    ckpt = ref061.trained(run, 2)
     assert back.keys() == source.keys() - {k for k in source if "lm_expert.lm_head" in k}
     changed = sorted(k for k in back if not torch.equal(back[k], source[k]))
     assert len(changed) == sum(k.endswith("lora_A.default.weight") for k in ckpt), changed  # the adapted, only
@@ -200,10 +201,9 @@ def test_pi05_fine_tunes_with_its_state_prompt_in_training_and_serving(session_r
     from vlaforge.models.build import build_vla
     from vlaforge.models.policies.processors import LANG_MASK, LANG_TOKENS
 
-    from fake_lerobot import write_dataset
 
+    args = ref061.train_args("pi05", session_root, tmp_path / "ds")
     out = ref061.policy_folder("pi05", session_root)
-    write_dataset(tmp_path / "ds")
     lerobot = {"pretrained": str(out / "policy"), **ref061.folder_options(out)}
     cfg, _ = resolve_shapes(load_config("recipes/pi05.toml", {"model": {"lerobot": lerobot},
                                                               "data": {"path": str(tmp_path / "ds")}}))
@@ -227,12 +227,7 @@ def test_pi05_fine_tunes_with_its_state_prompt_in_training_and_serving(session_r
         prompts.add(tuple(ids))
     assert len(prompts) == 3  # the state's bins differ from frame to frame
 
-    run = tmp_path / "run"
-    done = run_cli("train", "recipes/pi05.toml", *(f"--model.lerobot.{k}={v}" for k, v in lerobot.items()),
-                   f"--data.path={tmp_path / 'ds'}", "--train.batch_size=2", "--train.grad_accum=1",
-                   "--train.steps=1", "--train.warmup_steps=0", "--train.progress=false", "--train.tensorboard=false",
-                   f"--train.output_dir={run}", timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run = _run(args, tmp_path / "run", "--train.batch_size=2", "--train.grad_accum=1", "--train.steps=1")
     runtime = PolicyRuntime.load(run, device="cpu")
     spec = runtime.spec
     images = {c: np.zeros((32, 32, 3), np.uint8) for c in runtime.cameras}
@@ -251,17 +246,11 @@ def test_two_lora_fine_tunes_of_a_policy_serve_side_by_side(session_root, tmp_pa
 
     from vlaforge.inference.runtime import Observation, PolicyRuntime
 
-    from fake_lerobot import write_dataset
-
-    out = ref061.policy_folder("smolvla", session_root)
-    write_dataset(tmp_path / "ds")
+    args = ref061.train_args("smolvla", session_root, tmp_path / "ds")
     for name, seed in (("a", 0), ("b", 3)):
-        done = run_cli("train", "recipes/smolvla.toml", f"--model.lerobot.pretrained={out / 'policy'}",
-                       f"--data.path={tmp_path / 'ds'}", "--train.batch_size=2", "--train.steps=2",
-                       "--train.warmup_steps=0", "--train.progress=false", "--train.tensorboard=false",
-                       "--components.action_head.lora.targets=lerobot", "--components.action_head.lora.rank=4",
-                       f"--train.seed={seed}", f"--train.output_dir={tmp_path / name}", timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
+        _run(args, tmp_path / name, "--train.batch_size=2", "--train.steps=2",
+             "--components.action_head.lora.targets=lerobot", "--components.action_head.lora.rank=4",
+             f"--train.seed={seed}")
     both = PolicyRuntime.load(tmp_path / "a", device="cpu", adapters={"b": tmp_path / "b"})  # "a": its own
     images = {c: np.zeros((32, 32, 3), np.uint8) for c in both.cameras}
     state = np.zeros(len(both.spec.state_mean), np.float32)
@@ -279,24 +268,14 @@ def test_two_lora_fine_tunes_of_a_policy_serve_side_by_side(session_root, tmp_pa
 def test_a_checkpointed_policy_trains_to_the_same_weights(session_root, tmp_path):
     """Through the trainer: two steps of SmolVLA with its joint layers and tower checkpointed end on the same weights
     as without (fp32, the same seed: the same noise, times and batches)."""
-    from safetensors.torch import load_file
-
-    from fake_lerobot import write_dataset
-
-    out = ref061.policy_folder("smolvla", session_root)
-    write_dataset(tmp_path / "ds")
-    base = ["train", "recipes/smolvla.toml", f"--model.lerobot.pretrained={out / 'policy'}",
-            f"--data.path={tmp_path / 'ds'}", "--train.batch_size=2", "--train.warmup_steps=0",
-            "--train.progress=false", "--train.tensorboard=false", "--components.llm.trainable=true", "--train.steps=2",
-            "--train.checkpoint_every=2"]
+    args = ref061.train_args("smolvla", session_root, tmp_path / "ds") + [
+        "--train.batch_size=2", "--components.llm.trainable=true", "--train.steps=2", "--train.checkpoint_every=2"]
     weights = {}
     for name, extra in (("plain", []), ("checkpointed", ["--components.llm.checkpointing=full",
                                                          "--components.vision.checkpointing=full"])):
-        done = run_cli(*base, *extra, f"--train.output_dir={tmp_path / name}", timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        weights[name] = load_file(str(tmp_path / name / "checkpoints" / "step_00000002" / "model.safetensors"))
+        weights[name] = ref061.trained(_run(args, tmp_path / name, *extra), 2)
     assert weights["plain"].keys() == weights["checkpointed"].keys()
-    worst = max(float((weights["plain"][k] - weights["checkpointed"][k]).abs().max()) for k in weights["plain"])
+    worst = ref061.max_diff(weights["plain"], weights["checkpointed"])
     assert worst <= 1e-6, worst
 
 
@@ -307,21 +286,15 @@ def test_staged_unfreezing_and_resume_on_a_policy(session_root, tmp_path):
     of three straight steps, bit for bit (the step's noise seed is drawn from the restored generator)."""
     from safetensors.torch import load_file
 
-    from fake_lerobot import write_dataset
-
-    out = ref061.policy_folder("smolvla", session_root)
-    write_dataset(tmp_path / "ds")
-    base = ["train", "recipes/smolvla.toml", f"--model.lerobot.pretrained={out / 'policy'}",
-            f"--data.path={tmp_path / 'ds'}", "--train.batch_size=2", "--train.warmup_steps=0",
-            "--train.progress=false", "--train.tensorboard=false", "--components.llm.unfreeze_at_step=1",
-            "--components.llm.unfreeze_last_blocks=1", "--components.llm.lr=1e-3", "--train.lr_schedule=constant"]
+    args = ref061.train_args("smolvla", session_root, tmp_path / "ds") + [
+        "--train.batch_size=2", "--components.llm.unfreeze_at_step=1", "--components.llm.unfreeze_last_blocks=1",
+        "--components.llm.lr=1e-3", "--train.lr_schedule=constant"]
     for name, extra in (("straight", ["--train.steps=3"]), ("resumed", ["--train.steps=2"]),
                         ("resumed", ["--train.steps=3", "--train.resume=latest"])):
-        done = run_cli(*base, *extra, f"--train.output_dir={tmp_path / name}", timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-    straight, resumed = (load_file(str(tmp_path / n / "checkpoints" / "step_00000003" / "model.safetensors"))
-                         for n in ("straight", "resumed"))
+        _run(args, tmp_path / name, *extra)
+    straight, resumed = (ref061.trained(tmp_path / n, 3) for n in ("straight", "resumed"))
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    out = ref061.policy_folder("smolvla", session_root)
     source = load_file(str(out / "policy" / "model.safetensors"))
     last = int(json.loads((out / "policy" / "config.json").read_text())["num_vlm_layers"]) - 1
     text = {k: "model.vlm_with_expert.vlm.model.text_model." + k.removeprefix("llm.model.") for k in straight
@@ -337,55 +310,36 @@ def test_accumulated_micro_batches_give_the_large_batch_step(kind, session_root,
     any micro-batch."""
     from safetensors.torch import load_file
 
-    from fake_lerobot import write_dataset
-
-    out = ref061.policy_folder(kind, session_root)
-    write_dataset(tmp_path / "ds")
-    base = ["train", f"recipes/{kind}.toml", f"--model.lerobot.pretrained={out / 'policy'}",
-            *(f"--model.lerobot.{k}={v}" for k, v in ref061.folder_options(out).items()),
-            f"--data.path={tmp_path / 'ds'}",
-            "--train.warmup_steps=0", "--train.progress=false", "--train.tensorboard=false", "--train.steps=2",
-            "--train.checkpoint_every=2"]
+    args = ref061.train_args(kind, session_root, tmp_path / "ds") + ["--train.steps=2", "--train.checkpoint_every=2"]
     weights = {}
     for name, extra in (("large", ["--train.batch_size=4", "--train.grad_accum=1"]),
                         ("accumulated", ["--train.batch_size=2", "--train.grad_accum=2"]),
                         ("checkpointed", ["--train.batch_size=2", "--train.grad_accum=2",
                                           "--components.llm.checkpointing=full"])):
-        done = run_cli(*base, *extra, f"--train.output_dir={tmp_path / name}", timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        weights[name] = load_file(str(tmp_path / name / "checkpoints" / "step_00000002" / "model.safetensors"))
-    start = load_file(str(out / "policy" / "model.safetensors"))
+        weights[name] = ref061.trained(_run(args, tmp_path / name, *extra), 2)
+    start = load_file(str(ref061.policy_folder(kind, session_root) / "policy" / "model.safetensors"))
     assert not torch.equal(weights["large"]["action_head.action_in_proj.weight"],
                            start["model.action_in_proj.weight"])  # it trained
     for name in ("accumulated", "checkpointed"):
-        worst = max(float((weights["large"][k] - weights[name][k]).abs().max()) for k in weights["large"])
+        worst = ref061.max_diff(weights["large"], weights[name])
         assert worst <= 2e-6, (name, worst)
 
 
 @pytest.mark.distributed
 def test_a_policy_over_two_ranks_steps_as_one_process(session_root, tmp_path):
-    """SmolVLA over two gloo ranks of 2 samples, FSDP2 (the whole policy one unit: gradients and optimizer states
-    sharded) and DDP, end two steps on the weights of one process of 4 samples: each rank draws its samples' noise
-    and times from the same step seed (every rank's generator starts from `train.seed`)."""
-    from safetensors.torch import load_file
-
-    from fake_lerobot import write_dataset
+    """SmolVLA over two gloo ranks of 2 samples, FSDP2 (each joint layer one unit: parameters, gradients and optimizer
+    states sharded) and DDP, end two steps on the weights of one process of 4 samples: each rank draws its samples'
+    noise and times from the same step seed (every rank's generator starts from `train.seed`)."""
     from launch import torchrun
 
-    out = ref061.policy_folder("smolvla", session_root)
-    write_dataset(tmp_path / "ds")
-    base = ["train", "recipes/smolvla.toml", f"--model.lerobot.pretrained={out / 'policy'}",
-            f"--data.path={tmp_path / 'ds'}", "--train.warmup_steps=0", "--train.progress=false",
-            "--train.tensorboard=false", "--components.llm.trainable=true", "--train.steps=2",
-            "--train.checkpoint_every=2"]
-    done = run_cli(*base, "--train.batch_size=4", f"--train.output_dir={tmp_path / 'one'}", timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    one = load_file(str(tmp_path / "one" / "checkpoints" / "step_00000002" / "model.safetensors"))
+    args = ref061.train_args("smolvla", session_root, tmp_path / "ds") + [
+        "--components.llm.trainable=true", "--train.steps=2", "--train.checkpoint_every=2"]
+    one = ref061.trained(_run(args, tmp_path / "one", "--train.batch_size=4"), 2)
     ddp = ["--parallel.backend=ddp", "--parallel.dp_replicate=2", "--parallel.dp_shard=1"]
     for name, extra in (("fsdp2", []), ("ddp", ddp)):
-        done = torchrun(*base, "--train.batch_size=2", *extra, f"--train.output_dir={tmp_path / name}")
+        done = torchrun(*args, "--train.batch_size=2", *extra, f"--train.output_dir={tmp_path / name}")
         assert done.returncode == 0, done.stderr[-3000:]
-        two = load_file(str(tmp_path / name / "checkpoints" / "step_00000002" / "model.safetensors"))
+        two = ref061.trained(tmp_path / name, 2)
         assert two.keys() == one.keys()
         diffs = sorted(((float((two[k] - one[k]).abs().max()), k) for k in one), reverse=True)
         assert diffs[0][0] <= 2e-6, (name, diffs[:6])
@@ -398,27 +352,17 @@ def test_deepspeed_zero3_with_cpu_offload_steps_a_policy_as_one_process(session_
     'cpu'`; what fits pi0.5 on one 24 GB GPU, docs/whitepaper.md) and its joint layers checkpointed: ZeRO-3 gathers
     each sub-layer's parameters around its own forward, which the joint layers call; two steps end on the weights of
     the plain one-process run."""
-    from safetensors.torch import load_file
-
-    from fake_lerobot import write_dataset
-
     pytest.importorskip("deepspeed")
-    out = ref061.policy_folder("smolvla", session_root)
-    write_dataset(tmp_path / "ds")
-    base = ["train", "recipes/smolvla.toml", f"--model.lerobot.pretrained={out / 'policy'}",
-            f"--data.path={tmp_path / 'ds'}", "--train.batch_size=2", "--train.warmup_steps=0",
-            "--train.progress=false", "--train.tensorboard=false", "--components.llm.trainable=true", "--train.steps=2",
-            "--train.checkpoint_every=2"]
+    args = ref061.train_args("smolvla", session_root, tmp_path / "ds") + [
+        "--train.batch_size=2", "--components.llm.trainable=true", "--train.steps=2", "--train.checkpoint_every=2"]
     weights = {}
     for name, extra in (("plain", []), ("zero3", ["--parallel.backend=deepspeed", "--parallel.zero_stage=3",
                                                   "--parallel.offload_optimizer=cpu",
                                                   "--components.llm.checkpointing=full"])):
-        done = run_cli(*base, *extra, f"--train.output_dir={tmp_path / name}", timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        weights[name] = load_file(str(tmp_path / name / "checkpoints" / "step_00000002" / "model.safetensors"))
+        weights[name] = ref061.trained(_run(args, tmp_path / name, *extra), 2)
     plain = weights["plain"]
     assert weights["zero3"].keys() == plain.keys()
-    worst = max(float((weights["zero3"][k] - plain[k]).abs().max()) for k in plain)
+    worst = ref061.max_diff(plain, weights["zero3"])
     assert worst <= 1e-5, worst  # measured 1.8e-6: ZeRO's reductions sum in another order
 
 

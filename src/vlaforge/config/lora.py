@@ -49,9 +49,8 @@ class LoraConfig(Section):
         return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
 
 
-# The folders that give each component pretrained weights (an assembled model's action head has none: only
-# train.init_from).
-# A LeRobot policy folder (`model.lerobot`) gives every component its weights.
+# The folders that give each component pretrained weights: a LeRobot policy folder (`model.lerobot`) gives every
+# component its weights; an assembled model's action head has none (only train.init_from).
 PRETRAINED_FIELDS = {"vision": ("vision", "vlm", "lerobot"), "projector": ("vlm", "lerobot"),
                      "llm": ("llm", "vlm", "lerobot"), "action_head": ("lerobot",)}
 

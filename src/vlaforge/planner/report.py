@@ -216,8 +216,6 @@ def whitepaper(path: str | Path, global_batch: int = 256, assume: Assumptions = 
     return path
 
 
-
-
 def family_clusters(catalog=None) -> list[Cluster]:
     from vlaforge.planner.hardware import get_gpu
 
@@ -244,20 +242,24 @@ def _families_section(assume: Assumptions, models=FAMILY_MODELS) -> list[str]:
     return lines + [""]
 
 
-def _fit_row(lead: str, cluster: Cluster, plan, why: bool) -> str:
+def _fit_row(lead: str, cluster: Cluster, plan, why: bool, fallback: str | None = None) -> str:
     """One row of a what-fits table: `lead` (the model or setup) and the cluster, then the plan's best candidate
     (layout, policy, micro x accum, GB per GPU, step s, tokens/s) or the smallest misfit's need; `why`: a last column
-    with the plan's first two explanations (nothing fits: its alternatives)."""
-    b = plan.best
-    if b is None:
-        m = plan.best_misfit
-        cells = [lead, cluster.describe(), "no", "—", "—", "—", f"{m.memory['total']:.1f} needed" if m else "—", "—",
-                 "—"]
+    with the plan's first two explanations (nothing fits: its alternatives). `fallback`: the alternative
+    (`search.ALTERNATIVES`) shown, marked in the layout, when nothing else fits; it adds a CPU GB column."""
+    b = plan.best or (plan.alternatives.get(fallback) if fallback else None)
+    cpu = [] if fallback is None else ["—"]
+    if b is None or not b.fits:
+        m = plan.best_misfit or b
+        cells = [lead, cluster.describe(), "no", "—", "—", "—", f"{m.memory['total']:.1f} needed" if m else "—",
+                 *cpu, "—", "—"]
         alts = "; ".join(x for x in plan.explanations if x.startswith("alternative"))
         cells += [alts or "no alternative fits"] if why else []
     else:
-        cells = [lead, cluster.describe(), "yes", _short(b), _policy(b, plan.with_blocks),
-                 f"{b.config.train.batch_size} × {b.config.train.grad_accum}", f"{b.memory['total']:.1f}",
+        layout = _short(b) + (" zero3 cpu" if b is not plan.best else "")
+        cpu = [] if fallback is None else [f"{b.memory.get('cpu', 0.0):.1f}"]
+        cells = [lead, cluster.describe(), "yes", layout, _policy(b, plan.with_blocks),
+                 f"{b.config.train.batch_size} × {b.config.train.grad_accum}", f"{b.memory['total']:.1f}", *cpu,
                  f"{b.step_time_s:.2f}", f"{b.tokens_per_s:,.0f}"]
         cells += ["; ".join(plan.explanations[:2])] if why else []
     return "| " + " | ".join(cells) + " |"
@@ -298,18 +300,8 @@ def policy_section(assume: Assumptions, flavor: str = "pi05") -> list[str]:
     for setup, comps in POLICY_SETUPS.items():
         pm = PlanModel(load_config(None, {"model": {"flavor": flavor}, "components": comps}))
         for cluster in lora_clusters():
-            plan = search(pm, cluster, POLICY_GLOBAL_BATCH, assume=assume, keep=1)
-            best = plan.best or plan.alternatives.get(OFFLOAD)
-            if best is None or not best.fits:
-                need = plan.best_misfit or best
-                needed = "—" if need is None else f"{need.memory['total']:.1f} needed"
-                lines.append(f"| {setup} | {cluster.describe()} | no | — | — | — | {needed} | — | — | — |")
-                continue
-            layout = _short(best) + (" zero3 cpu" if best is not plan.best else "")
-            lines.append(f"| {setup} | {cluster.describe()} | yes | {layout} | {_policy(best, plan.with_blocks)} | "
-                         f"{best.config.train.batch_size} × {best.config.train.grad_accum} | "
-                         f"{best.memory['total']:.1f} | {best.memory.get('cpu', 0.0):.1f} | {best.step_time_s:.2f} | "
-                         f"{best.tokens_per_s:,.0f} |")
+            lines.append(_fit_row(setup, cluster, search(pm, cluster, POLICY_GLOBAL_BATCH, assume=assume, keep=1),
+                                  why=False, fallback=OFFLOAD))
     return lines + [""]
 
 

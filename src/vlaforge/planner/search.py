@@ -155,7 +155,7 @@ def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, 
                 continue
             try:
                 alt = search(pm, cluster, global_batch, {**fixed, **extra}, assume, keep=1, alternatives=False)
-            except VlaforgeError:  # a fallback the model refuses (DeepSpeed for a LeRobot policy): not offered
+            except VlaforgeError:  # a fallback the config refuses (DeepSpeed beside LoRA): not offered
                 continue
             if alt.best is not None or alt.best_misfit is not None:
                 plan.alternatives[name] = alt.best or alt.best_misfit
@@ -193,9 +193,8 @@ def _configs(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str
     base = pm.cfg.model_dump()
     world = World(rank=0, local_rank=0, size=cluster.gpus)
     knobs = _knobs(cluster, lora_rank, policy=pm.measured is not None and pm.measured.policy)
-    low = "bf16"
-    defaults = {"components.vision.precision": low, "components.projector.precision": low,
-                "components.action_head.precision": low}
+    defaults = {"components.vision.precision": "bf16", "components.projector.precision": "bf16",
+                "components.action_head.precision": "bf16"}
     defaults = {k: v for k, v in defaults.items() if k not in fixed}
     for layout in _layouts(cluster, fixed):
         if layout["parallel.cp"] == 1 and "parallel.cp_method" in fixed:  # no method choice without cp

@@ -199,6 +199,14 @@ def train_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
                                               guards or StepGuards())
 
 
+def begin_step(model: nn.Module) -> None:
+    """Once per optimizer step, before its micro-batches: a model whose step draws its randomness once, for every
+    micro-batch (a LeRobot policy's `begin_step`), draws it here."""
+    begin = getattr(model, "begin_step", None)
+    if begin is not None:
+        begin()
+
+
 def local_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.optim.Optimizer, scheduler, weighting,
                grad_clip: float, guards: StepGuards, pipeline: "Pipeline | None" = None) -> dict[str, torch.Tensor]:
     """Accumulate gradients over `micro_batches` (loss averaged over them), unscale, clip, step. No device value is
@@ -209,9 +217,7 @@ def local_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
     """
     scaler, reducer = guards.scaler, guards.reducer
     optimizer.zero_grad(set_to_none=True)
-    begin = getattr(model, "begin_step", None)
-    if begin is not None:  # a model whose step draws its randomness once, for every micro-batch (a LeRobot policy)
-        begin()
+    begin_step(model)
     denominators = loss_denominators(model, micro_batches, reducer)
     if pipeline is not None:  # the schedule runs every micro-batch and syncs gradients after the last
         sums = pipeline.run(micro_batches, weighting, scaler, denominators)
@@ -293,9 +299,7 @@ def deepspeed_step(engine, micro_batches: list[Batch], weighting, reducer) -> di
     numerics monitor need the gradients, which ZeRO keeps in its partitions: only the total norm is reported."""
     model = engine.module
     n = len(micro_batches)
-    begin = getattr(model, "begin_step", None)
-    if begin is not None:  # as `local_step`: the step's randomness drawn once, for every micro-batch
-        begin()
+    begin_step(model)
     denominators = loss_denominators(model, micro_batches, reducer)
     sums: dict[str, torch.Tensor] = {}
     for batch in micro_batches:
