@@ -21,8 +21,10 @@ steps 2..N (step 1 is a warm-up; its loss, before any update, is the one compare
 (interpreter and libraries) and once ready, and the process's lifetime peak (ru_maxrss).
 Prediction, batch 1: one action chunk, 10 denoising steps, the prefix computed once - LeRobot's
 `predict_action_chunk` (what `select_action` runs when its queue is empty) against vlaforge's
-`PolicyVLA.sample_actions` (and `PolicyRuntime.predict`, pre- and postprocessing of uint8 frames included); one
-warm-up call, the median of --runs; the actions are compared with LeRobot's float32 ones.
+`PolicyVLA.sample_actions` (and `PolicyRuntime.predict`, pre- and postprocessing of uint8 frames included) and the
+graphs `vlaforge export --format onnx` packages (vision, prefix keys / values, denoising step) in ONNX Runtime; one
+warm-up call, the median of --runs; the actions are compared with LeRobot's float32 ones. `--predict-only` leaves
+the training rows out.
 Timings on a shared machine: before each process the driver waits (up to --quiet-wait s) until other processes use
 under a tenth of a core, and each row carries `others_cpu_s`, the CPU time other processes took while it ran.
 
@@ -263,7 +265,7 @@ def summary(kind: str, row: dict) -> dict:
     out["losses_within_tolerance"] = bool(losses) and all(losses)
     lat = row["latency"]
     fastest = [r for r in lat["lerobot"] if r.get("setting") == lat["ratios"].get("lerobot_fastest")]
-    paths = {n: r for n, r in lat["vlaforge"].items() if n.startswith("sample_actions") and "median_ms" in r}
+    paths = {n: r for n, r in lat["vlaforge"].items() if n.startswith(("sample_actions", "onnx")) and "median_ms" in r}
     if fastest and paths:
         ours = min(paths, key=lambda n: paths[n]["median_ms"])
         ratio = fastest[0]["median_ms"] / paths[ours]["median_ms"]
@@ -285,10 +287,10 @@ def measure_kind(kind: str, args) -> dict:
     train_in = write_inputs(work / f"train_b{args.batch}.safetensors", args.batch, args.quick)
     predict_in = write_inputs(work / "predict_b1.safetensors", 1, args.quick, seed=1)
     row = {"built": built, "lerobot": {}, "vlaforge": {}}
-    for setting in LEROBOT_TRAIN[kind][:1] if args.quick else LEROBOT_TRAIN[kind]:
+    for setting in [] if args.predict_only else LEROBOT_TRAIN[kind][:1] if args.quick else LEROBOT_TRAIN[kind]:
         row["lerobot"][setting] = with_step_time(run_lerobot("train", str(folder / "policy"), str(train_in), setting,
                                                              str(args.steps), args=args))
-    for name in args.variants:
+    for name in [] if args.predict_only else args.variants:
         row["vlaforge"][name] = with_step_time(run_vlaforge("train", "--folder", str(folder), "--kind", kind,
                                                             "--inputs", str(train_in), "--variant", name,
                                                             "--steps", str(args.steps), args=args))
@@ -316,6 +318,7 @@ def main() -> None:
                     + ", ".join(VARIANTS))
     ap.add_argument("--pi-depth", type=int, default=2, help="Gemma layers of pi0 / pi0.5 (published: 18)")
     ap.add_argument("--pi-vision-layers", type=int, default=3, help="SigLIP layers of pi0 / pi0.5 (published: 27)")
+    ap.add_argument("--predict-only", action="store_true", help="only the prediction latencies")
     ap.add_argument("--quiet-wait", type=float, default=60, help="seconds to wait for a quiet machine per process")
     ap.add_argument("--quick", action="store_true", help="the test suite's tiny folders, LeRobot's first setting, two "
                     "vlaforge variants, the kinds side by side (a check of the bench, not a measurement)")

@@ -8,7 +8,8 @@ FILE the batch bench_policy.py reads too (tests/lerobot_env061/bench_policy.py: 
 train: the kind's recipe (recipes/KIND.toml: LeRobot's fine-tuning defaults, what trains) with the variant's
 techniques, built by the trainer's `build_model` (`apply_techniques`), `apply_freezing` at step 0 and the trainer's
 `build_optimizer`; a variant the config refuses is a row with its one-line message. predict: `sample_actions` (10
-steps, the prefix's keys and values computed once) in fp32 and bf16, and `PolicyRuntime.predict` the same way.
+steps, the prefix's keys and values computed once) in fp32 and bf16, `PolicyRuntime.predict` the same way, and the
+ONNX graphs of a policy package (`onnx_predict`).
 Prints one JSON line.
 """
 
@@ -124,7 +125,7 @@ def predict(args) -> dict:
     frames = {k.removeprefix("observation.images."): (v[0].permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
               for k, v in raw.items() if k.startswith("observation.images.")}
     obs = Observation(frames, raw["observation.state"][0].numpy(), tasks[0])
-    out = {}
+    out = {"onnx_fp32": onnx_predict(model, batch, noise, args)}  # first: the bf16 rows round the weights
     for name in PREDICT_DTYPES:
         dtype = torch.float32 if name == "fp32" else torch.bfloat16
         model.to(dtype)
@@ -137,6 +138,54 @@ def predict(args) -> dict:
         row, _ = timed(lambda rt=runtime: rt.predict(obs, noise=np.asarray(noise[0])), args.runs)
         out[f"runtime_{name}"] = row
     return out
+
+
+def onnx_predict(model, batch: dict, noise: torch.Tensor, args) -> dict:
+    """The chunk through the ONNX graphs `vlaforge export` packages for a policy (export/policy.py: vision, prefix
+    K/V, denoising step) in ONNX Runtime, integrated by the package runtime's own code (`PackageRegions`): export
+    seconds, then the median of --runs of vision + prefix + 10 steps on the prepared images at the pinned noise; its
+    largest difference to `sample_actions` fp32's actions."""
+    import shutil
+    import tempfile
+
+    from vlaforge.export import onnx as onnx_export
+    from vlaforge.export import policy as lerobot_policy
+    from vlaforge.export.common import Region
+    from vlaforge.inference.packages import GRAPHS, OrtGraph, PackageRegions
+
+    x = model.prepare(batch, with_actions=False)
+    pixels = torch.cat(x.images)  # one row per camera
+    ids, mask, state = x.tokens, x.token_mask.long(), batch["observation.state"].float()
+    with torch.inference_mode():
+        tokens = model.encode_frames(pixels).reshape(1, -1, model.llm.config.hidden_size)
+        reference = model.sample_actions(model.token_inputs(tokens, ids, mask, state), noise, steps=10,
+                                         image_tokens=tokens)[:, :, :model.spec.action_dim]
+    two = lambda t: torch.cat([t, t])  # traced at batch 2 (a dynamic dimension traced at 1 is specialized)
+    examples = lerobot_policy.example_inputs(model, {"pixels": pixels, "tokens": two(tokens), "ids": two(ids),
+                                                     "mask": two(mask), "state": two(state)})
+    folder = Path(tempfile.mkdtemp(prefix="onnx_", dir=args.folder / "bench"))
+    try:
+        t0 = time.perf_counter()
+        regions = lerobot_policy.regions()
+        for name, (inputs, outputs) in GRAPHS["flow_matching_kv"].items():
+            onnx_export.export_graph(Region(model, regions[name]), inputs, outputs, examples, folder / f"{name}.onnx")
+        export_s = time.perf_counter() - t0
+        manifest = {"dtype": "fp32", "action_head": lerobot_policy.head_entry(model) | {"flow_steps": 10},
+                    "observation": {"instruction_tokens": ids.shape[1]}, "tokenizer": {"pad_id": 0}}
+        package = PackageRegions(folder, manifest, {n: OrtGraph(folder / f"{n}.onnx", "cpu")
+                                                    for n in GRAPHS["flow_matching_kv"]})
+
+        def chunk():
+            feed = {"tokens": package.encode_frames(pixels).reshape(1, -1, tokens.shape[-1]).numpy(),
+                    "ids": ids.numpy(), "mask": mask.numpy(), "state": state.numpy()}
+            return package.policy_actions(feed, noise)
+
+        row, actions = timed(chunk, args.runs)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {**row, "export_s": round(export_s, 1),
+            "max_abs_diff_to_sample_actions_fp32": float((actions - reference).abs().max()),
+            "actions": actions.flatten().tolist()}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -167,17 +167,23 @@ def lerobot_config(folder: str | Path, lerobot: dict | None = None):
                                                "action_dim": action_dim}})
 
 
-def refuse_lerobot_policy(path: str | Path, verb: str) -> None:
-    """`verb` (a package export, quantization) is not built for LeRobot policies yet (`--format lerobot` is): one
-    line before anything runs.
+def refuse_lerobot_policy(path: str | Path, verb: str, runs: bool = True) -> None:
+    """`verb` (a package export, quantization) is not built for LeRobot policies (`--format lerobot` is; `--format
+    onnx` is for runs fine-tuned from one: `runs` False): one line before anything runs.
 
     Raises:
-        VlaforgeError: `path` is a LeRobot policy folder or a run fine-tuned from one.
+        VlaforgeError: `path` is a LeRobot policy folder, or (`runs`) a run fine-tuned from one.
     """
     from vlaforge.models.policies.reader import is_lerobot_folder
 
     if is_lerobot_folder(path):
+        if not runs:
+            raise VlaforgeError(f"{verb} of a LeRobot policy folder is not built (its observations go through "
+                                "LeRobot's processor pipelines, not a package's contract); export a run fine-tuned "
+                                "from it (vlaforge train with model.lerobot.pretrained), or serve the folder as it is")
         hit = True
+    elif not runs:
+        return
     else:
         try:
             hit = bool(saved_config(resolve_checkpoint(str(path), ".", what="CHECKPOINT")).model.lerobot.pretrained)
@@ -186,4 +192,5 @@ def refuse_lerobot_policy(path: str | Path, verb: str) -> None:
     if hit:
         raise VlaforgeError(f"{verb} of a LeRobot policy (SmolVLA, pi0, pi0.5) is not built yet; `vlaforge serve` "
                             "and `vlaforge eval` run it as it is, `vlaforge export --format lerobot` writes it as a "
-                            "LeRobot folder")
+                            "LeRobot folder" + (", --format onnx a package of a run fine-tuned from it"
+                                                if "export" in verb else ""))

@@ -68,8 +68,8 @@ class TextTokenizer:
         return self.tok.get_vocab_size() if hasattr(self.tok, "get_vocab_size") else len(self.tok)
 
     def ids(self, text: str) -> list[int]:
-        if hasattr(self.tok, "get_vocab_size"):
-            out = self.tok.encode(text).ids
+        if hasattr(self.tok, "get_vocab_size"):  # a `tokenizers` file (a package's): its post-processor's specials
+            out = self.tok.encode(text + self.suffix).ids
         else:
             out = self.tok(text + self.suffix, add_special_tokens=self.special)["input_ids"]
         return out + ([self.eos_id] if self.eos_id is not None else [])

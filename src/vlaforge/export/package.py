@@ -14,7 +14,9 @@ Package (a folder):
   `policy.onnx` (tokens (B, F*V*P, D), instruction ids and mask (B, L), normalized state (B, S) -> normalized action
   chunk (B, T, A)); for a flow-matching head the prefix and the denoising step apart: `encoder.onnx` (same inputs ->
   the velocity network's condition (B, T, H)) and `denoise.onnx` (x_t (B, T, A), t (B,), condition -> velocity),
-  integrated by the runtime with `flow_steps` Euler steps (`models.action_heads.euler_sample`). Weights sit in
+  integrated by the runtime with `flow_steps` Euler steps (`models.action_heads.euler_sample`); for a LeRobot
+  policy fine-tuned by vlaforge, `prefix.onnx` (-> every joint layer's keys and values) and `denoise.onnx` taking
+  them (`export/policy.py`). Weights sit in
   `<graph>.onnx.data` beside each graph (ONNX external data: no 2 GB protobuf limit).
 
 The instruction is always `instruction_tokens` long (padded, mask 0): only the batch dimension is dynamic, and it is
@@ -45,6 +47,7 @@ import torch
 
 from vlaforge.errors import VlaforgeError
 from vlaforge.export import executorch, onnx
+from vlaforge.export import policy as lerobot_policy
 from vlaforge.export.common import Region, graph_entry, write_manifest
 from vlaforge.inference.packages import FORMAT, FORMAT_VERSION, GRAPHS, file_sha256, read_manifest
 from vlaforge.outputs import check_replaceable, replace_folder, stamp, write_atomic
@@ -114,6 +117,7 @@ def export_package(checkpoint: str | Path, out: str | Path, *, format: str = "on
     temporary folder beside `out` and renamed when complete; a failure leaves `out` as it was."""
     from vlaforge.checkpoints.layout import resolve_checkpoint
     from vlaforge.inference.runtime import PolicyRuntime
+    from vlaforge.models.blocks import is_policy
 
     if format not in FORMATS:
         raise VlaforgeError(f"--format {format!r} is not one of safetensors, {', '.join(FORMATS)}")
@@ -131,6 +135,9 @@ def export_package(checkpoint: str | Path, out: str | Path, *, format: str = "on
     out = Path(out)
     _check_out(out, ckpt)
     source = PolicyRuntime.load(ckpt, device="cpu", dtype="fp32", cache="none")
+    if format != "onnx" and is_policy(source.model):
+        raise VlaforgeError(f"--format {format} of a LeRobot policy is not built (its lowered programs fail in "
+                            "ExecuTorch's runtime: execute error 0x12); use --format onnx")
     if getattr(source.model, "quantization", None) is not None:
         raise VlaforgeError(f"{ckpt} is a `vlaforge quantize` folder: torchao's quantized tensors do not trace to "
                             "ONNX; export the float run, with --quantized for an int8 package")
@@ -182,6 +189,7 @@ def _write_package(ckpt: Path, tmp: Path, source, format: str, dtype: str, int8:
     from vlaforge import __version__
     from vlaforge.checkpoints.layout import CONFIG_FILE
     from vlaforge.inference.runtime import PolicyRuntime
+    from vlaforge.models.blocks import is_policy
     from vlaforge.models.vision import vision_family
 
     model, spec = source.model, source.spec
@@ -190,11 +198,15 @@ def _write_package(ckpt: Path, tmp: Path, source, format: str, dtype: str, int8:
         raise VlaforgeError(f"vlaforge export: the {tower.name} vision tower sizes its attention windows and sequences "
                             "from the values of its patch grid, which a graph export cannot trace; serve this "
                             "checkpoint with vlaforge serve (PyTorch) instead")
-    kind = "flow_matching" if getattr(model.action_head, "supports_prefix", False) else "regression"
+    policy = is_policy(model)
+    kind = "flow_matching_kv" if policy else "flow_matching" if model.action_head.supports_prefix else "regression"
     t0 = time.perf_counter()
     traced = copy.deepcopy(model).to(DTYPES[dtype]).eval()
     examples = example_inputs(traced, spec, DTYPES[dtype])
-    regions = _regions(traced)
+    if policy:
+        examples, regions = lerobot_policy.example_inputs(traced, examples), lerobot_policy.regions()
+    else:
+        regions = _regions(traced)
     for name, (inputs, outputs) in GRAPHS[kind].items():
         region = Region(traced, regions[name])
         if format == "onnx":
@@ -216,10 +228,12 @@ def _write_package(ckpt: Path, tmp: Path, source, format: str, dtype: str, int8:
             "cameras", "frames", "frame_stride", "image_size", "render_size", "instruction_tokens", "text_tokens",
             "chunk", "state_mean", "state_std", "action_mean", "action_std")},
         "tokenizer": {"file": "tokenizer.json", "sha256": {"tokenizer.json": file_sha256(tmp / "tokenizer.json")},
-                      "pad_id": source.tokenizer.pad_id, "eos_id": source.tokenizer.eos_id},
-        "action_head": {"kind": kind, "chunk": head.chunk, "action_dim": head.action_dim,
-                        **({"flow_steps": head.flow_steps, "integration": "euler from t=1 (noise) to t=0"}
-                           if kind == "flow_matching" else {})},
+                      "pad_id": source.tokenizer.pad_id, "eos_id": source.tokenizer.eos_id,
+                      "style": source.tokenizer.style},
+        "action_head": lerobot_policy.head_entry(model) if policy else {
+            "kind": kind, "chunk": head.chunk, "action_dim": head.action_dim,
+            **({"flow_steps": head.flow_steps, "integration": "euler from t=1 (noise) to t=0"}
+               if kind == "flow_matching" else {})},
         "dynamic_axes": {"batch": "dimension 0 of every input and output"},
         "quantization": None,
         "graphs": {name: graph_entry(tmp, name, FORMATS[format]) for name in GRAPHS[kind]},

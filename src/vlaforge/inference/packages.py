@@ -8,7 +8,9 @@ says.
 Nothing of vlaforge's model code runs: the observation contract and normalization come from `manifest.json`, the
 tokenizer from `tokenizer.json` with the manifest's pad / eos ids, and the graphs from their files, each checked
 against the manifest's sha256, inputs and outputs before the first prediction. A flow-matching package is integrated
-with the manifest's Euler steps by the same function the PyTorch head uses (`models.action_heads.euler_sample`).
+with the manifest's Euler steps by the same function the PyTorch head uses (`models.action_heads.euler_sample`; a
+LeRobot policy's package by the policy's own, `models.policies.model.flow_euler`, over its cached prefix keys and
+values: `export/policy.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ GRAPHS = {
     "flow_matching": {"vision": (["pixels"], ["tokens"]),
                       "encoder": (["tokens", "ids", "mask", "state"], ["condition"]),
                       "denoise": (["x_t", "t", "condition"], ["velocity"])},
+    "flow_matching_kv": {"vision": (["pixels"], ["tokens"]),  # a LeRobot policy's (export/policy.py)
+                         "prefix": (["tokens", "ids", "mask", "state"], ["prefix_kv", "prefix_mask"]),
+                         "denoise": (["x_t", "t", "state", "prefix_kv", "prefix_mask"], ["velocity"])},
 }
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 RUNTIMES = {"onnxruntime": "onnx", "executorch": "executorch"}  # manifest runtime -> PolicyRuntime backend
@@ -139,17 +144,22 @@ def _check_contract(path: Path, m: dict[str, Any]) -> None:
     length, state and action sizes, chunk)."""
     o, g, h = m["observation"], m["graphs"], m["action_head"]
     vision_in, vision_out = g["vision"]["inputs"]["pixels"]["shape"], g["vision"]["outputs"]["tokens"]["shape"]
-    body = g["policy"] if "policy" in g else g["encoder"]
+    body = g.get("policy") or g.get("encoder") or g["prefix"]
     out = g["policy"]["outputs"]["actions"]["shape"] if "policy" in g else g["denoise"]["outputs"]["velocity"]["shape"]
     tokens = len(o["cameras"]) * o["frames"] * vision_out[1]
+    width = h.get("noise_dim", h["action_dim"])  # the integrated width: a policy's padded actions
+    if out[1:] != [h["chunk"], width]:
+        raise VlaforgeError(f"{path}: the action head's chunk x width is {[h['chunk'], width]} but the graphs give "
+                            f"{out[1:]}; {_FIX}")
     checks = [("image_size", o["image_size"], vision_in[2:], [o["image_size"]] * 2),
               ("cameras x frames x patches", tokens, body["inputs"]["tokens"]["shape"][1], tokens),
               ("instruction_tokens", o["instruction_tokens"], body["inputs"]["ids"]["shape"][1],
                o["instruction_tokens"]),
               ("state size", len(o["state_mean"]), body["inputs"]["state"]["shape"][1], len(o["state_mean"])),
-              ("chunk x action size", [o["chunk"], len(o["action_mean"])], out[1:], [h["chunk"], h["action_dim"]])]
+              ("chunk x action size", [o["chunk"], len(o["action_mean"])], [o["chunk"], len(o["action_mean"])],
+               [h["chunk"], h["action_dim"]])]
     for what, said, graph, want in checks:
-        if graph != want or (what == "chunk x action size" and said != want):
+        if graph != want:
             raise VlaforgeError(f"{path}: the manifest's {what} is {said} but the graphs take {graph}; {_FIX}")
 
 
@@ -209,7 +219,7 @@ class PackageRegions:
         self._np_dtype = np.float16 if manifest["dtype"] == "fp16" else np.float32
         head = manifest["action_head"]
         self.kind, self.chunk, self.action_dim = head["kind"], head["chunk"], head["action_dim"]
-        self.flow_steps = head.get("flow_steps", 0)
+        self.flow_steps, self.noise_dim = head.get("flow_steps", 0), head.get("noise_dim", self.action_dim)
         self.length = manifest["observation"]["instruction_tokens"]
         self.pad_id = manifest["tokenizer"]["pad_id"]
 
@@ -233,6 +243,8 @@ class PackageRegions:
                 "state": _to_numpy(state, self._np_dtype)}
         if self.kind == "regression":
             return torch.from_numpy(self.graphs["policy"](feed)[0])
+        if self.kind == "flow_matching_kv":
+            return self.policy_actions(feed)
         from vlaforge.models.action_heads import euler_sample
 
         cond = torch.from_numpy(self.graphs["encoder"](feed)[0])
@@ -243,6 +255,23 @@ class PackageRegions:
                                              "condition": _to_numpy(c, self._np_dtype)})[0])
 
         return euler_sample(velocity, cond, self.chunk, self.action_dim, self.flow_steps, prefix, prefix_weight)
+
+    def policy_actions(self, feed: dict[str, np.ndarray], noise: torch.Tensor | None = None) -> torch.Tensor:
+        """A LeRobot policy's chunk: the prefix graph once, then the policy's Euler steps over the denoising graph
+        from `noise` (B, T, noise_dim) (default: drawn as the PyTorch policy draws it), cropped to the actions."""
+        from vlaforge.models.policies.model import flow_euler
+
+        kv, pad = self.graphs["prefix"](feed)
+        denoise, state = self.graphs["denoise"], feed["state"]
+        if noise is None:
+            noise = torch.randn(state.shape[0], self.chunk, self.noise_dim)
+        noise = noise.to(self.dtype)
+
+        def velocity(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(denoise({"x_t": _to_numpy(x_t, self._np_dtype), "t": _to_numpy(t, self._np_dtype),
+                                             "state": state, "prefix_kv": kv, "prefix_mask": pad})[0])
+
+        return flow_euler(velocity, noise, self.flow_steps)[:, :, :self.action_dim]
 
     def describe(self) -> dict[str, Any]:
         m = self.manifest
@@ -297,12 +326,16 @@ def load_package(folder: str | Path, device: str = "auto", backend: str = "auto"
         tok = Tokenizer.from_file(str(tok_file))
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad files
         raise VlaforgeError(f"{tok_file} is not a tokenizer file ({first_line(exc)[:120]}); {_FIX}") from None
+    style = m["tokenizer"].get("style") or {}  # a LeRobot policy's: its newline, BOS, no eos, pi0.5's state prompt
     for key in ("pad_id", "eos_id"):
         value = m["tokenizer"].get(key)
+        if key == "eos_id" and value is None and style.get("eos") is False:
+            continue
         if type(value) is not int or not 0 <= value < tok.get_vocab_size():
             raise VlaforgeError(f"{folder / MANIFEST}: tokenizer {key} {value!r} is not an id of its "
                                 f"{tok.get_vocab_size()}-token vocabulary; {_FIX}")
-    tokenizer = TextTokenizer(tok, m["tokenizer"]["pad_id"], m["tokenizer"]["eos_id"])
+    tokenizer = TextTokenizer(tok, m["tokenizer"]["pad_id"], m["tokenizer"]["eos_id"], suffix=style.get("suffix", ""),
+                              special=style.get("special", False), state_prompt=style.get("state_prompt", False))
     graphs = {}
     for name, entry in m["graphs"].items():
         try:

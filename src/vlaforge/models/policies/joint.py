@@ -193,13 +193,55 @@ class JointLayer(nn.Module):
         if cache is not None and self.index in cache.expert:
             ek, ev = cache.expert[self.index]
         else:
-            k, v = self.__dict__.pop("_prefix_kv", None) or cache.keys[self.index]
-            shape = (*k.shape[:2], -1, attn.head_dim)
-            ek = attn.k_proj(k.flatten(2).to(attn.k_proj.weight.dtype)).view(shape)
-            ev = attn.v_proj(v.flatten(2).to(attn.v_proj.weight.dtype)).view(shape)
+            ek, ev = self._expert_kv(*(self.__dict__.pop("_prefix_kv", None) or cache.keys[self.index]))
             if cache is not None:
                 cache.expert[self.index] = (ek, ev)
         x, gate = norm(self.expert.input_layernorm, suffix, ctx.cond)
         q = attn.q_proj(x).view(*x.shape[:-1], -1, attn.head_dim)
         att = attend(apply_rope(q, ctx.cross_angles), ek, ev, ctx.cross_mask, self.scale)
         return _finish(self.expert, suffix, att, gate, ctx.cond)
+
+    def _expert_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A cross layer's expert projections of the prefix's rotated keys and values (B, Lp, Hkv, D)."""
+        attn = self.expert.self_attn
+        shape = (*k.shape[:2], -1, attn.head_dim)
+        return (attn.k_proj(k.flatten(2).to(attn.k_proj.weight.dtype)).view(shape),
+                attn.v_proj(v.flatten(2).to(attn.v_proj.weight.dtype)).view(shape))
+
+    def kept(self) -> tuple[nn.Module, str] | None:
+        """What a denoising step reads of this layer's prefix: (the attention whose heads size it, 'keys' (the
+        prefix's own) or 'expert' (a cross layer's expert projections of them)); None when the suffix skips the
+        layer."""
+        if self.expert is None:
+            return None
+        return (self.expert.self_attn, "expert") if self.mode == "cross" else (self.vlm.self_attn, "keys")
+
+
+def pack_cache(layers: list[JointLayer], cache: PrefixCache) -> torch.Tensor:
+    """The prefix's keys and values a denoising step reads, as one tensor (B, Lp, C): per layer in order its keys
+    then its values, flattened over heads (a cross layer's expert projections, computed here once). An exported
+    package's prefix graph returns it and its denoising graph takes it (`unpack_cache`)."""
+    parts = []
+    for layer in layers:
+        if (kept := layer.kept()) is None:
+            continue
+        if kept[1] == "expert" and layer.index not in cache.expert:
+            cache.expert[layer.index] = layer._expert_kv(*cache.keys[layer.index])
+        parts += [t.flatten(2) for t in getattr(cache, kept[1])[layer.index]]
+    return torch.cat(parts, dim=-1)
+
+
+def unpack_cache(layers: list[JointLayer], packed: torch.Tensor) -> PrefixCache:
+    """`pack_cache`'s inverse: the cache a suffix pass reads."""
+    cache, start = PrefixCache(), 0
+    for layer in layers:
+        if (kept := layer.kept()) is None:
+            continue
+        attn, where = kept
+        width = attn.config.num_key_value_heads * attn.head_dim  # keys' and values' (a cross layer's expert too)
+        keys, values = (packed[..., s:s + width].unflatten(-1, (-1, attn.head_dim)) for s in (start, start + width))
+        getattr(cache, where)[layer.index] = (keys, values)
+        start += 2 * width
+    if start != packed.shape[-1]:
+        raise ValueError(f"a packed prefix of {packed.shape[-1]} values per token; these layers read {start}")
+    return cache

@@ -122,6 +122,17 @@ def sinusoidal(time: torch.Tensor, dim: int, min_period: float, max_period: floa
     return torch.cat([angles.sin(), angles.cos()], dim=1)
 
 
+def flow_euler(velocity, noise: torch.Tensor, steps: int) -> torch.Tensor:
+    """The references' Euler integration of `velocity(x_t, time (B,))` from `noise` at t = 1 to t = 0 (their time
+    arithmetic, so an exported package's steps are the PyTorch policy's to the last bit of t)."""
+    dt = -1.0 / steps
+    x_t = noise
+    for step in range(steps):
+        time = torch.tensor(1.0 + step * dt, dtype=torch.float32, device=noise.device).expand(noise.shape[0])
+        x_t = x_t + dt * velocity(x_t, time)
+    return x_t
+
+
 class PolicyVLA(nn.Module):
     """A LeRobot flow-matching policy on vlaforge's four components; `losses` and `sample_actions` are LeRobot's
     `model.forward` and `model.sample_actions` on the same inputs."""
@@ -298,14 +309,9 @@ class PolicyVLA(nn.Module):
     def sample_actions(self, x: PolicyInputs, noise: torch.Tensor, steps: int | None = None,
                        image_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Euler integration from noise (B, T, max_action_dim) at t = 1 to actions at t = 0."""
-        steps = steps or self.spec.num_steps
         cache, p_pad = self.prefix_pass(x, image_tokens)
-        dt = -1.0 / steps
-        x_t = noise
-        for step in range(steps):
-            time = torch.tensor(1.0 + step * dt, dtype=torch.float32, device=noise.device).expand(noise.shape[0])
-            x_t = x_t + dt * self.velocity(cache, p_pad, x.state, x_t, time)
-        return x_t
+        return flow_euler(lambda x_t, time: self.velocity(cache, p_pad, x.state, x_t, time), noise,
+                          steps or self.spec.num_steps)
 
     def predict_chunk(self, x: PolicyInputs, noise: torch.Tensor) -> torch.Tensor:
         """The normalized action chunk (B, T, action_dim): sampled, the padding dimensions dropped."""
@@ -429,16 +435,22 @@ class PolicyVLA(nn.Module):
         """(N, 3, S, S) in [-1, 1] -> the image tokens (N, P, Dv) the prefix starts with."""
         return self.embed_image(pixels)
 
+    def token_inputs(self, vision_tokens: torch.Tensor, instruction_ids: torch.Tensor,
+                     instruction_mask: torch.Tensor | None, state: torch.Tensor) -> PolicyInputs:
+        """The inputs of a prediction from the images' tokens (the images themselves are not kept)."""
+        b, f = vision_tokens.shape[0], len(self.spec.cameras)
+        mask = torch.ones_like(instruction_ids, dtype=torch.bool) if instruction_mask is None else instruction_mask
+        ones = torch.ones(b, dtype=torch.bool, device=vision_tokens.device)
+        return PolicyInputs([None] * f, [ones] * f, instruction_ids, mask.bool(),
+                            pad_vector(state, self.spec.max_state_dim))
+
     def actions_from_tokens(self, vision_tokens: torch.Tensor, instruction_ids: torch.Tensor,
                             instruction_mask: torch.Tensor | None, state: torch.Tensor, **head) -> torch.Tensor:
         """The normalized action chunk (B, T, A) from the images' tokens (B, F*P, Dv): a fresh noise draw."""
         if head:
             raise VlaforgeError("a committed-action prefix is not built for LeRobot policies yet")
-        b, f = vision_tokens.shape[0], len(self.spec.cameras)
-        mask = torch.ones_like(instruction_ids, dtype=torch.bool) if instruction_mask is None else instruction_mask
-        ones = torch.ones(b, dtype=torch.bool, device=vision_tokens.device)
-        x = PolicyInputs([None] * f, [ones] * f, instruction_ids, mask.bool(),
-                         pad_vector(state, self.spec.max_state_dim))
+        b = vision_tokens.shape[0]
+        x = self.token_inputs(vision_tokens, instruction_ids, instruction_mask, state)
         noise = torch.randn(b, self.spec.chunk, self.spec.max_action_dim, device=vision_tokens.device)
         actions = self.sample_actions(x, noise.to(vision_tokens.dtype), image_tokens=vision_tokens)
         return actions[:, :, :self.spec.action_dim]
