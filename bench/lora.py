@@ -8,7 +8,10 @@
    (alpha = rank); the projector and the action head train in full, as in recipes/tiny_lora.toml. A fifth run,
    LoRA rank 32 on the LLM only with the vision tower trained in full, says where a gap comes from (the tower's
    conv stem has no linears, so LoRA on the tower leaves it frozen);
-4. evaluate the pretrained policy and the four adapted ones on the four tasks (`--episodes` held-out episodes each,
+   A sixth, the preset (recipes/tiny_lora.toml: `lora.full = ["convs", "norms"]` on the tower), trains the tower's
+   convolutions and norms in full beside the adapters. `--variants` picks some, `--seeds` repeats the adaptations
+   at other training seeds (issue 61: two);
+4. evaluate the pretrained policy and the adapted ones on the four tasks (`--episodes` held-out episodes each,
    Wilson intervals);
 5. per variant: the trainable-parameter share, the adapter bytes of its checkpoint, the median step time (its
    metrics), and the peak training memory measured on real tensors over one optimizer step of the recipe's batch
@@ -21,6 +24,7 @@ so the trainable share is far from the <= 5 % a 7B model's rank-32 adapters give
 count for vla-7b).
 
     python bench/lora.py [--out bench-out/lora] [--pretrain-steps 6000] [--adapt-steps 3000] [--episodes 50]
+        [--variants full,lora_r32_stem] [--seeds 0,1] [--results bench/results/lora.json]
     python bench/lora.py --out /tmp/lora-smoke --pretrain-steps 20 --adapt-steps 10 --episodes 1 --data-scale 0.05
 """
 
@@ -43,7 +47,11 @@ NEW = {"reach-v3": 80}
 CAMERAS = "corner,topview,behindGripper"
 VARIANTS = {"full": None, "lora_r8": (8, "auto"), "lora_r32": (32, "auto"), "qlora_r32": (32, "nf4"),
             # where the gap comes from: adapters on the LLM only, the vision tower (its conv stem) trained in full
-            "lora_r32_llm_only": (32, "auto", ("llm",))}
+            "lora_r32_llm_only": (32, "auto", ("llm",)),
+            # the preset (recipes/tiny_lora.toml): adapters on tower and LLM, the tower's convolutions (its stem) and
+            # norms trained in full beside them (`lora.full`)
+            "lora_r32_stem": (32, "auto", ("vision", "llm"), ("convs", "norms"))}
+PRESET = "lora_r32_stem"
 
 
 def vlaforge(*args: str, log: Path) -> float:
@@ -57,9 +65,12 @@ def vlaforge(*args: str, log: Path) -> float:
     return time.perf_counter() - t0
 
 
-def lora_overrides(rank: int, base: str, components: tuple[str, ...] = ("vision", "llm")) -> list[str]:
-    return [f"--components.{c}.lora.{k}={v}" for c in components
-            for k, v in (("rank", rank), ("alpha", float(rank)), ("base", f'"{base}"'))]
+def lora_overrides(rank: int, base: str, components: tuple[str, ...] = ("vision", "llm"),
+                   full: tuple[str, ...] = ()) -> list[str]:
+    """The variant's `components.<c>.lora` settings; `full`: the tower's modules trained in full beside them."""
+    out = [f"--components.{c}.lora.{k}={v}" for c in components
+           for k, v in (("rank", rank), ("alpha", float(rank)), ("base", f'"{base}"'))]
+    return out + ([f"--components.vision.lora.full={json.dumps(list(full))}"] if full else [])
 
 
 def generate(out: Path, tasks: dict[str, int], times: dict) -> Path:
@@ -190,6 +201,25 @@ def peak_memory(run: Path, data: Path) -> dict:
     return {"peak_bytes": int(tracker.peak), "params_in_model": total, "trainable_in_model": trainable}
 
 
+def adapt(name: str, seed: int, out: Path, pretrained: Path, adapt_data: Path, tasks: list[str], args,
+          times: dict) -> dict:
+    """One adapted variant at one training seed: its run (seed 0: OUT/NAME, as before seeds were asked; else
+    OUT/NAME_sSEED), its evaluation, counts and peak memory."""
+    lora = VARIANTS[name]
+    extra = [f"--train.init_from={pretrained}", "--train.warmup_steps=100", f"--train.seed={seed}"]
+    extra += lora_overrides(*lora) if lora else []
+    run = train(out / (name if seed == 0 else f"{name}_s{seed}"), adapt_data, args.adapt_steps, extra, times)
+    report = evaluate(run, args.episodes, tasks, times)
+    counts, mem = checkpoint_counts(run), peak_memory(run, adapt_data)
+    trainable = counts["held_numel"] if counts["lora"] else mem["params_in_model"]
+    return {"success": {t: {"rate": v["success_rate"], "ci95": v["ci95"]} for t, v in report["tasks"].items()},
+            "mean_success": report["mean_success_rate"],
+            "trainable_share": round(trainable / mem["params_in_model"], 4),
+            "trainable_share_in_model": round(mem["trainable_in_model"] / mem["params_in_model"], 4),
+            "adapter_bytes": counts["adapter_bytes"], "peak_train_bytes": mem["peak_bytes"],
+            "step_s_median": round(step_seconds(run), 4)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "bench-out" / "lora")
@@ -197,7 +227,15 @@ def main() -> None:
     ap.add_argument("--adapt-steps", type=int, default=3000)
     ap.add_argument("--episodes", type=int, default=50)
     ap.add_argument("--data-scale", type=float, default=1.0, help="times the recorded episodes (a quick smoke run)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
+    ap.add_argument("--seeds", default="0", help="adaptation training seeds, comma-separated (each variant per seed; "
+                                                 "the pretrained run is one)")
+    ap.add_argument("--results", type=Path, help="also write the JSON here (bench/results/lora.json)")
     args = ap.parse_args()
+    names = [v for v in args.variants.split(",") if v]
+    seeds = [int(x) for x in args.seeds.split(",") if x]
+    if bad := [v for v in names if v not in VARIANTS]:
+        ap.error(f"unknown variant {bad[0]!r}: one of {', '.join(VARIANTS)}")
     scale = lambda tasks: {t: max(2, round(n * args.data_scale)) for t, n in tasks.items()}
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -207,48 +245,49 @@ def main() -> None:
     tasks = list(NEW | OLD)
     pretrained = train(out / "pretrained", pre_data, args.pretrain_steps, [], times)
     result: dict = {"episodes": args.episodes, "pretrain_steps": args.pretrain_steps, "adapt_steps": args.adapt_steps,
-                    "new_task": next(iter(NEW)), "old_tasks": list(OLD), "variants": {}}
+                    "new_task": next(iter(NEW)), "old_tasks": list(OLD), "seeds": {}}
     pre_report = evaluate(pretrained, args.episodes, tasks, times)
     result["pretrained"] = {t: v["success_rate"] for t, v in pre_report["tasks"].items()}
-    for name, lora in VARIANTS.items():
-        extra = [f"--train.init_from={pretrained}", "--train.warmup_steps=100"]
-        extra += lora_overrides(*lora) if lora else []
-        run = train(out / name, adapt_data, args.adapt_steps, extra, times)
-        report = evaluate(run, args.episodes, tasks, times)
-        counts, mem = checkpoint_counts(run), peak_memory(run, adapt_data)
-        trainable = counts["held_numel"] if counts["lora"] else mem["params_in_model"]
-        result["variants"][name] = {
-            "success": {t: {"rate": v["success_rate"], "ci95": v["ci95"]} for t, v in report["tasks"].items()},
-            "mean_success": report["mean_success_rate"],
-            "trainable_share": round(trainable / mem["params_in_model"], 4),
-            "trainable_share_in_model": round(mem["trainable_in_model"] / mem["params_in_model"], 4),
-            "adapter_bytes": counts["adapter_bytes"], "peak_train_bytes": mem["peak_bytes"],
-            "step_s_median": round(step_seconds(run), 4)}
-        print(json.dumps({name: result["variants"][name]}), file=sys.stderr, flush=True)
-    result["checks"] = checks(result)
+    for seed in seeds:
+        rows = result["seeds"][str(seed)] = {"variants": {}}
+        for name in names:
+            rows["variants"][name] = adapt(name, seed, out, pretrained, adapt_data, tasks, args, times)
+            print(json.dumps({f"{name} seed {seed}": rows["variants"][name]}), file=sys.stderr, flush=True)
+        rows["checks"] = checks(rows["variants"], result)
     result["seconds"] = {k: round(v, 1) for k, v in times.items()}
-    (out / "lora.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    text = json.dumps(result, indent=1)
+    (out / "lora.json").write_text(text)
+    if args.results:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(text + "\n")
+    print(text)
 
 
-def checks(result: dict) -> dict:
-    """The issue's targets, read off the figures: LoRA r32 within full fine-tuning's interval on the new task and no
-    worse (inside the interval or above) on the old ones, its share and memory; QLoRA within 3 points of LoRA at a
-    smaller peak."""
-    v = result["variants"]
-    full, lora, qlora = v["full"], v["lora_r32"], v["qlora_r32"]
+def checks(v: dict, result: dict) -> dict:
+    """The issues' targets, read off one seed's figures (those of the variants that ran): LoRA r32 and the preset
+    within full fine-tuning's interval on the new task and no worse (inside the interval or above) on the old ones,
+    their share and memory; QLoRA within 3 points of LoRA at a smaller peak."""
+    if "full" not in v:
+        return {}
+    full, out = v["full"], {}
 
-    def inside(a, ref, task):
-        lo, _ = ref["success"][task]["ci95"]
+    def inside(a, task):
+        lo, _ = full["success"][task]["ci95"]
         return a["success"][task]["rate"] >= lo
 
-    return {"lora_r32_new_task_within_full_interval": inside(lora, full, result["new_task"]),
-            "lora_r32_old_tasks_no_worse": all(inside(lora, full, t) for t in result["old_tasks"]),
-            "lora_r32_trainable_share_at_most_5pct": lora["trainable_share"] <= 0.05,
-            "lora_r32_peak_1_3x_lower": full["peak_train_bytes"] / lora["peak_train_bytes"] >= 1.3,
-            "peak_ratio_full_over_lora_r32": round(full["peak_train_bytes"] / lora["peak_train_bytes"], 3),
-            "qlora_within_3_points_of_lora": abs(qlora["mean_success"] - lora["mean_success"]) <= 0.03,
-            "qlora_peak_smaller": qlora["peak_train_bytes"] < lora["peak_train_bytes"]}
+    for name in ("lora_r32", PRESET):
+        if name in v:
+            a = v[name]
+            out |= {f"{name}_new_task_within_full_interval": inside(a, result["new_task"]),
+                    f"{name}_every_task_within_full_interval": all(inside(a, t) for t in a["success"]),
+                    f"{name}_trainable_share_at_most_5pct": a["trainable_share"] <= 0.05,
+                    f"{name}_peak_1_3x_lower": full["peak_train_bytes"] / a["peak_train_bytes"] >= 1.3,
+                    f"peak_ratio_full_over_{name}": round(full["peak_train_bytes"] / a["peak_train_bytes"], 3)}
+    if "lora_r32" in v and "qlora_r32" in v:
+        lora, qlora = v["lora_r32"], v["qlora_r32"]
+        out |= {"qlora_within_3_points_of_lora": abs(qlora["mean_success"] - lora["mean_success"]) <= 0.03,
+                "qlora_peak_smaller": qlora["peak_train_bytes"] < lora["peak_train_bytes"]}
+    return out
 
 
 if __name__ == "__main__":

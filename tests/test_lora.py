@@ -259,3 +259,45 @@ def test_a_lora_checkpoint_without_its_record_is_refused_not_exported_raw(runs, 
     assert not out.exists()
     one_line(run_cli("train", str(TINY_RECIPE), f"--train.init_from={damaged}", "--train.steps=1",
                      f"--train.output_dir={tmp_path / 'run'}"), "holds LoRA adapters")
+
+
+def test_full_modules_train_beside_the_adapters_and_round_trip(tmp_path):
+    """`lora.full = ["convs", "norms"]` on a conv-stem tower: the stem's convolutions and every norm train with the
+    adapters (their optimizer group, their weights move) while the base linears stay bit for bit; the checkpoint holds
+    them beside the adapters and lora.json names them; the loaded run predicts what the trained model does; resuming
+    is bit-exact; serving it as one of several adapters and planning it are refused in one line."""
+    from vlaforge.inference.runtime import PolicyRuntime
+
+    write_dataset(tmp_path / "ds")
+    stem = ["--model.vision_stem=conv"]
+    base = train_on_dataset(tmp_path, "base", *stem)
+    full = ['--components.vision.lora={rank=4,full=["convs","norms"]}', f"--train.init_from={_step(base, 2)}", *stem]
+    run = train_on_dataset(tmp_path, "lora", *full, "--train.checkpoint_every=1")
+    ckpt = _step(run, 2)
+    record = json.loads((ckpt / "lora.json").read_text())
+    state, before = load_file(str(ckpt / "model.safetensors")), load_file(str(_step(base, 2) / "model.safetensors"))
+    assert record["full"] and all(k in state for k in record["full"])
+    assert any("patch_embedding" in k for k in record["full"]) and any("norm" in k for k in record["full"])
+    assert all(not torch.equal(state[k], before[k]) for k in record["full"] if k.endswith("weight"))  # they trained
+    vision = {k for k in state if k.startswith("vision.")}
+    assert vision == set(record["full"]) | {k for k in vision if ".lora_" in k}  # no frozen base tensor saved
+    again = train_on_dataset(tmp_path, "again", *full, steps=1)
+    train_on_dataset(tmp_path, "again", *full, "--train.resume=latest", steps=2)
+    a = load_file(str(_step(again, 2) / "model.safetensors"))
+    assert a.keys() == state.keys() and all(torch.equal(a[k], state[k]) for k in a)
+
+    from vlaforge.checkpoints.load import load_policy_model
+    from vlaforge.techniques.lora import merge_lora
+
+    rt = PolicyRuntime.load(ckpt, device="cpu")
+    model, _, _ = load_policy_model(ckpt, torch.device("cpu"))
+    for k in record["full"]:
+        assert torch.equal(model.state_dict()[k].float(), state[k].float()), k  # the trained stem, not the base's
+    assert merge_lora(rt.model) == 0  # the runtime's model is merged already
+    done = run_cli("serve", str(run), "--keep-adapters", f"--adapter=b={run}", "--port=0", timeout=120)
+    assert done.returncode == 2 and "lora.full" in done.stderr.strip().splitlines()[-1], done.stderr[-800:]
+    with pytest.raises(VlaforgeError, match="lora.full"):
+        from vlaforge.planner.lora import adapted
+
+        cfg = load_config(run / "config.toml")
+        adapted(model, "vision", cfg.components.vision)

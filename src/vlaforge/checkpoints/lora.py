@@ -1,9 +1,11 @@
-"""Checkpoints of a LoRA run: model.safetensors holds the adapters of the LoRA components and every tensor of the
-others; `lora.json` beside it names the frozen base the adapters were trained over - by a digest of its weights and
-the folders it came from - so resuming and loading rebuild that base and refuse any other in one line.
+"""Checkpoints of a LoRA run: model.safetensors holds the adapters of the LoRA components (and what their
+`lora.full` trains) and every tensor of the others; `lora.json` beside it names the frozen base the adapters were
+trained over - by a digest of its weights and the folders it came from - so resuming and loading rebuild that base
+and refuse any other in one line.
 
 lora.json: {"digest": sha256 over the LoRA components' tensors of the bare model (after train.init_from),
-"components": {name: its lora policy}, "init_from": path | null, "pretrained": {component: folder},
+"components": {name: its lora policy}, "full": the tensors trained in full beside the adapters (`lora.full`;
+model-level names, held in model.safetensors), "init_from": path | null, "pretrained": {component: folder},
 "seed": train.seed (a randomly initialised base is rebuilt from it), "adapter_tensors", "adapter_bytes"}.
 """
 
@@ -18,7 +20,7 @@ from torch import nn
 
 from vlaforge.errors import VlaforgeError
 from vlaforge.outputs import write_atomic
-from vlaforge.techniques.lora import adapter_state, base_digest, is_adapter, is_base, lora_components
+from vlaforge.techniques.lora import adapter_state, base_digest, full_parameters, is_adapter, is_base, lora_components
 
 LORA_FILE = "lora.json"
 
@@ -59,15 +61,17 @@ def base_record(cfg, model: nn.Module) -> dict[str, Any] | None:
         return None
     m = cfg.model
     pretrained = {"vlm": m.vlm.pretrained, "vision": m.vision.pretrained, "llm": m.llm.pretrained}
+    policies = {c: getattr(cfg.components, c).lora for c in components}
     return {"digest": None if fake_mode_active() else base_digest(model, components),
-            "components": {c: getattr(cfg.components, c).lora.model_dump() for c in components},
+            "components": {c: policies[c].model_dump() for c in components},
+            "full": sorted(f"{c}.{n}" for c in components for n in full_parameters(getattr(model, c), policies[c])),
             "init_from": cfg.train.init_from, "seed": cfg.train.seed,
             "pretrained": {k: v for k, v in pretrained.items() if v}}
 
 
 def checkpoint_weights(record: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors a LoRA checkpoint keeps of a full state dict (the frozen base left out)."""
-    return adapter_state(state, list(record["components"]))
+    return adapter_state(state, list(record["components"]), set(record.get("full", ())))
 
 
 def write_record(folder: Path, record: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
@@ -105,7 +109,8 @@ def check_base(ckpt: Path, record: dict[str, Any], digest: str | None) -> None:
 
 def optional_keys(model: nn.Module, record: dict[str, Any]) -> set[str]:
     """The model's tensors a LoRA checkpoint does not hold (its components' frozen base)."""
-    return {k for k in model.state_dict() if is_base(k, list(record["components"]))}
+    full = set(record.get("full", ()))
+    return {k for k in model.state_dict() if is_base(k, list(record["components"]), full)}
 
 
 def load_lora_weights(ckpt: Path, model: nn.Module, path: Path) -> None:

@@ -28,6 +28,12 @@ class LoraConfig(Section):
                                   "default targets, the expert's q_proj / v_proj and the state, action and time "
                                   "projections), or module names inside the component, each matching a module "
                                   "whose name is it or ends in '.' + it (e.g. ['q_proj', 'v_proj'])")
+    full: list[str] = Field(
+        default_factory=list, description="modules inside the component that train in full beside the adapters "
+                                          "(peft's modules_to_save): 'convs' (every convolution), 'norms' (every "
+                                          "LayerNorm / RMSNorm / GroupNorm / BatchNorm), or module names as in "
+                                          "targets; none may hold an adapted linear. A conv stem has no linears, so "
+                                          "adapters alone leave it as pretraining did (docs/lora.md)")
     init: Literal["kaiming", "gaussian"] = Field(
         "kaiming", description="initialisation of A (B starts at zero either way): peft's default (Kaiming-uniform) "
                                "or gaussian with std 1 / rank")
@@ -42,6 +48,13 @@ class LoraConfig(Section):
         if isinstance(value, list) and (not value or any(not v or v != v.strip(". ") for v in value)):
             raise ValueError("targets must be 'all-linear' or a non-empty list of module names (no leading or "
                              "trailing dots), e.g. ['q_proj', 'v_proj']")
+        return value
+
+    @field_validator("full")
+    @classmethod
+    def _full_names(cls, value):
+        if any(not v or v != v.strip(". ") for v in value):
+            raise ValueError("full must be a list of 'convs', 'norms' or module names (no leading or trailing dots)")
         return value
 
     @property

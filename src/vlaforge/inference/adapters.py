@@ -124,6 +124,9 @@ def load_adapter_set(runs: dict[str, str | Path], device: torch.device) -> tuple
         if not is_lora(ckpt):
             raise VlaforgeError(f"adapter {n}: {ckpt} is not a LoRA run (no lora.json); --keep-adapters serves LoRA "
                                 "runs over one base")
+        if read_record(ckpt).get("full"):
+            raise VlaforgeError(f"adapter {n}: {ckpt} trains modules of its LoRA components in full (lora.full), so "
+                                "it does not share their base with other runs; serve it alone (merged)")
     first = names[0]
     if "default" in names[1:]:
         raise VlaforgeError("adapter name 'default' is peft's name for the first run's adapters; name the others "

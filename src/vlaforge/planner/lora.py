@@ -72,6 +72,10 @@ def adapted(model: nn.Module, comp: str, policy) -> Adapted | None:
         raise VlaforgeError(f"the planner counts LoRA on the vision tower and the LLM; components.{comp}.lora is "
                             f"not counted yet: plan the {comp} trained in full (its adapters would be a few per cent "
                             "of it)")
+    if cfg.full:
+        raise VlaforgeError(f"the planner does not count components.{comp}.lora.full yet (modules trained in full "
+                            "beside the adapters: their state, and the activations they keep); plan without it - at "
+                            "7B the convolutions and norms it names are well under 1 % of the state")
     if cfg.base == "int8":
         # NOTE: measured (tests/test_planner_lora.py's accounting): torchao's int8 linear dequantizes its weight and
         # autograd keeps that dense copy for the input gradient, per linear, until backward

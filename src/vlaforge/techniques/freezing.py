@@ -13,7 +13,7 @@ from torch import nn
 from vlaforge import COMPONENTS
 from vlaforge.models.llm import llm_blocks
 from vlaforge.models.vision import vision_blocks
-from vlaforge.techniques.lora import is_adapter
+from vlaforge.techniques.lora import full_parameters, lora_trains
 
 BLOCKS = {"vision": vision_blocks, "llm": llm_blocks}
 
@@ -40,7 +40,7 @@ def apply_freezing(model: nn.Module, policies: Mapping[str, Any], step: int) -> 
 
     With `unfreeze_last_blocks = K`, only the last K transformer blocks of the component and the modules after
     them (e.g. the final norm) train; the embeddings and earlier blocks stay frozen. A component with LoRA trains
-    only its adapters (its base stays frozen at every step; its adapters follow the schedule).
+    only its adapters (its base stays frozen at every step; its adapters and `lora.full` modules follow the schedule).
 
     Returns:
         Trainable parameter count per component.
@@ -49,9 +49,10 @@ def apply_freezing(model: nn.Module, policies: Mapping[str, Any], step: int) -> 
     for name in COMPONENTS:
         module, policy = getattr(model, name), policies[name]
         on = trainable_at(policy, step)
-        lora = getattr(policy, "lora", None) is not None
+        lora = getattr(policy, "lora", None)
+        full = full_parameters(module, lora) if lora is not None else set()
         for pname, p in module.named_parameters():
-            p.requires_grad_(on and (not lora or is_adapter(pname)))
+            p.requires_grad_(on and (lora is None or lora_trains(pname, full)))
         k = policy.unfreeze_last_blocks
         if on and not policy.trainable and k is not None:
             _train_only_tail(module, name, k)

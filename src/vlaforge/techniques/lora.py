@@ -8,7 +8,8 @@ ours: `base = "nf4"` holds each frozen weight as torchao's `NF4Tensor` (torchtun
 the 4-bit weight for backward and dequantizes per use; `int8` is torchao's int8 weight-only tensor; `bf16` /
 `fp32` cast the frozen weights only.
 
-A LoRA component trains only its adapters: its embeddings, norms, biases and base weights stay as loaded.
+A LoRA component trains only its adapters, and the modules its `full` list names (peft's modules_to_save: its
+convolutions, its norms, or named modules); the rest - embeddings, biases, base weights - stays as loaded.
 `merge_lora` folds the adapters back (W = dequant(W0) + scaling * B A, in fp32) into plain `nn.Linear`s with
 the original names, which is what inference, quantization and export load.
 """
@@ -38,6 +39,47 @@ def is_adapter(name: str) -> bool:
     return any(m in f".{name}" for m in ADAPTER_MARKS)
 
 
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.RMSNorm)) or \
+        type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def full_parameters(module: nn.Module, cfg) -> set[str]:
+    """Names inside a LoRA component of the parameters its `lora.full` trains in full ('convs', 'norms', or modules
+    named as in `targets`); none may be an adapter or the base of an adapted linear.
+
+    Raises:
+        VlaforgeError: a name matches no module, or a chosen module holds an adapted linear.
+    """
+    full = getattr(cfg, "full", None) or []
+    if not full:
+        return set()
+    named = [(n, m) for n, m in module.named_modules() if n]
+    chosen: list[str] = []
+    for item in full:
+        if item == "convs":
+            found = [n for n, m in named if isinstance(m, nn.modules.conv._ConvNd)]
+        elif item == "norms":
+            found = [n for n, m in named if _is_norm(m)]
+        else:
+            found = [n for n, _ in named if n == item or n.endswith("." + item)]
+            if not found:
+                raise VlaforgeError(f"lora.full: {item!r} names no module of the component; give 'convs', 'norms' or "
+                                    "a module name inside it")
+        chosen += found
+    names = {f"{n}.{p}" for n in chosen for p, _ in module.get_submodule(n).named_parameters()}
+    clash = sorted(n for n in names if is_adapter(n) or ".base_layer." in f".{n}")
+    if clash:
+        raise VlaforgeError(f"lora.full trains {clash[0]} in full, but it belongs to an adapted linear; leave that "
+                            "module out of full or out of targets")
+    return names
+
+
+def lora_trains(name: str, full: set[str]) -> bool:
+    """Whether a LoRA component's parameter (its name inside the component) trains: an adapter or a `full` one."""
+    return is_adapter(name) or name in full
+
+
 def lora_components(policies: Mapping[str, Any]) -> list[str]:
     return [c for c in COMPONENTS if getattr(policies[c], "lora", None) is not None]
 
@@ -50,13 +92,16 @@ class LoraReport:
     layers: list[str] = field(default_factory=list)  # names inside the component that got adapters
     adapter_params: int = 0
     base_params: int = 0  # the frozen rest of the component
+    full_params: int = 0  # trained in full beside the adapters (`lora.full`)
     base_bytes: int = 0  # bytes of the frozen base linears' weights as stored
     float_kept: list[str] = field(default_factory=list)  # nf4 requested, shape does not fit its blocks
 
     def summary(self, name: str) -> str:
-        share = self.adapter_params / max(1, self.adapter_params + self.base_params)
+        share = (self.adapter_params + self.full_params) / max(1, self.adapter_params + self.full_params
+                                                                + self.base_params)
         kept = f", {len(self.float_kept)} kept float (shape)" if self.float_kept else ""
-        return (f"{name} LoRA on {len(self.layers)} linears ({self.adapter_params:,} adapter parameters, "
+        full = f" + {self.full_params:,} trained in full" if self.full_params else ""
+        return (f"{name} LoRA on {len(self.layers)} linears ({self.adapter_params:,} adapter parameters{full}, "
                 f"{100 * share:.2f} % of the component; base {self.base}{kept})")
 
 
@@ -127,9 +172,13 @@ def _inject(model: nn.Module, name: str, cfg, shards: int) -> LoraReport:
     report = LoraReport(base=cfg.base, layers=layers)
     for layer in lora_layers(module).values():
         _store_base(layer.base_layer, cfg.base, report, name, shards)
+    full = full_parameters(module, cfg)
     for pname, p in module.named_parameters():
         if is_adapter(pname):
             report.adapter_params += p.numel()
+        elif pname in full:  # trainable as the adapters are (peft's injection froze every other parameter)
+            p.requires_grad_(True)
+            report.full_params += p.numel()
         else:
             p.requires_grad_(False)
             report.base_params += p.numel()
@@ -287,12 +336,14 @@ def base_digest(model: nn.Module, components: list[str]) -> str:
     return h.hexdigest()
 
 
-def is_base(name: str, components: list[str]) -> bool:
-    """Whether a model state-dict name is part of the frozen base of the LoRA `components`."""
-    return name.startswith(tuple(f"{c}." for c in components)) and not is_adapter(name)
+def is_base(name: str, components: list[str], full: frozenset[str] | set[str] = frozenset()) -> bool:
+    """Whether a model state-dict name is part of the frozen base of the LoRA `components` (`full`: the model-level
+    names those components train in full, which are not)."""
+    return name.startswith(tuple(f"{c}." for c in components)) and not is_adapter(name) and name not in full
 
 
-def adapter_state(state: Mapping[str, torch.Tensor], components: list[str]) -> dict[str, torch.Tensor]:
-    """A model state dict without the frozen base of the LoRA `components`: their adapters, and every tensor of the
-    other components (what a LoRA run's checkpoint holds)."""
-    return {k: v for k, v in state.items() if not is_base(k, components)}
+def adapter_state(state: Mapping[str, torch.Tensor], components: list[str],
+                  full: frozenset[str] | set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """A model state dict without the frozen base of the LoRA `components`: their adapters and `full` tensors, and
+    every tensor of the other components (what a LoRA run's checkpoint holds)."""
+    return {k: v for k, v in state.items() if not is_base(k, components, full)}

@@ -10,7 +10,7 @@ from torch import nn
 
 from vlaforge import COMPONENTS
 from vlaforge.techniques.freezing import ever_trains
-from vlaforge.techniques.lora import is_adapter
+from vlaforge.techniques.lora import full_parameters, lora_trains
 
 
 class LRSpreadWarning(UserWarning):
@@ -35,13 +35,15 @@ def build_param_groups(model: nn.Module, components) -> list[dict]:
     """Groups named '<component>' and '<component>.no_decay' with the component's lr / weight decay.
 
     Every parameter is in a group from the start (frozen ones included) so staged unfreezing needs no rebuild;
-    the frozen base of a LoRA component (which never trains) is left out.
+    the frozen base of a LoRA component (which never trains) is left out: its adapters and `lora.full` modules are in.
     """
     groups = []
     for name, params in owned_parameters(model).items():
         policy = getattr(components, name)
         if getattr(policy, "lora", None) is not None:
-            adapters = {id(p) for n, p in getattr(model, name).named_parameters() if is_adapter(n)}
+            module = getattr(model, name)
+            full = full_parameters(module, policy.lora)
+            adapters = {id(p) for n, p in module.named_parameters() if lora_trains(n, full)}
             params = [p for p in params if id(p) in adapters]
         decay, no_decay = [], []
         for p in params:
