@@ -29,10 +29,10 @@ def test_run_all_dry_run_writes_every_check(tmp_path):
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
-    checks = ("mfu", "planner_validation", "activation_memory", "ring_kernel", "precision", "inference")
+    checks = ("mfu", "planner_validation", "policies", "activation_memory", "ring_kernel", "precision", "inference")
     assert summary["dry_run"] is True and set(summary["checks"]) == set(checks)
     assert summary["device"]["device"] == "cpu" and summary["device"]["torch"] and summary["device"]["transformers"]
-    log = (tmp_path / "run_all.log").read_text()
+    log = summary["log_tail"]
     assert all(c["status"] == "ok" for c in summary["checks"].values()), f"{summary['checks']}\n{log[-4000:]}"
     for name in checks:
         json.loads((tmp_path / f"{name}.json").read_text())
@@ -48,6 +48,11 @@ def test_run_all_dry_run_writes_every_check(tmp_path):
     runs = precision["flavors"]["tiny"]
     assert precision["processes"] == "one" and set(runs) == {"bf16", "fp8", "fp16"}, precision
     assert runs["fp8"]["fp8_linears"] > 0 and abs(runs["fp8"]["final_loss_diff_vs_bf16"]) < 0.05
+    policies = json.loads((tmp_path / "policies.json").read_text())
+    step = policies["fine_tune"]["pi05"]
+    assert not policies["errors"] and step["step_s"] > 0 and step["flops_per_step"] > 0 and 0 < step["mfu"] < 1
+    assert policies["fine_tune"]["pi05_24gb"]["master"] == "bf16"
+    assert all(policies["latency"][k]["median_ms"] > 0 for k in ("smolvla", "pi05"))
     inference = json.loads((tmp_path / "inference.json").read_text())
     row = inference["latency"][0]
     assert row["model"] == "tiny" and all(row[k]["p50_ms"] > 0 for k in ("eager", "runtime", "exact", "token"))
