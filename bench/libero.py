@@ -8,10 +8,14 @@
     python bench/libero.py speed
         env steps per second on this machine per camera set and resolution (the expert driving, a task of
         LIBERO-Object), and one reset
-    python bench/libero.py policy [--episodes 20] [--steps 6000] [--eval-states 5] [--image-size 128]
+    python bench/libero.py policy [--episodes 50] [--steps 6000] [--eval-states 10] [--image-size 128]
+                                  [--seeds 0,1] [--results bench/results/libero_object.json]
         generate LIBERO-Object demonstrations (`data generate --suite libero_object`), train recipes/libero.toml on
-        them, evaluate on a reduced protocol (all 10 tasks, the first --eval-states fixed initial states each,
-        image + wrist_image); the time of each stage. Stages whose output exists are skipped (a cut run goes on).
+        them once per seed, evaluate each run on a reduced protocol (all 10 tasks, the first --eval-states fixed
+        initial states each, image + wrist_image) task by task; per task and seed the successes with Wilson
+        intervals, and the wall time of each stage (times.json, summed over sittings). Every stage resumes from what
+        a cut run left: the recording from its spool, training from its last checkpoint (every
+        --checkpoint-every steps), evaluation from the tasks already reported.
 
 The expert and speed stages run in worker processes (--workers, default 2: this machine's cores).
 """
@@ -126,30 +130,75 @@ def speed(args) -> dict:
     return {"stage": "speed", "suite": SUITE, "cases": rows, "cpu": os.cpu_count()}
 
 
+def _timed(times_file: Path, key: str, fn) -> None:
+    """Run a stage and add its seconds to `times_file` (kept across sittings: a resumed stage adds its part)."""
+    times = json.loads(times_file.read_text()) if times_file.is_file() else {}
+    t0 = time.perf_counter()
+    try:
+        fn()
+    finally:
+        times[key] = round(times.get(key, 0.0) + time.perf_counter() - t0, 1)
+        times_file.write_text(json.dumps(times, indent=1))
+
+
+def _latest_step(run: Path) -> int:
+    latest = run / "checkpoints" / "latest"
+    return int(latest.read_text().strip().rsplit("_", 1)[-1]) if latest.is_file() else 0
+
+
 def policy(args) -> dict:
-    out = Path(args.out)
-    data, run, evald = out / "data", out / "run", out / "eval"
-    times = {}
+    """Generate, train (per seed) and evaluate (per seed and task), each stage resumable from what an earlier sitting
+    left: the recording from its spool, training from its last checkpoint, evaluation task by task."""
+    from vlaforge.data.libero import suite_tasks
+    from vlaforge.evaluation.closed_loop import wilson_interval
+
+    out = Path(args.out).resolve()
+    data, times_file = out / "data", out / "times.json"
+    seeds = [int(x) for x in str(args.seeds).split(",") if x]
     if not (data / "meta" / "info.json").is_file():
-        times["generate_s"] = round(vlaforge("data", "generate", "--suite", SUITE, "--out", str(data),
-                                             "--episodes", str(args.episodes), "--image-size", str(args.image_size),
-                                             "--workers", str(args.workers), "--overwrite", "--no-progress",
-                                             log=out / "generate.log"), 1)
-    if not (run / "checkpoints" / "latest").exists():
-        times["train_s"] = round(vlaforge("train", str(ROOT / "recipes" / "libero.toml"), f"--data.path={data}",
-                                          f"--train.output_dir={run}", f"--train.steps={args.steps}",
-                                          f"--train.checkpoint_every={args.steps}", log=out / "train.log"), 1)
-    if not (evald / "report.json").is_file():
-        times["eval_s"] = round(vlaforge("eval", str(run), "--benchmark", SUITE, "--episodes",
-                                         str(args.eval_states), "--workers", str(args.workers), "--out", str(evald),
-                                         "--no-progress", log=out / "eval.log"), 1)
-    report = json.loads((evald / "report.json").read_text())
+        _timed(times_file, "generate_s", lambda: vlaforge(
+            "data", "generate", "--suite", SUITE, "--out", str(data), "--episodes", str(args.episodes),
+            "--image-size", str(args.image_size), "--workers", str(args.workers), "--no-progress",
+            log=out / "generate.log"))
+    tasks = suite_tasks(SUITE)
+    result = {"stage": "policy", "suite": SUITE, "command": " ".join(sys.argv), "episodes_per_task": args.episodes,
+              "train_steps": args.steps, "image_size": args.image_size, "eval_states_per_task": args.eval_states,
+              "protocol": f"reduced: all {len(tasks)} tasks x the first {args.eval_states} official initial states",
+              "seeds": {}}
+    for seed in seeds:
+        run = out / f"run_s{seed}"
+        if _latest_step(run) < args.steps:
+            resume = ["--train.resume=latest"] if _latest_step(run) else []
+            _timed(times_file, f"train_s{seed}_s", lambda run=run, seed=seed, resume=resume: vlaforge(
+                "train", str(ROOT / "recipes" / "libero.toml"), f"--data.path={data}", f"--train.output_dir={run}",
+                f"--train.steps={args.steps}", f"--train.checkpoint_every={args.checkpoint_every}",
+                f"--train.seed={seed}", "--train.progress=false", *resume, log=out / f"train_s{seed}.log"))
+        per_task = {}
+        for i, task in enumerate(tasks):
+            evald = out / f"eval_s{seed}" / f"task_{i:02d}"
+            if not (evald / "report.json").is_file():
+                _timed(times_file, f"eval_s{seed}_s", lambda evald=evald, run=run, i=i, seed=seed, task=task: vlaforge(
+                    "eval", str(run), "--benchmark", SUITE, "--tasks", task.name, "--episodes", str(args.eval_states),
+                    "--workers", str(args.workers), "--out", str(evald), "--no-progress",
+                    log=out / f"eval_s{seed}_task{i:02d}.log"))
+            report = json.loads((evald / "report.json").read_text())
+            per_task.update({t: v for t, v in report["tasks"].items()})
+        wins = {t: v["successes"] for t, v in per_task.items()}
+        n = {t: v["episodes"] for t, v in per_task.items()}
+        total, count = sum(wins.values()), sum(n.values())
+        result["seeds"][str(seed)] = {
+            "mean_success_rate": total / count, "successes": total, "episodes": count,
+            "ci95": wilson_interval(total, count),
+            "tasks": {t: {"successes": wins[t], "episodes": n[t], "success_rate": wins[t] / n[t],
+                          "ci95": wilson_interval(wins[t], n[t])} for t in per_task}}
     summary = json.loads((data / "meta" / "info.json").read_text())
-    return {"stage": "policy", "suite": SUITE, "episodes_per_task": args.episodes, "train_steps": args.steps,
-            "image_size": args.image_size, "frames": summary.get("total_frames"), "times": times,
-            "protocol": report["protocol"], "eval_states_per_task": report["episodes_per_task"],
-            "mean_success_rate": report["mean_success_rate"],
-            "tasks": {t: {"success_rate": v["success_rate"], "ci95": v["ci95"]} for t, v in report["tasks"].items()}}
+    result |= {"frames": summary.get("total_frames"), "episodes": summary.get("total_episodes"),
+               "times_s": json.loads(times_file.read_text()) if times_file.is_file() else {},
+               "machine": {"cores": os.cpu_count()}}
+    if args.results:
+        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.results).write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def main() -> None:
@@ -160,9 +209,12 @@ def main() -> None:
     parser.add_argument("--states", type=int, default=50)
     parser.add_argument("--placements", type=int, default=20)
     parser.add_argument("--render", type=int, default=0)
-    parser.add_argument("--episodes", type=int, default=20)
+    parser.add_argument("--episodes", type=int, default=50)
     parser.add_argument("--steps", type=int, default=6000)
-    parser.add_argument("--eval-states", type=int, default=5)
+    parser.add_argument("--checkpoint-every", type=int, default=1000)
+    parser.add_argument("--eval-states", type=int, default=10)
+    parser.add_argument("--seeds", default="0", help="policy: training seeds, comma-separated")
+    parser.add_argument("--results", help="policy: also write the JSON here (bench/results/libero_object.json)")
     parser.add_argument("--image-size", type=int, default=128)
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)

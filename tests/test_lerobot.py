@@ -222,3 +222,38 @@ def test_generate_refuses_a_non_empty_folder(tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
     proc = run_cli("data", "generate", f"--out={tmp_path / 'x'}", "--tasks=reach-v9", timeout=60)
     assert proc.returncode == 2 and "did you mean 'reach-v3'" in proc.stderr
+
+
+def test_a_cut_recording_resumes_to_the_uncut_dataset(tmp_path, monkeypatch):
+    """`data generate` cut after two attempts (their episodes spooled beside the output) and run again records only
+    the attempts still missing, and writes the dataset an uncut run writes (frame for frame); the spool is gone."""
+    import pyarrow.parquet as pq
+
+    from vlaforge.data import generate as gen
+
+    args = {"cameras": ["corner"], "image_size": 32, "workers": 1, "progress": False, "max_steps": 200}
+    tasks = {"reach-v3": 3}
+    gen.generate(tasks, 0, tmp_path / "whole", **args)
+    real, calls = gen.record, []
+
+    def cut(a):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(a)
+        return real(a)
+
+    monkeypatch.setattr(gen, "record", cut)
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate(tasks, 0, tmp_path / "cut", **args)
+    monkeypatch.setattr(gen, "record", real)
+    spool = tmp_path / ".cut.episodes"
+    assert len([f for f in spool.iterdir() if "__" in f.name]) == 2 and not (tmp_path / "cut" / "meta").exists()
+    summary = gen.generate(tasks, 0, tmp_path / "cut", **args)
+    assert summary["resumed_attempts"] == 2 and not spool.exists()
+    files = sorted(p.relative_to(tmp_path / "whole") for p in (tmp_path / "whole" / "data").rglob("*.parquet"))
+    assert files == sorted(p.relative_to(tmp_path / "cut") for p in (tmp_path / "cut" / "data").rglob("*.parquet"))
+    for f in files:
+        assert pq.read_table(tmp_path / "whole" / f).equals(pq.read_table(tmp_path / "cut" / f)), f
+    videos = sorted((tmp_path / "whole").rglob("*.mp4"))
+    assert videos and all(v.read_bytes() == (tmp_path / "cut" / v.relative_to(tmp_path / "whole")).read_bytes()
+                          for v in videos)

@@ -200,4 +200,5 @@ def test_sigterm_during_generate_leaves_no_partial_folder(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted" in err, err[-2000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # no dataset and no partial folder; the finished attempts stay in the spool the same command resumes from
+    assert sorted(p.name for p in tmp_path.iterdir()) in ([], [".ds.episodes"])

@@ -305,7 +305,9 @@ def data_generate(
                                                    "recorded"),
         overwrite: bool = typer.Option(False, help="replace a non-empty --out"),
         progress: bool = typer.Option(True, help="show a progress bar")):
-    """Record scripted-expert demonstrations in Meta-World or LIBERO-Object (successful episodes only)."""
+    """Record scripted-expert demonstrations in Meta-World or LIBERO-Object (successful episodes only). A cut
+    recording resumes: the same command records only the attempts still missing (kept in .OUT.episodes/ beside
+    --out until the dataset is written)."""
     from vlaforge.data.generate import generate
     from vlaforge.data.metaworld import DEMO_TASKS, parse_cameras, parse_task_counts
 

@@ -4,11 +4,18 @@ LeRobotDataset v3 (LIBERO: the layout of the LeRobot / openpi LIBERO datasets, `
 Episodes are recorded in worker processes (rendering dominates) and written in a fixed order by the main
 process, so the dataset depends only on (tasks, episodes, cameras, image size, seed) - not on the number of
 workers. Only successful episodes are kept; a failed attempt is replaced by the next seed.
+
+A recording resumes: every finished attempt (its episode, or a mark that it failed) is kept in a spool folder beside
+the output (`.<out>.episodes/`, with the recording's settings) until the dataset is written, and a run with the same
+settings into the same output takes them from there and records only the attempts still missing, so a cut
+recording goes on where it stopped and gives the dataset an uncut one gives.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import os
 import random
 import shutil
 import time
@@ -144,6 +151,8 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
     failed = {t: 0 for t in tasks}
     next_attempt = {t: 0 for t in tasks}
     t0, steps = time.perf_counter(), 0
+    spool = Spool(out, {"tasks": counts, "cameras": list(cameras), "image_size": image_size, "seed": seed,
+                        "max_steps": max_steps, "hide_distractors": hide_distractors, "steer_tcp": steer_tcp})
 
     def attempts_needed() -> list[Attempt]:
         todo = []
@@ -162,13 +171,20 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
             stuck = [a.task for a in todo if a.attempt >= 10 * counts[a.task] + 10]
             if stuck:
                 raise VlaforgeError(_stuck_message(stuck[0], failed[stuck[0]], max_steps))
-            for a, rec in zip(todo, pool.imap(record, todo)):
+            fresh = [a for a in todo if not spool.has(a)]
+            done = {(a.task, a.attempt): spool.load(a) for a in todo if spool.has(a)}
+            for a, rec in zip(fresh, pool.imap(record, fresh)):
+                spool.keep(a, rec)
+                done[a.task, a.attempt] = rec
+                if rec is not None:
+                    steps += len(rec["state"])
+                    advance(f"{steps / (time.perf_counter() - t0):.0f} env steps/s")
+            for a in todo:
+                rec = done[a.task, a.attempt]
                 if rec is None:
                     failed[a.task] += 1
-                    continue
-                kept[a.task].append(rec)
-                steps += len(rec["state"])
-                advance(f"{steps / (time.perf_counter() - t0):.0f} env steps/s")
+                else:
+                    kept[a.task].append(rec)
     sim = libero if libero.is_libero_task(tasks[0]) else metaworld
     with DatasetWriter(out, fps=sim.FPS, cameras=list(cameras), image_size=image_size, state_names=sim.STATE_NAMES,
                        action_names=sim.ACTION_NAMES, text_features=[PHASE_COLUMN],
@@ -182,10 +198,59 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
                                     "expert_steers_tcp": [t for t in tasks
                                                           if steer_tcp and t in TASKS and TASKS.get(t).success_at_tcp],
                                     "episode_tasks": [t for t in tasks for _ in kept[t]]}})
+    spool.remove()
     seconds = time.perf_counter() - t0
-    return {"out": str(out), "episodes": {t: len(kept[t]) for t in tasks},
+    return {"out": str(out), "episodes": {t: len(kept[t]) for t in tasks}, "resumed_attempts": spool.resumed,
             "frames": {t: int(sum(len(r["state"]) for r in kept[t])) for t in tasks}, "expert_failures": failed,
             "seconds": round(seconds, 1), "env_steps_per_s": round(steps / seconds, 1)}
+
+
+class Spool:
+    """The finished attempts of a recording in progress, one file each in `.<out>.episodes/` beside the output: an
+    episode's arrays (`<task>__<attempt>.npz`) or a failure mark (`.fail`), written to a temporary name and renamed.
+    `settings.json` there names the recording; a spool of other settings is cleared."""
+
+    def __init__(self, out: Path, settings: dict[str, Any]):
+        self.root = out.with_name(f".{out.name}.episodes")
+        self.resumed = 0
+        marker = self.root / "settings.json"
+        same = marker.is_file() and json.loads(marker.read_text()) == json.loads(json.dumps(settings))
+        if not same:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root.mkdir(parents=True)
+            marker.write_text(json.dumps(settings))
+
+    def _path(self, a: Attempt, suffix: str) -> Path:
+        return self.root / f"{a.task.replace('/', '+')}__{a.attempt}{suffix}"
+
+    def has(self, a: Attempt) -> bool:
+        return self._path(a, ".npz").is_file() or self._path(a, ".fail").is_file()
+
+    def load(self, a: Attempt) -> dict[str, Any] | None:
+        self.resumed += 1
+        if self._path(a, ".fail").is_file():
+            return None
+        with np.load(self._path(a, ".npz"), allow_pickle=False) as f:
+            cams = [k.removeprefix("images.") for k in f.files if k.startswith("images.")]
+            return {"task": a.task, "attempt": a.attempt, "images": {c: f[f"images.{c}"] for c in cams},
+                    "state": f["state"], "env_state": f["env_state"], "action": f["action"],
+                    "phase": [str(x) for x in f["phase"]], "instruction": str(f["instruction"])}
+
+    def keep(self, a: Attempt, rec: dict[str, Any] | None) -> None:
+        suffix = ".fail" if rec is None else ".npz"
+        tmp = self._path(a, ".tmp" + suffix)
+        if rec is None:
+            tmp.write_text("")
+        else:
+            with open(tmp, "wb") as f:
+                np.savez_compressed(f, state=rec["state"], env_state=rec["env_state"], action=rec["action"],
+                                    phase=np.asarray(rec["phase"], dtype=str),
+                                    instruction=np.asarray(rec["instruction"]),
+                                    **{f"images.{c}": v for c, v in rec["images"].items()})
+        os.replace(tmp, self._path(a, suffix))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def check_step_limit(task: str, max_steps: int, option: str = "--max-steps") -> None:
