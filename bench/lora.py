@@ -50,8 +50,11 @@ VARIANTS = {"full": None, "lora_r8": (8, "auto"), "lora_r32": (32, "auto"), "qlo
             "lora_r32_llm_only": (32, "auto", ("llm",)),
             # the preset (recipes/tiny_lora.toml): adapters on tower and LLM, the tower's convolutions (its stem) and
             # norms trained in full beside them (`lora.full`)
-            "lora_r32_stem": (32, "auto", ("vision", "llm"), ("convs", "norms"))}
+            "lora_r32_stem": (32, "auto", ("vision", "llm"), ("convs", "norms")),
+            # the same with recipes/tiny_lora.toml's alpha = 2 x rank (the adapters' update scaled by 2)
+            "lora_r32_stem_a64": (32, "auto", ("vision", "llm"), ("convs", "norms"), 64.0)}
 PRESET = "lora_r32_stem"
+PRESETS = (PRESET, "lora_r32_stem_a64")
 
 
 def vlaforge(*args: str, log: Path) -> float:
@@ -66,10 +69,11 @@ def vlaforge(*args: str, log: Path) -> float:
 
 
 def lora_overrides(rank: int, base: str, components: tuple[str, ...] = ("vision", "llm"),
-                   full: tuple[str, ...] = ()) -> list[str]:
-    """The variant's `components.<c>.lora` settings; `full`: the tower's modules trained in full beside them."""
+                   full: tuple[str, ...] = (), alpha: float | None = None) -> list[str]:
+    """The variant's `components.<c>.lora` settings (alpha = rank unless given); `full`: the tower's modules trained
+    in full beside them."""
     out = [f"--components.{c}.lora.{k}={v}" for c in components
-           for k, v in (("rank", rank), ("alpha", float(rank)), ("base", f'"{base}"'))]
+           for k, v in (("rank", rank), ("alpha", float(alpha or rank)), ("base", f'"{base}"'))]
     return out + ([f"--components.vision.lora.full={json.dumps(list(full))}"] if full else [])
 
 
@@ -275,7 +279,7 @@ def checks(v: dict, result: dict) -> dict:
         lo, _ = full["success"][task]["ci95"]
         return a["success"][task]["rate"] >= lo
 
-    for name in ("lora_r32", PRESET):
+    for name in ("lora_r32", *PRESETS):
         if name in v:
             a = v[name]
             out |= {f"{name}_new_task_within_full_interval": inside(a, result["new_task"]),
