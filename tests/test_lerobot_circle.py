@@ -211,8 +211,8 @@ def test_circle_served_export_answers_lerobots_robot_client(finetuned, tmp_path)
 
 def test_export_refusals(root, tmp_path):
     """One line each, exit 2, nothing written: an --out holding something else, a vlaforge VLA run (no LeRobot
-    policy type), --out over the source, a missing --out, package options, an unknown format; a package export of a
-    policy stays refused."""
+    policy type), --out over the source, a missing --out, package options, an unknown format; a package export of the
+    folder itself (a fine-tuned run exports one: test_lerobot_policy_export.py)."""
     src = ref061.policy_folder("smolvla", root) / "policy"
     before = sorted(p.name for p in src.iterdir())
     taken = tmp_path / "taken"
@@ -230,7 +230,7 @@ def test_export_refusals(root, tmp_path):
              ((src,), "--format lerobot needs --out DIR"),
              ((src, new, "--frames=3"), "--frames apply to --format onnx|executorch"),
              ((src, new, "--format=tflite"), "is not one of safetensors, onnx, executorch, lerobot"),
-             ((src, new, "--format=onnx"), "`vlaforge export --format lerobot` writes it as a LeRobot folder")]
+             ((src, new, "--format=onnx"), "export a run fine-tuned from it")]
     for args, fragment in cases:
         fmt = [] if any(str(a).startswith("--format") for a in args) else ["--format=lerobot"]
         done = run_cli("export", *map(str, args), *fmt, timeout=120)
