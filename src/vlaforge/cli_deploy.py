@@ -286,7 +286,8 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
         typer.echo(lerobot.render(lerobot.export_lerobot(checkpoint, out, lerobot=settings)))
         return
     if format != "safetensors" or is_lerobot_folder(checkpoint):  # a LeRobot folder is one safetensors file already
-        refuse_lerobot_policy(checkpoint, f"vlaforge export --format {format}", runs=format != "onnx")
+        refuse_lerobot_policy(checkpoint, f"vlaforge export --format {format}", runs=format != "onnx",
+                              instead=", --format onnx a package of a run fine-tuned from it")
     if format == "safetensors":
         path = export_weights(resolve_checkpoint(str(checkpoint), ".", what="CHECKPOINT"), out)
         typer.echo(f"wrote {path}")

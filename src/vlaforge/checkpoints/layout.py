@@ -167,9 +167,10 @@ def lerobot_config(folder: str | Path, lerobot: dict | None = None):
                                                "action_dim": action_dim}})
 
 
-def refuse_lerobot_policy(path: str | Path, verb: str, runs: bool = True) -> None:
+def refuse_lerobot_policy(path: str | Path, verb: str, runs: bool = True, instead: str = "") -> None:
     """`verb` (a package export, quantization) is not built for LeRobot policies (`--format lerobot` is; `--format
-    onnx` is for runs fine-tuned from one: `runs` False): one line before anything runs.
+    onnx` is for runs fine-tuned from one: `runs` False): one line before anything runs, ending in `instead` (what
+    else the user can do) where given.
 
     Raises:
         VlaforgeError: `path` is a LeRobot policy folder, or (`runs`) a run fine-tuned from one.
@@ -192,5 +193,4 @@ def refuse_lerobot_policy(path: str | Path, verb: str, runs: bool = True) -> Non
     if hit:
         raise VlaforgeError(f"{verb} of a LeRobot policy (SmolVLA, pi0, pi0.5) is not built yet; `vlaforge serve` "
                             "and `vlaforge eval` run it as it is, `vlaforge export --format lerobot` writes it as a "
-                            "LeRobot folder" + (", --format onnx a package of a run fine-tuned from it"
-                                                if "export" in verb else ""))
+                            f"LeRobot folder{instead}")

@@ -71,7 +71,7 @@ def base_record(cfg, model: nn.Module) -> dict[str, Any] | None:
 
 def checkpoint_weights(record: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors a LoRA checkpoint keeps of a full state dict (the frozen base left out)."""
-    return adapter_state(state, list(record["components"]), set(record.get("full", ())))
+    return adapter_state(state, list(record["components"]), trained_full(record))
 
 
 def write_record(folder: Path, record: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
@@ -109,8 +109,13 @@ def check_base(ckpt: Path, record: dict[str, Any], digest: str | None) -> None:
 
 def optional_keys(model: nn.Module, record: dict[str, Any]) -> set[str]:
     """The model's tensors a LoRA checkpoint does not hold (its components' frozen base)."""
-    full = set(record.get("full", ()))
+    full = trained_full(record)
     return {k for k in model.state_dict() if is_base(k, list(record["components"]), full)}
+
+
+def trained_full(record: dict[str, Any]) -> set[str]:
+    """The model-level names a LoRA run trained in full beside its adapters (`lora.full`; none in older records)."""
+    return set(record.get("full", ()))
 
 
 def load_lora_weights(ckpt: Path, model: nn.Module, path: Path) -> None:

@@ -171,8 +171,8 @@ def generate(tasks: dict[str, int] | list[str], episodes: int, out: str | Path, 
             stuck = [a.task for a in todo if a.attempt >= 10 * counts[a.task] + 10]
             if stuck:
                 raise VlaforgeError(_stuck_message(stuck[0], failed[stuck[0]], max_steps))
-            fresh = [a for a in todo if not spool.has(a)]
-            done = {(a.task, a.attempt): spool.load(a) for a in todo if spool.has(a)}
+            done = {(a.task, a.attempt): spool.load(a) for a in todo if spool.has(a)}  # a cut run's
+            fresh = [a for a in todo if (a.task, a.attempt) not in done]
             for a, rec in zip(fresh, pool.imap(record, fresh)):
                 spool.keep(a, rec)
                 done[a.task, a.attempt] = rec

@@ -50,6 +50,12 @@ class TextTokenizer:
         self.tok, self.pad_id, self.eos_id = tok, pad_id, eos_id
         self.suffix, self.special, self.state_prompt = suffix, special, state_prompt
 
+    @classmethod
+    def styled(cls, tok, pad_id: int, eos_id: int | None, style: dict) -> "TextTokenizer":
+        """A tokenizer with a saved `style` (what `style` writes; {} for vlaforge's own): no eos where it says so."""
+        return cls(tok, pad_id, eos_id if style.get("eos", True) else None, suffix=style.get("suffix", ""),
+                   special=style.get("special", False), state_prompt=style.get("state_prompt", False))
+
     @property
     def style(self) -> dict:
         return {"suffix": self.suffix, "special": self.special, "eos": self.eos_id is not None,
@@ -135,9 +141,7 @@ def pretrained_tokenizer(path: str) -> TextTokenizer:
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     style_file = Path(path) / STYLE_FILE
     style = json.loads(style_file.read_text()) if style_file.is_file() else {}
-    return TextTokenizer(tok, pad, tok.eos_token_id if style.get("eos", True) else None,
-                         suffix=style.get("suffix", ""), special=style.get("special", False),
-                         state_prompt=style.get("state_prompt", False))
+    return TextTokenizer.styled(tok, pad, tok.eos_token_id, style)
 
 
 def build_tokenizer(texts: list[str], vocab_size: int, llm_pretrained: str | None) -> TextTokenizer:

@@ -147,20 +147,19 @@ def _check_contract(path: Path, m: dict[str, Any]) -> None:
     body = g.get("policy") or g.get("encoder") or g["prefix"]
     out = g["policy"]["outputs"]["actions"]["shape"] if "policy" in g else g["denoise"]["outputs"]["velocity"]["shape"]
     tokens = len(o["cameras"]) * o["frames"] * vision_out[1]
-    width = h.get("noise_dim", h["action_dim"])  # the integrated width: a policy's padded actions
-    if out[1:] != [h["chunk"], width]:
-        raise VlaforgeError(f"{path}: the action head's chunk x width is {[h['chunk'], width]} but the graphs give "
-                            f"{out[1:]}; {_FIX}")
     checks = [("image_size", o["image_size"], vision_in[2:], [o["image_size"]] * 2),
               ("cameras x frames x patches", tokens, body["inputs"]["tokens"]["shape"][1], tokens),
               ("instruction_tokens", o["instruction_tokens"], body["inputs"]["ids"]["shape"][1],
                o["instruction_tokens"]),
-              ("state size", len(o["state_mean"]), body["inputs"]["state"]["shape"][1], len(o["state_mean"])),
-              ("chunk x action size", [o["chunk"], len(o["action_mean"])], [o["chunk"], len(o["action_mean"])],
-               [h["chunk"], h["action_dim"]])]
+              ("state size", len(o["state_mean"]), body["inputs"]["state"]["shape"][1], len(o["state_mean"]))]
     for what, said, graph, want in checks:
         if graph != want:
             raise VlaforgeError(f"{path}: the manifest's {what} is {said} but the graphs take {graph}; {_FIX}")
+    said, head = [o["chunk"], len(o["action_mean"])], [h["chunk"], h["action_dim"]]
+    width = h.get("noise_dim", h["action_dim"])  # the width the graphs integrate: a policy's padded actions
+    if said != head or out[1:] != [h["chunk"], width]:
+        raise VlaforgeError(f"{path}: the manifest's chunk x action size is {said} (action head {head}, integrated "
+                            f"width {width}) but the graphs give {out[1:]}; {_FIX}")
 
 
 def _to_numpy(x: torch.Tensor, dtype=None) -> np.ndarray:
@@ -334,8 +333,7 @@ def load_package(folder: str | Path, device: str = "auto", backend: str = "auto"
         if type(value) is not int or not 0 <= value < tok.get_vocab_size():
             raise VlaforgeError(f"{folder / MANIFEST}: tokenizer {key} {value!r} is not an id of its "
                                 f"{tok.get_vocab_size()}-token vocabulary; {_FIX}")
-    tokenizer = TextTokenizer(tok, m["tokenizer"]["pad_id"], m["tokenizer"]["eos_id"], suffix=style.get("suffix", ""),
-                              special=style.get("special", False), state_prompt=style.get("state_prompt", False))
+    tokenizer = TextTokenizer.styled(tok, m["tokenizer"]["pad_id"], m["tokenizer"]["eos_id"], style)
     graphs = {}
     for name, entry in m["graphs"].items():
         try:

@@ -39,6 +39,11 @@ def is_adapter(name: str) -> bool:
     return any(m in f".{name}" for m in ADAPTER_MARKS)
 
 
+def named(names: list[str], target: str) -> list[str]:
+    """The module names a `targets` / `full` entry picks: the name itself, or names ending in '.' + it."""
+    return [n for n in names if n == target or n.endswith("." + target)]
+
+
 def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.RMSNorm)) or \
         type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
@@ -54,15 +59,15 @@ def full_parameters(module: nn.Module, cfg) -> set[str]:
     full = getattr(cfg, "full", None) or []
     if not full:
         return set()
-    named = [(n, m) for n, m in module.named_modules() if n]
+    modules = [(n, m) for n, m in module.named_modules() if n]
     chosen: list[str] = []
     for item in full:
         if item == "convs":
-            found = [n for n, m in named if isinstance(m, nn.modules.conv._ConvNd)]
+            found = [n for n, m in modules if isinstance(m, nn.modules.conv._ConvNd)]
         elif item == "norms":
-            found = [n for n, m in named if _is_norm(m)]
+            found = [n for n, m in modules if _is_norm(m)]
         else:
-            found = [n for n, _ in named if n == item or n.endswith("." + item)]
+            found = named([n for n, _ in modules], item)
             if not found:
                 raise VlaforgeError(f"lora.full: {item!r} names no module of the component; give 'convs', 'norms' or "
                                     "a module name inside it")
@@ -128,7 +133,7 @@ def target_linears(model: nn.Module, component: str, targets) -> list[str]:
         targets = preset(component)
     chosen = []
     for target in targets:
-        found = [n for n in linears if n == target or n.endswith("." + target)]
+        found = named(linears, target)
         if not found:
             leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
             raise VlaforgeError(f"components.{component}.lora.targets: {target!r} names no linear of the "
