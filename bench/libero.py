@@ -37,7 +37,7 @@ SUITE = "libero_object"
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
 
-from lora import vlaforge
+from lora import timed, vlaforge
 
 
 def _expert_episode(job: tuple[str, int, str, int, int]) -> dict:
@@ -130,17 +130,6 @@ def speed(args) -> dict:
     return {"stage": "speed", "suite": SUITE, "cases": rows, "cpu": os.cpu_count()}
 
 
-def _timed(times_file: Path, key: str, fn) -> None:
-    """Run a stage and add its seconds to `times_file` (kept across sittings: a resumed stage adds its part)."""
-    times = json.loads(times_file.read_text()) if times_file.is_file() else {}
-    t0 = time.perf_counter()
-    try:
-        fn()
-    finally:
-        times[key] = round(times.get(key, 0.0) + time.perf_counter() - t0, 1)
-        times_file.write_text(json.dumps(times, indent=1))
-
-
 def _latest_step(run: Path) -> int:
     latest = run / "checkpoints" / "latest"
     return int(latest.read_text().strip().rsplit("_", 1)[-1]) if latest.is_file() else 0
@@ -156,7 +145,7 @@ def policy(args) -> dict:
     data, times_file = out / "data", out / "times.json"
     seeds = [int(x) for x in str(args.seeds).split(",") if x]
     if not (data / "meta" / "info.json").is_file():
-        _timed(times_file, "generate_s", lambda: vlaforge(
+        timed(times_file, "generate_s", lambda: vlaforge(
             "data", "generate", "--suite", SUITE, "--out", str(data), "--episodes", str(args.episodes),
             "--image-size", str(args.image_size), "--workers", str(args.workers), "--no-progress",
             log=out / "generate.log"))
@@ -169,7 +158,7 @@ def policy(args) -> dict:
         run = out / f"run_s{seed}"
         if _latest_step(run) < args.steps:
             resume = ["--train.resume=latest"] if _latest_step(run) else []
-            _timed(times_file, f"train_s{seed}_s", lambda run=run, seed=seed, resume=resume: vlaforge(
+            timed(times_file, f"train_s{seed}_s", lambda run=run, seed=seed, resume=resume: vlaforge(
                 "train", str(ROOT / "recipes" / "libero.toml"), f"--data.path={data}", f"--train.output_dir={run}",
                 f"--train.steps={args.steps}", f"--train.checkpoint_every={args.checkpoint_every}",
                 f"--train.seed={seed}", "--train.progress=false", *resume, log=out / f"train_s{seed}.log"))
@@ -177,7 +166,7 @@ def policy(args) -> dict:
         for i, task in enumerate(tasks):
             evald = out / f"eval_s{seed}" / f"task_{i:02d}"
             if not (evald / "report.json").is_file():
-                _timed(times_file, f"eval_s{seed}_s", lambda evald=evald, run=run, i=i, seed=seed, task=task: vlaforge(
+                timed(times_file, f"eval_s{seed}_s", lambda evald=evald, run=run, i=i, seed=seed, task=task: vlaforge(
                     "eval", str(run), "--benchmark", SUITE, "--tasks", task.name, "--episodes", str(args.eval_states),
                     "--workers", str(args.workers), "--out", str(evald), "--no-progress",
                     log=out / f"eval_s{seed}_task{i:02d}.log"))

@@ -7,10 +7,9 @@
    fine-tuning, LoRA rank 8, LoRA rank 32, QLoRA rank 32 (NF4 base). Adapters go on the vision tower and the LLM
    (alpha = rank); the projector and the action head train in full, as in recipes/tiny_lora.toml. A fifth run,
    LoRA rank 32 on the LLM only with the vision tower trained in full, says where a gap comes from (the tower's
-   conv stem has no linears, so LoRA on the tower leaves it frozen);
-   A sixth, the preset (recipes/tiny_lora.toml: `lora.full = ["convs", "norms"]` on the tower), trains the tower's
-   convolutions and norms in full beside the adapters. `--variants` picks some, `--seeds` repeats the adaptations
-   at other training seeds (issue 61: two);
+   conv stem has no linears, so LoRA on the tower leaves it frozen). A sixth trains the tower's convolutions and norms in full beside the adapters (`lora.full = ["convs",
+   "norms"]` on the tower), a seventh does that at alpha = 2 x rank: the preset, recipes/tiny_lora.toml's LoRA
+   sections. `--variants` picks some, `--seeds` repeats the adaptations at other training seeds (issue 61: two);
 4. evaluate the pretrained policy and the adapted ones on the four tasks (`--episodes` held-out episodes each,
    Wilson intervals);
 5. per variant: the trainable-parameter share, the adapter bytes of its checkpoint, the median step time (its
@@ -18,13 +17,14 @@
    (`PeakBytes`: parameters, gradients, optimizer state, activations and temporaries, each storage counted while it
    lives; a CPU has no allocator peak).
 
-Every stage is skipped when its output exists, so a cut run goes on where it stopped. The tiny flavor is what
+Every stage is skipped when its output exists, so a cut run goes on where it stopped; OUT/times.json keeps each
+stage's seconds across sittings (the JSON's "seconds"). The tiny flavor is what
 trains on this CPU: its linears are 64-256 wide, where a rank-32 adapter is half the size of the weight it adapts,
 so the trainable share is far from the <= 5 % a 7B model's rank-32 adapters give (docs/lora.md has the planner's
 count for vla-7b).
 
     python bench/lora.py [--out bench-out/lora] [--pretrain-steps 6000] [--adapt-steps 3000] [--episodes 50]
-        [--variants full,lora_r32_stem] [--seeds 0,1] [--results bench/results/lora.json]
+        [--variants full,lora_r32_stem,lora_r32_stem_a64] [--seeds 0,1] [--results bench/results/lora.json]
     python bench/lora.py --out /tmp/lora-smoke --pretrain-steps 20 --adapt-steps 10 --episodes 1 --data-scale 0.05
 """
 
@@ -48,13 +48,12 @@ CAMERAS = "corner,topview,behindGripper"
 VARIANTS = {"full": None, "lora_r8": (8, "auto"), "lora_r32": (32, "auto"), "qlora_r32": (32, "nf4"),
             # where the gap comes from: adapters on the LLM only, the vision tower (its conv stem) trained in full
             "lora_r32_llm_only": (32, "auto", ("llm",)),
-            # the preset (recipes/tiny_lora.toml): adapters on tower and LLM, the tower's convolutions (its stem) and
-            # norms trained in full beside them (`lora.full`)
+            # adapters on tower and LLM, the tower's convolutions (its stem) and norms trained in full beside them
+            # (`lora.full`), alpha = rank
             "lora_r32_stem": (32, "auto", ("vision", "llm"), ("convs", "norms")),
-            # the same with recipes/tiny_lora.toml's alpha = 2 x rank (the adapters' update scaled by 2)
+            # the preset (recipes/tiny_lora.toml's LoRA sections): the same at alpha = 2 x rank
             "lora_r32_stem_a64": (32, "auto", ("vision", "llm"), ("convs", "norms"), 64.0)}
-PRESET = "lora_r32_stem"
-PRESETS = (PRESET, "lora_r32_stem_a64")
+PRESETS = ("lora_r32_stem", "lora_r32_stem_a64")  # the checks of issue 61 (the preset last)
 
 
 def vlaforge(*args: str, log: Path) -> float:
@@ -77,29 +76,40 @@ def lora_overrides(rank: int, base: str, components: tuple[str, ...] = ("vision"
     return out + ([f"--components.vision.lora.full={json.dumps(list(full))}"] if full else [])
 
 
-def generate(out: Path, tasks: dict[str, int], times: dict) -> Path:
+def timed(times_file: Path, key: str, fn) -> None:
+    """Run a stage and add its seconds to `times_file` (kept across sittings: a resumed stage adds its part)."""
+    times = json.loads(times_file.read_text()) if times_file.is_file() else {}
+    t0 = time.perf_counter()
+    try:
+        fn()
+    finally:
+        times[key] = round(times.get(key, 0.0) + time.perf_counter() - t0, 1)
+        times_file.write_text(json.dumps(times, indent=1))
+
+
+def generate(out: Path, tasks: dict[str, int], times: Path) -> Path:
     if not (out / "meta" / "info.json").is_file():
         spec = ",".join(f"{t}:{n}" for t, n in tasks.items())
-        times[f"generate {out.name}"] = vlaforge("data", "generate", "--out", str(out), "--tasks", spec, "--cameras",
-                                                 CAMERAS, "--hide-distractors", "--steer-tcp", "--overwrite",
-                                                 log=out.parent / f"{out.name}.log")
+        timed(times, f"generate {out.name}", lambda: vlaforge(
+            "data", "generate", "--out", str(out), "--tasks", spec, "--cameras", CAMERAS, "--hide-distractors",
+            "--steer-tcp", "--overwrite", log=out.parent / f"{out.name}.log"))
     return out
 
 
-def train(run: Path, data: Path, steps: int, extra: list[str], times: dict) -> Path:
+def train(run: Path, data: Path, steps: int, extra: list[str], times: Path) -> Path:
     if not (run / "checkpoints" / "latest").is_file():
-        times[f"train {run.name}"] = vlaforge("train", str(RECIPE), f"--data.path={data}", f"--train.output_dir={run}",
-                                              f"--train.steps={steps}", f"--train.checkpoint_every={steps}",
-                                              "--train.progress=false", *extra, log=run.parent / f"{run.name}.log")
+        timed(times, f"train {run.name}", lambda: vlaforge(
+            "train", str(RECIPE), f"--data.path={data}", f"--train.output_dir={run}", f"--train.steps={steps}",
+            f"--train.checkpoint_every={steps}", "--train.progress=false", *extra, log=run.parent / f"{run.name}.log"))
     return run
 
 
-def evaluate(run: Path, episodes: int, tasks: list[str], times: dict) -> dict:
+def evaluate(run: Path, episodes: int, tasks: list[str], times: Path) -> dict:
     report = run / "eval" / "report.json"
     if not report.is_file():
-        times[f"eval {run.name}"] = vlaforge("eval", str(run), "--out", str(run / "eval"), "--episodes",
-                                             str(episodes), "--tasks", ",".join(tasks),
-                                             log=run.parent / f"{run.name}_eval.log")
+        timed(times, f"eval {run.name}", lambda: vlaforge(
+            "eval", str(run), "--out", str(run / "eval"), "--episodes", str(episodes), "--tasks", ",".join(tasks),
+            log=run.parent / f"{run.name}_eval.log"))
     return json.loads(report.read_text())
 
 
@@ -206,7 +216,7 @@ def peak_memory(run: Path, data: Path) -> dict:
 
 
 def adapt(name: str, seed: int, out: Path, pretrained: Path, adapt_data: Path, tasks: list[str], args,
-          times: dict) -> dict:
+          times: Path) -> dict:
     """One adapted variant at one training seed: its run (seed 0: OUT/NAME, as before seeds were asked; else
     OUT/NAME_sSEED), its evaluation, counts and peak memory."""
     lora = VARIANTS[name]
@@ -243,7 +253,7 @@ def main() -> None:
     scale = lambda tasks: {t: max(2, round(n * args.data_scale)) for t, n in tasks.items()}
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    times: dict[str, float] = {}
+    times = out / "times.json"  # every stage's seconds, summed over sittings
     pre_data = generate(out / "data_pretrain", scale(OLD), times)
     adapt_data = generate(out / "data_adapt", scale(NEW | OLD), times)
     tasks = list(NEW | OLD)
@@ -258,7 +268,7 @@ def main() -> None:
             rows["variants"][name] = adapt(name, seed, out, pretrained, adapt_data, tasks, args, times)
             print(json.dumps({f"{name} seed {seed}": rows["variants"][name]}), file=sys.stderr, flush=True)
         rows["checks"] = checks(rows["variants"], result)
-    result["seconds"] = {k: round(v, 1) for k, v in times.items()}
+    result["seconds"] = json.loads(times.read_text()) if times.is_file() else {}
     text = json.dumps(result, indent=1)
     (out / "lora.json").write_text(text)
     if args.results:
