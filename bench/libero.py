@@ -9,13 +9,16 @@
         env steps per second on this machine per camera set and resolution (the expert driving, a task of
         LIBERO-Object), and one reset
     python bench/libero.py policy [--episodes 50] [--steps 6000] [--eval-states 10] [--image-size 128]
-                                  [--seeds 0,1] [--results bench/results/libero_object.json]
+                                  [--seeds 0,1] [--curve 2000,6000] [--report]
+                                  [--results bench/results/libero_object.json]
         generate LIBERO-Object demonstrations (`data generate --suite libero_object`), train recipes/libero.toml on
         them once per seed, evaluate each run on a reduced protocol (all 10 tasks, the first --eval-states fixed
         initial states each, image + wrist_image) task by task; per task and seed the successes with Wilson
         intervals, and the wall time of each stage (times.json, summed over sittings). Every stage resumes from what
         a cut run left: the recording from its spool, training from its last checkpoint (every
-        --checkpoint-every steps), evaluation from the tasks already reported.
+        --checkpoint-every steps, all kept), evaluation from the tasks already reported; the JSON is written after
+        each seed. --curve evaluates earlier checkpoints too (success vs steps); --report writes the JSON from
+        what is there.
 
 The expert and speed stages run in worker processes (--workers, default 2: this machine's cores).
 """
@@ -136,58 +139,102 @@ def _latest_step(run: Path) -> int:
 
 
 def policy(args) -> dict:
-    """Generate, train (per seed) and evaluate (per seed and task), each stage resumable from what an earlier sitting
-    left: the recording from its spool, training from its last checkpoint, evaluation task by task."""
+    """Generate, train (per seed) and evaluate (per seed and task; --curve: also earlier checkpoints), each stage
+    resumable from what an earlier sitting left: the recording from its spool, training from its last checkpoint,
+    evaluation task by task. The JSON is written after each seed, so a cut sitting keeps the seeds it finished
+    (those still running are listed under "pending"); --report writes it from what is there and runs nothing."""
     from vlaforge.data.libero import suite_tasks
-    from vlaforge.evaluation.closed_loop import wilson_interval
 
     out = Path(args.out).resolve()
     data, times_file = out / "data", out / "times.json"
     seeds = [int(x) for x in str(args.seeds).split(",") if x]
-    if not (data / "meta" / "info.json").is_file():
+    curve = sorted({int(x) for x in str(args.curve).split(",") if x} - {args.steps})
+    if not args.report and not (data / "meta" / "info.json").is_file():
         timed(times_file, "generate_s", lambda: vlaforge(
             "data", "generate", "--suite", SUITE, "--out", str(data), "--episodes", str(args.episodes),
             "--image-size", str(args.image_size), "--workers", str(args.workers), "--no-progress",
             log=out / "generate.log"))
-    tasks = suite_tasks(SUITE)
-    result = {"stage": "policy", "suite": SUITE, "command": " ".join(sys.argv), "episodes_per_task": args.episodes,
+    tasks = [t.name for t in suite_tasks(SUITE)]
+    command = " ".join(a for a in sys.argv if a != "--report")
+    result = {"stage": "policy", "suite": SUITE, "command": command, "episodes_per_task": args.episodes,
               "train_steps": args.steps, "image_size": args.image_size, "eval_states_per_task": args.eval_states,
               "protocol": f"reduced: all {len(tasks)} tasks x the first {args.eval_states} official initial states",
-              "seeds": {}}
+              "seeds": {}, "pending": {}}
     for seed in seeds:
         run = out / f"run_s{seed}"
-        if _latest_step(run) < args.steps:
-            resume = ["--train.resume=latest"] if _latest_step(run) else []
-            timed(times_file, f"train_s{seed}_s", lambda run=run, seed=seed, resume=resume: vlaforge(
-                "train", str(ROOT / "recipes" / "libero.toml"), f"--data.path={data}", f"--train.output_dir={run}",
-                f"--train.steps={args.steps}", f"--train.checkpoint_every={args.checkpoint_every}",
-                f"--train.seed={seed}", "--train.progress=false", *resume, log=out / f"train_s{seed}.log"))
-        per_task = {}
-        for i, task in enumerate(tasks):
-            evald = out / f"eval_s{seed}" / f"task_{i:02d}"
-            if not (evald / "report.json").is_file():
-                timed(times_file, f"eval_s{seed}_s", lambda evald=evald, run=run, i=i, seed=seed, task=task: vlaforge(
-                    "eval", str(run), "--benchmark", SUITE, "--tasks", task.name, "--episodes", str(args.eval_states),
-                    "--workers", str(args.workers), "--out", str(evald), "--no-progress",
-                    log=out / f"eval_s{seed}_task{i:02d}.log"))
-            report = json.loads((evald / "report.json").read_text())
-            per_task.update({t: v for t, v in report["tasks"].items()})
-        wins = {t: v["successes"] for t, v in per_task.items()}
-        n = {t: v["episodes"] for t, v in per_task.items()}
-        total, count = sum(wins.values()), sum(n.values())
-        result["seeds"][str(seed)] = {
-            "mean_success_rate": total / count, "successes": total, "episodes": count,
+        if not args.report:
+            _train(args, run, seed, data, out, times_file)
+        points = {step: _evaluate(args, run, seed, step, tasks, out, times_file) for step in (args.steps, *curve)}
+        done = {step: p for step, p in points.items() if p is not None}
+        if args.steps in done:
+            result["seeds"][str(seed)] = done.pop(args.steps) | (
+                {"curve": {str(k): _brief(v) for k, v in done.items()}} if curve else {})
+        else:
+            result["pending"][str(seed)] = {"trained_steps": _latest_step(run),
+                                            "evaluated": {str(k): _brief(v) for k, v in done.items()}}
+        _write_policy(args, result, data, times_file)
+    return result
+
+
+def _train(args, run: Path, seed: int, data: Path, out: Path, times_file: Path) -> None:
+    """Train seed `seed` to --steps (resumed from the run's last checkpoint), keeping every checkpoint (the curve)."""
+    if _latest_step(run) >= args.steps:
+        return
+    resume = ["--train.resume=latest"] if _latest_step(run) else []
+    timed(times_file, f"train_s{seed}_s", lambda: vlaforge(
+        "train", str(ROOT / "recipes" / "libero.toml"), f"--data.path={data}", f"--train.output_dir={run}",
+        f"--train.steps={args.steps}", f"--train.checkpoint_every={args.checkpoint_every}",
+        f"--train.keep_checkpoints={args.steps // args.checkpoint_every + 1}", f"--train.seed={seed}",
+        "--train.progress=false", *resume, log=out / f"train_s{seed}.log"))
+
+
+def _evaluate(args, run: Path, seed: int, step: int, tasks: list[str], out: Path, times_file: Path) -> dict | None:
+    """Seed `seed`'s checkpoint at `step` on the reduced protocol, task by task (each task's report kept); None
+    while that checkpoint is missing or, under --report, a task is unevaluated."""
+    from vlaforge.evaluation.closed_loop import wilson_interval
+
+    final = step == args.steps
+    ckpt = run / "checkpoints" / f"step_{step:08d}"
+    root = out / (f"eval_s{seed}" if final else f"eval_s{seed}_step{step}")
+    per_task = {}
+    for i, task in enumerate(tasks):
+        evald = root / f"task_{i:02d}"
+        if not (evald / "report.json").is_file():
+            if args.report or not ckpt.is_dir():
+                return None
+            key = f"eval_s{seed}_s" if final else "eval_curve_s"
+            timed(times_file, key, lambda evald=evald, task=task, i=i: vlaforge(
+                "eval", str(ckpt), "--benchmark", SUITE, "--tasks", task, "--episodes", str(args.eval_states),
+                "--workers", str(args.workers), "--out", str(evald), "--no-progress",
+                log=out / f"{root.name}_task{i:02d}.log"))
+        per_task.update(json.loads((evald / "report.json").read_text())["tasks"])
+    wins = {t: v["successes"] for t, v in per_task.items()}
+    n = {t: v["episodes"] for t, v in per_task.items()}
+    total, count = sum(wins.values()), sum(n.values())
+    return {"mean_success_rate": total / count, "successes": total, "episodes": count,
             "ci95": wilson_interval(total, count),
             "tasks": {t: {"successes": wins[t], "episodes": n[t], "success_rate": wins[t] / n[t],
                           "ci95": wilson_interval(wins[t], n[t])} for t in per_task}}
-    summary = json.loads((data / "meta" / "info.json").read_text())
+
+
+def _brief(point: dict) -> dict:
+    """A curve point: the mean with its interval and each task's successes."""
+    return {"mean_success_rate": point["mean_success_rate"], "ci95": point["ci95"],
+            "successes": {t: v["successes"] for t, v in point["tasks"].items()}}
+
+
+def _write_policy(args, result: dict, data: Path, times_file: Path) -> None:
+    """OUT/policy.json and --results, from what is measured so far (renamed into place)."""
+    info = data / "meta" / "info.json"
+    summary = json.loads(info.read_text()) if info.is_file() else {}
     result |= {"frames": summary.get("total_frames"), "episodes": summary.get("total_episodes"),
                "times_s": json.loads(times_file.read_text()) if times_file.is_file() else {},
-               "machine": {"cores": os.cpu_count()}}
-    if args.results:
-        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.results).write_text(json.dumps(result, indent=1) + "\n")
-    return result
+               "machine": {"cores": os.cpu_count()}, "date": time.strftime("%Y-%m-%d")}
+    for path in (Path(args.out) / "policy.json", *([Path(args.results)] if args.results else [])):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(path)
 
 
 def main() -> None:
@@ -204,6 +251,10 @@ def main() -> None:
     parser.add_argument("--eval-states", type=int, default=10)
     parser.add_argument("--seeds", default="0", help="policy: training seeds, comma-separated")
     parser.add_argument("--results", help="policy: also write the JSON here (bench/results/libero_object.json)")
+    parser.add_argument("--curve", default="", help="policy: also evaluate the checkpoints at these steps, "
+                                                    "comma-separated multiples of --checkpoint-every (the steps curve)")
+    parser.add_argument("--report", action="store_true", help="policy: write the JSON from what earlier sittings "
+                                                              "left, running nothing")
     parser.add_argument("--image-size", type=int, default=128)
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -246,16 +246,11 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     multiple = 2 * cp if zigzag and cp > 1 else cp
     s_pad = -(-s // multiple) * multiple  # the padded layout the ranks split (distributed/sequence_parallel.py)
     s_rank = s_pad // cp
-    images = b * seq.frames
-    tv = images * seq.patches  # vision tokens the LLM reads
-    tvt = images * seq.tower_patches  # the tower's tokens (as many with a connector that does not merge)
     c = {name: compute_bytes(policies[name].precision) for name in COMPONENTS}
     strat = {name: policies[name].checkpointing for name in COMPONENTS}
     out: dict[str, int] = {}
     lora = adapters_of(model, policies)
     mb = {name: 4 if policies[name].precision == "fp32" else 4 if master == "fp32" else 2 for name in c}
-
-    from vlaforge.models.vision import tower_width
 
     rows = {comp: measured.rows(comp, policies[comp].checkpointing, policies[comp].precision, master)
             for comp in (measured.components if measured is not None else ())}
@@ -265,15 +260,7 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     else:
         out["vision"] = _vision_bytes(model, seq, vshape, policies["vision"], mb["vision"], lora.get("vision"),
                                       compiled)
-    # linear + GELU + linear: the first's input, the GELU's input and output; one linear: its input. A merging
-    # connector's linear reads merge^2 patches side by side (its input: the shuffled copy), after Qwen-VL's RMSNorm
-    # (fp32: its input, rsqrt, normed output)
-    width = tower_width(model.vision) * seq.merge * seq.merge
-    proj = model.projector
-    kept = width + 2 * proj.mlp[0].out_features if len(proj.mlp) == 3 else width
-    norm = (8 * vshape.hidden + 4) * tvt if proj.norm is not None else 0
-    out["projector"] = (4 * tower_width(model.vision) * tvt if strat["projector"] == "full"
-                        else norm + c["projector"] * tv * kept)
+    out["projector"] = _projector_bytes(model, seq, vshape.hidden, strat["projector"], c["projector"])
     from vlaforge.models.llm import llm_blocks
 
     full = llm_shape(llm, llm_blocks(model.llm)[0])
@@ -300,12 +287,27 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
         out["llm_tail"] -= 4 * D * b * s_rank + c["llm"] * b * (seq.text + 1) * D
     if cp > 1:  # the layout's int64 indices: this rank's rows (and the batch index), the scatter back to the layout
         out["llm_tail"] += 8 * b * (s_rank + 1 + s_pad)
-    head = model.action_head
-    ha, t = head.in_proj.out_features, seq.chunk
+    ha, t = model.action_head.in_proj.out_features, seq.chunk
     out["action_head"] = (4 * D * b * t if strat["action_head"] == "full"
                           else c["action_head"] * (b * t * (D + 4 * ha) + b * seq.state_dim))
     out["other"] = _loss_bytes(seq, D, llm.vocab_size, contrastive, frozen_embeddings="llm" in lora)
     return out
+
+
+def _projector_bytes(model, seq: Sequence, tower_hidden: int, checkpointing: str, compute: int) -> int:
+    """The projector's kept bytes. Linear + GELU + linear: the first's input, the GELU's input and output; one
+    linear: its input. A merging connector's linear reads merge^2 patches side by side (its input: the shuffled
+    copy), after Qwen-VL's RMSNorm (fp32: its input, rsqrt, normed output)."""
+    from vlaforge.models.vision import tower_width
+
+    images = seq.batch * seq.frames
+    tv = images * seq.patches  # vision tokens the LLM reads
+    tvt = images * seq.tower_patches  # the tower's tokens (as many with a connector that does not merge)
+    width = tower_width(model.vision) * seq.merge * seq.merge
+    proj = model.projector
+    kept = width + 2 * proj.mlp[0].out_features if len(proj.mlp) == 3 else width
+    norm = (8 * tower_hidden + 4) * tvt if proj.norm is not None else 0
+    return 4 * tower_width(model.vision) * tvt if checkpointing == "full" else norm + compute * tv * kept
 
 
 def _vision_bytes(model, seq: Sequence, vshape: BlockShape, policy, master_bytes: int, lora, compiled: bool = False

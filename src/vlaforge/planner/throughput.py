@@ -106,17 +106,54 @@ def _attention_pairs(vis, seq: Sequence, block: int, qwen: bool) -> int:
 
 def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> StepFlops:
     """FLOPs of one micro-batch's forward and backward (times `grad_accum` for a step)."""
-    vis, llm = model.vision.config, model.llm.config
+    llm = model.llm.config
     b, s = seq.batch, seq.llm_tokens
-    images, t = b * seq.frames, b * s
-    tv, tp = images * seq.tower_patches, images * seq.patches  # the tower's tokens, the projected ones
+    t, tp = b * s, b * seq.frames * seq.patches  # the LLM's tokens, the projected image tokens
     from vlaforge.planner.lora import adapters_of
 
     trains = {c: ever_trains(policies[c]) for c in COMPONENTS}
     lora = adapters_of(model, policies)
     out = StepFlops()
 
-    # vision: patch convolution, blocks (q, k, v, o; fc1, fc2), attention core over each image's patches
+    v_hidden = _vision_flops(out, model, seq, policies, trains, lora)
+    _projector_flops(out, model, v_hidden * seq.merge * seq.merge, tp, llm.hidden_size, trains,
+                     policies["projector"].checkpointing)
+
+    # llm: blocks (q, k, v, o; gate, up, down), LM head over the text positions (+1), causal attention core
+    # each block's own weights (Llama's q, k, v, o; gate, up, down; a MoE block's routed experts' share)
+    ls = llm_shape(llm)
+    D, hd = ls.hidden, ls.heads * ls.head_dim
+    lb = model_matmuls(model, "llm")[0]
+    l_out, l_attn_mm, l_down, l_ffn_mm = (2.0 * t * sum(b[k] for b in lb) / len(lb)
+                                          for k in ("attn_out", "attn", "ffn_out", "ffn"))
+    l_blocks = llm.num_hidden_layers * (l_attn_mm + l_ffn_mm)
+    head = 2.0 * b * (seq.text + 1) * D * llm.vocab_size
+    l_core = llm.num_hidden_layers * 4.0 * b * s * s * hd
+    upstream = trains["vision"] or trains["projector"]
+    out.forward["llm"] = l_blocks + head
+    out.backward["llm"] = (l_blocks + head) * (trains["llm"] + (trains["llm"] or upstream))
+    needs_backward = trains["llm"] or upstream
+    rec, core_again = _recomputed(policies["llm"].checkpointing, l_attn_mm, l_ffn_mm, l_out, l_down)
+    out.recompute["llm"] = llm.num_hidden_layers * rec if needs_backward else 0.0
+    if "llm" in lora:  # frozen block weights and head (its input gradient only); adapters train; the LLM's input
+        # needs no gradient unless something below trains (its own token embeddings are frozen)
+        _lora_flops(out, "llm", lora["llm"], llm.num_hidden_layers, t, policies["llm"].checkpointing,
+                    (l_attn_mm, l_ffn_mm, l_out, l_down), extra=(head, head), input_free=not upstream)
+    out.recompute_attention["llm"] = l_core if core_again and needs_backward else 0.0
+    out.attention["llm"] = l_core + (2 * l_core if needs_backward else 0.0) + out.recompute_attention["llm"]
+
+    _action_head_flops(out, model, seq, D, s, policies["action_head"].checkpointing, trains["action_head"])
+    out.forward["other"] = 2.0 * b * b * D if contrastive else 0.0  # contrastive logits (B x B)
+    out.backward["other"] = (1 if "llm" in lora else 2) * out.forward["other"]  # LoRA: frozen instruction side
+    return out
+
+
+def _vision_flops(out: StepFlops, model, seq: Sequence, policies, trains: dict, lora: dict) -> int:
+    """The tower's FLOPs into `out`: patch convolution, blocks (q, k, v, o; fc1, fc2), attention core over each
+    image's patches; returns its width (the projector's input per merged patch)."""
+    vis = model.vision.config
+    images = seq.batch * seq.frames
+    tv = images * seq.tower_patches  # the tower's tokens
     vs = vision_shape(model.vision)
     patch = vis.patch_size
     qwen = vs.kind == "qwen_vit"  # a Conv3d over the repeated frame, a SwiGLU MLP, attention within windows
@@ -144,37 +181,17 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
                     (v_attn_mm, v_ffn_mm, v_out, v_fc2), extra=(conv, 0.0), input_free=True)
     out.recompute_attention["vision"] = v_core if core_again and trains["vision"] else 0.0
     out.attention["vision"] = v_core + (2 * v_core if trains["vision"] else 0.0) + out.recompute_attention["vision"]
+    return vs.hidden
 
-    _projector_flops(out, model, vs.hidden * seq.merge * seq.merge, tp, llm.hidden_size, trains,
-                     policies["projector"].checkpointing)
 
-    # llm: blocks (q, k, v, o; gate, up, down), LM head over the text positions (+1), causal attention core
-    # each block's own weights (Llama's q, k, v, o; gate, up, down; a MoE block's routed experts' share)
-    ls = llm_shape(llm)
-    D, hd = ls.hidden, ls.heads * ls.head_dim
-    lb = model_matmuls(model, "llm")[0]
-    l_out, l_attn_mm, l_down, l_ffn_mm = (2.0 * t * sum(b[k] for b in lb) / len(lb)
-                                          for k in ("attn_out", "attn", "ffn_out", "ffn"))
-    l_blocks = llm.num_hidden_layers * (l_attn_mm + l_ffn_mm)
-    head = 2.0 * b * (seq.text + 1) * D * llm.vocab_size
-    l_core = llm.num_hidden_layers * 4.0 * b * s * s * hd
-    upstream = trains["vision"] or trains["projector"]
-    out.forward["llm"] = l_blocks + head
-    out.backward["llm"] = (l_blocks + head) * (trains["llm"] + (trains["llm"] or upstream))
-    needs_backward = trains["llm"] or upstream
-    rec, core_again = _recomputed(policies["llm"].checkpointing, l_attn_mm, l_ffn_mm, l_out, l_down)
-    out.recompute["llm"] = llm.num_hidden_layers * rec if needs_backward else 0.0
-    if "llm" in lora:  # frozen block weights and head (its input gradient only); adapters train; the LLM's input
-        # needs no gradient unless something below trains (its own token embeddings are frozen)
-        _lora_flops(out, "llm", lora["llm"], llm.num_hidden_layers, t, policies["llm"].checkpointing,
-                    (l_attn_mm, l_ffn_mm, l_out, l_down), extra=(head, head), input_free=not upstream)
-    out.recompute_attention["llm"] = l_core if core_again and needs_backward else 0.0
-    out.attention["llm"] = l_core + (2 * l_core if needs_backward else 0.0) + out.recompute_attention["llm"]
-
+def _action_head_flops(out: StepFlops, model, seq: Sequence, width: int, s: int, checkpointing: str,
+                       trains: bool) -> None:
+    """The action head's FLOPs into `out` (`width`: the LLM's hidden size, `s`: its tokens per sample)."""
+    b = seq.batch
     ah = model.action_head
     if hasattr(ah, "in_proj"):  # vlaforge's regression head: in_proj and state_proj, then an MLP of two linears
         ha, chunk = ah.in_proj.out_features, seq.chunk
-        body = 2.0 * b * chunk * (D * ha + ha * ha + ha * seq.action_dim)
+        body = 2.0 * b * chunk * (width * ha + ha * ha + ha * seq.action_dim)
         state = 2.0 * b * seq.state_dim * ha
     else:  # a policy's action expert over its action tokens: its blocks' and projections' weights, its attention
         # core over the prefix and itself (the state token and its projection counted as one more action token)
@@ -183,12 +200,8 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
         body = 2.0 * b * (seq.chunk + 1) * per_token + 4.0 * b * (seq.chunk + 1) * s * sum(x["width"] for x in expert)
         state = 0.0
     out.forward["action_head"] = body + state
-    out.backward["action_head"] = body * (trains["action_head"] + 1) + state * trains["action_head"]
-    out.recompute["action_head"] = (body + state) if policies["action_head"].checkpointing == "full" else 0.0
-
-    out.forward["other"] = 2.0 * b * b * D if contrastive else 0.0  # contrastive logits (B x B)
-    out.backward["other"] = (1 if "llm" in lora else 2) * out.forward["other"]  # LoRA: frozen instruction side
-    return out
+    out.backward["action_head"] = body * (trains + 1) + state * trains
+    out.recompute["action_head"] = (body + state) if checkpointing == "full" else 0.0
 
 
 def model_matmuls(model, comp: str) -> tuple[list[dict[str, float]], int]:
