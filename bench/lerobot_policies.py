@@ -34,7 +34,11 @@ with fewer layers (--pi-depth Gemma layers each, --pi-vision-layers SigLIP-so400
 vocabulary; `built` in the JSON says what. `--quick` checks the bench itself: the test suite's tiny folders
 (tests/lerobot061.py), LeRobot's first setting, two vlaforge variants, the kinds side by side.
 
-    python bench/lerobot_policies.py [--kinds smolvla,pi0,pi05] [--batch 2] [--out FILE.json] [--quick]
+`--tensors` measures what the RSS cannot separate from the allocator: the live tensor bytes of one forward and
+backward (no optimizer), counted op by op on both sides alike (bench/lora.py's `forward_backward_bytes`): what the
+forward keeps for backward and the peak, at batch 1 and --batch, and their growth per sample.
+
+    python bench/lerobot_policies.py [--kinds smolvla,pi0,pi05] [--batch 2] [--out FILE.json] [--quick] [--tensors]
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ CHUNK = 50
 LEROBOT_TRAIN = {"smolvla": ("float32", "bfloat16", "bfloat16-all"), "pi0": ("float32+gc", "bfloat16+gc"),
                  "pi05": ("float32+gc", "bfloat16+gc")}
 LEROBOT_PREDICT = ("float32", "bfloat16")
+LEROBOT_TENSORS = {"smolvla": ("float32", "bfloat16"), "pi0": ("float32", "float32+gc", "bfloat16+gc"),
+                   "pi05": ("float32", "float32+gc", "bfloat16+gc")}
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}  # the loss's relative difference to LeRobot's float32 loss
 LATENCY_GOAL = ("smolvla", "pi05")  # the issue's 2x prediction goal is for these
 QUICK_VARIANTS = "fp32+checkpointing,bf16-master+checkpointing"
@@ -306,6 +312,25 @@ def measure_kind(kind: str, args) -> dict:
     return row
 
 
+def tensors_kind(kind: str, args) -> dict:
+    """--tensors: each side's live tensor bytes at batch 1 and --batch, per LeRobot setting and vlaforge variant."""
+    folder, built = built_folder(kind, args)
+    work = folder / "bench"
+    work.mkdir(exist_ok=True)
+    paths = ",".join(str(write_inputs(work / f"train_b{b}.safetensors", b, args.quick)) for b in (1, args.batch))
+    rows = {"lerobot": {s: run_lerobot("tensors", str(folder / "policy"), paths, s, args=args)
+                        for s in LEROBOT_TENSORS[kind]},
+            "vlaforge": {v: run_vlaforge("tensors", "--folder", str(folder), "--kind", kind, "--inputs", paths,
+                                         "--variant", v, args=args) for v in args.variants}}
+    for side in rows.values():
+        for row in side.values():
+            one, many = (row.get("batches") or {}).get("1"), (row.get("batches") or {}).get(str(args.batch))
+            if one and many and args.batch > 1:
+                row["per_sample_mib"] = {k: round((many[k] - one[k]) / (args.batch - 1), 2)
+                                         for k in ("kept_mib", "peak_mib")}
+    return {"built": built, **rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -322,6 +347,8 @@ def main() -> None:
     ap.add_argument("--quiet-wait", type=float, default=60, help="seconds to wait for a quiet machine per process")
     ap.add_argument("--quick", action="store_true", help="the test suite's tiny folders, LeRobot's first setting, two "
                     "vlaforge variants, the kinds side by side (a check of the bench, not a measurement)")
+    ap.add_argument("--tensors", action="store_true", help="live tensor bytes of a forward + backward at batch 1 "
+                    "and --batch, both sides (instead of the step and latency rows)")
     ap.add_argument("--root", type=Path, default=Path("/tmp/vlaforge_bench_lerobot_policies"))
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args()
@@ -340,12 +367,15 @@ def main() -> None:
               "step_time": "median of steps 2..N of one process (step 1 a warm-up)",
               "memory": "MiB; peak_rss: VmHWM from the moment model, optimizer and batch are ready (weights in it)",
               "kinds": {}}
+    measure = tensors_kind if args.tensors else measure_kind
+    if args.tensors:  # counted, not timed: no waiting for a quiet machine
+        args.quiet_wait = 0
     if args.quick:  # tiny folders: the kinds side by side, no waiting for a quiet machine (nothing here is timed)
         args.quiet_wait = 0
         with ThreadPoolExecutor(len(kinds)) as pool:
-            result["kinds"] = dict(zip(kinds, pool.map(lambda kind: measure_kind(kind, args), kinds)))
+            result["kinds"] = dict(zip(kinds, pool.map(lambda kind: measure(kind, args), kinds)))
     else:
-        result["kinds"] = {kind: measure_kind(kind, args) for kind in kinds}
+        result["kinds"] = {kind: measure(kind, args) for kind in kinds}
     result["wall_s"] = round(time.perf_counter() - started, 1)
     text = json.dumps(result, indent=1)
     if args.out:

@@ -96,6 +96,32 @@ def train(args) -> dict:
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
+def tensors(args) -> dict:
+    """Live tensor bytes of one forward + backward of the variant per inputs file (`--inputs A,B`): kept for
+    backward and the peak, counted as on LeRobot's side (bench/lora.py's `forward_backward_bytes`)."""
+    from lora import forward_backward_bytes
+
+    from vlaforge.errors import VlaforgeError
+    from vlaforge.techniques.freezing import apply_freezing
+    from vlaforge.training.trainer import build_model
+
+    try:
+        cfg = variant_config(args.kind, args.folder, args.variant)
+    except (VlaforgeError, ValueError) as exc:
+        return {"variant": args.variant, "refused": str(exc).strip().splitlines()[0]}
+    model, _ = build_model(cfg, torch.device("cpu"))
+    apply_freezing(model, dict(cfg.components.items()), 0)
+    model.train()
+    rows = {}
+    for path in str(args.inputs).split(","):
+        inputs, tasks = read_inputs(Path(path))
+        noise, time_ = inputs.pop("noise"), inputs.pop("time")
+        batch = model.pipelines[0]({**inputs, "task": tasks})
+        loss_of = lambda b=batch, n=noise, t=time_: model.loss(model.prepare(b), n, t)
+        rows[str(len(tasks))] = forward_backward_bytes(list(model.parameters()), loss_of)
+    return {"variant": args.variant, "batches": rows}
+
+
 def timed(fn, runs: int) -> tuple[dict, object]:
     """({median_ms, ms}, the warm-up call's output): one warm-up call, then `runs` timed ones."""
     out = fn()
@@ -190,7 +216,7 @@ def onnx_predict(model, batch: dict, noise: torch.Tensor, args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=("train", "predict"))
+    ap.add_argument("mode", choices=("train", "predict", "tensors"))
     ap.add_argument("--folder", type=Path, required=True)
     ap.add_argument("--kind", choices=KINDS, required=True)
     ap.add_argument("--inputs", type=Path, required=True)
@@ -200,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(json.dumps(train(args) if args.mode == "train" else predict(args)))
+    print(json.dumps({"train": train, "predict": predict, "tensors": tensors}[args.mode](args)))
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@
    fine-tuning, LoRA rank 8, LoRA rank 32, QLoRA rank 32 (NF4 base). Adapters go on the vision tower and the LLM
    (alpha = rank); the projector and the action head train in full, as in recipes/tiny_lora.toml. A fifth run,
    LoRA rank 32 on the LLM only with the vision tower trained in full, says where a gap comes from (the tower's
-   conv stem has no linears, so LoRA on the tower leaves it frozen). A sixth trains the tower's convolutions and norms in full beside the adapters (`lora.full = ["convs",
-   "norms"]` on the tower), a seventh does that at alpha = 2 x rank: the preset, recipes/tiny_lora.toml's LoRA
-   sections. `--variants` picks some, `--seeds` repeats the adaptations at other training seeds (issue 61: two);
+   conv stem has no linears, so LoRA on the tower leaves it frozen). A sixth trains the tower's convolutions and
+   norms in full beside the adapters (`lora.full = ["convs", "norms"]` on the tower), a seventh does that at
+   alpha = 2 x rank: the preset, recipes/tiny_lora.toml's LoRA sections. `--variants` picks some, `--seeds`
+   repeats the adaptations at other training seeds (issue 61: two);
 4. evaluate the pretrained policy and the adapted ones on the four tasks (`--episodes` held-out episodes each,
    Wilson intervals);
 5. per variant: the trainable-parameter share, the adapter bytes of its checkpoint, the median step time (its
@@ -76,15 +77,31 @@ def lora_overrides(rank: int, base: str, components: tuple[str, ...] = ("vision"
     return out + ([f"--components.vision.lora.full={json.dumps(list(full))}"] if full else [])
 
 
-def timed(times_file: Path, key: str, fn) -> None:
-    """Run a stage and add its seconds to `times_file` (kept across sittings: a resumed stage adds its part)."""
+def timed(times_file: Path, key: str, fn, every_s: float = 30.0) -> None:
+    """Run a stage and add its seconds to `times_file` (kept across sittings: a resumed stage adds its part). The
+    file is rewritten every `every_s` seconds while the stage runs, so a sitting that is killed (its processes ended
+    without a chance to clean up) still leaves its time, to within `every_s`."""
+    import threading
+
     times = json.loads(times_file.read_text()) if times_file.is_file() else {}
-    t0 = time.perf_counter()
+    before, t0, done = times.get(key, 0.0), time.perf_counter(), threading.Event()
+
+    def write() -> None:
+        times[key] = round(before + time.perf_counter() - t0, 1)
+        tmp = times_file.with_name(f".{times_file.name}.tmp")
+        tmp.write_text(json.dumps(times, indent=1))
+        tmp.replace(times_file)
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            write()
+
+    threading.Thread(target=beat, daemon=True).start()
     try:
         fn()
     finally:
-        times[key] = round(times.get(key, 0.0) + time.perf_counter() - t0, 1)
-        times_file.write_text(json.dumps(times, indent=1))
+        done.set()
+        write()
 
 
 def generate(out: Path, tasks: dict[str, int], times: Path) -> Path:
@@ -183,6 +200,21 @@ class PeakBytes:
 
     def __exit__(self, *exc):
         return self.mode.__exit__(*exc)
+
+
+def forward_backward_bytes(params: list, loss_of) -> dict:
+    """Live tensor bytes over one forward and backward of `loss_of()` beyond `params` (their gradients set to None
+    first), counted by `PeakBytes`: what the forward leaves for backward ("kept") and the peak. The counting both
+    sides of bench/lerobot_policies.py's --tensors use (the process's RSS also holds what the allocator keeps)."""
+    for p in params:
+        p.grad = None
+    with PeakBytes(params) as tracker:
+        start = tracker.now
+        loss = loss_of()
+        kept = tracker.now - start
+        loss.backward()
+    return {"kept_mib": round(kept / 2**20, 2), "peak_mib": round((tracker.peak - start) / 2**20, 2),
+            "loss": loss.item()}
 
 
 def peak_memory(run: Path, data: Path) -> dict:

@@ -41,3 +41,22 @@ def test_both_sides_step_once_and_agree_on_the_loss(tmp_path_factory, tmp_path, 
         assert len(row["step_s"]) == 2 and row["peak_rss_mib"] >= row["rss_loaded_mib"] > row["rss_start_mib"] > 0
     assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * abs(theirs["loss"]), (mine["loss"], theirs["loss"])
     assert mine["trainable_parameters"] > 0 and mine["compute"]["llm"] == "fp32"
+
+
+def test_both_sides_count_the_tensors_a_forward_keeps(tmp_path_factory, tmp_path, monkeypatch):
+    """--tensors: each side counts the live tensor bytes of the same forward + backward (its loss equals the other
+    side's) at batch 1 and 2: what the forward keeps grows with the batch and stays under the peak."""
+    bench = _bench(monkeypatch)
+    folder = ref061.policy_folder("pi0", ref061.session_root(tmp_path_factory))
+    paths = ",".join(str(bench.write_inputs(tmp_path / f"in{b}.safetensors", b, quick=True)) for b in (1, 2))
+    args = SimpleNamespace(threads=1, quiet_wait=0)
+    theirs = bench.run_lerobot("tensors", str(folder / "policy"), paths, "float32+gc", args=args)
+    mine = bench.run_vlaforge("tensors", "--folder", str(folder), "--kind", "pi0", "--inputs", paths,
+                              "--variant", "fp32+checkpointing", args=args)
+    for row in (theirs, mine):
+        assert set(row["batches"]) == {"1", "2"}, row
+        one, two = row["batches"]["1"], row["batches"]["2"]
+        assert 0 < one["kept_mib"] < two["kept_mib"] <= two["peak_mib"], row
+    for b in ("1", "2"):
+        a, r = mine["batches"][b]["loss"], theirs["batches"][b]["loss"]
+        assert abs(a - r) <= 1e-5 * abs(r), (b, a, r)

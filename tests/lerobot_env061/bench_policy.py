@@ -7,6 +7,8 @@ usage: PYTHONPATH=.venv/lerobot061:tests/lerobot_env061 python tests/lerobot_env
                                     pi0.5) at SPEC's sizes (JSON, below); OUT/info.json written last
   train POLICY_DIR INPUTS SETTING STEPS    STEPS training steps of LeRobot's policy in SETTING
   predict POLICY_DIR INPUTS SETTINGS RUNS  the prediction latency of each SETTING (comma-separated), RUNS timed calls
+  tensors POLICY_DIR INPUTS SETTING        live tensor bytes of one forward + backward per INPUTS file (comma-
+                                           separated): kept for backward and the peak (bench/lora.py's counting)
 SETTING: float32 | bfloat16 (pi0 / pi0.5: the config's `dtype`; SmolVLA, which has no such option: the VLM cast to
 bfloat16 and the expert left in float32, as `load_vlm_weights=True` loads it) | bfloat16-all (SmolVLA: the whole
 policy cast), with `+gc` for the config's `gradient_checkpointing` (pi0 / pi0.5; SmolVLA has none in 0.6.1).
@@ -261,6 +263,23 @@ def predict(policy_dir: Path, inputs_path: Path, setting: str, runs: int) -> dic
             "actions": actions.float().flatten().tolist()}
 
 
+def tensors(policy_dir: Path, inputs_paths: str, setting: str) -> dict:
+    sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
+    from lora import forward_backward_bytes
+
+    policy, pre, _ = load(policy_dir, setting)
+    policy.train()
+    rows = {}
+    for path in inputs_paths.split(","):
+        inputs, tasks = read_inputs(Path(path))
+        noise, time_ = inputs.pop("noise"), inputs.pop("time")
+        batch = pre({**inputs, "task": tasks})
+        kwargs = _pin(policy, noise, time_)
+        rows[str(len(tasks))] = forward_backward_bytes(list(policy.parameters()),
+                                                       lambda b=batch, k=kwargs: policy.forward(dict(b), **k)[0])
+    return {"setting": setting, "batches": rows}
+
+
 def _guarded(fn, setting: str, *args) -> dict:
     """fn's result, or the setting's failure in one line (LeRobot's own error)."""
     try:
@@ -272,11 +291,13 @@ def _guarded(fn, setting: str, *args) -> dict:
 
 def main(argv: list[str]) -> None:
     mode = argv[0] if argv else ""
-    if len(argv) != {"build": 4, "train": 5, "predict": 5}.get(mode):
+    if len(argv) != {"build": 4, "train": 5, "predict": 5, "tensors": 4}.get(mode):
         sys.exit(__doc__)
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
     if mode == "build":
         result = build(argv[1], json.loads(Path(argv[2]).read_text()), Path(argv[3]))
+    elif mode == "tensors":
+        result = _guarded(tensors, argv[3], Path(argv[1]).resolve(), argv[2], argv[3])
     elif mode == "train":
         result = _guarded(train, argv[3], Path(argv[1]).resolve(), Path(argv[2]), argv[3], int(argv[4]))
     else:
