@@ -135,6 +135,10 @@ def test_action_chunks_stay_inside_episodes(dataset, cache_mb):
     spec = _spec(d)
     ds = _demo(d, spec, cache_mb=cache_mb)
     assert ds.store.preloaded == (cache_mb == 64)
+    # past the cache, training says so when it starts (each batch decodes video), naming the size that fits
+    total = d.num_frames * len(spec.cameras) * spec.render_size ** 2 * 3 / 2**20
+    assert (ds.store.notice is None) == (cache_mb == 64)
+    assert cache_mb == 64 or f"set data.cache_mb above {total:.0f}" in ds.store.notice
     for e_pos, e in enumerate(d.episodes):
         for t in range(e.length):
             s = ds[e.start + t]

@@ -52,6 +52,11 @@ class FrameStore:
         h, w = frame_size(reader.info["features"][cameras[0]])
         total_mb = reader.num_frames * len(cameras) * h * w * 3 / 2**20
         self.preloaded = total_mb <= cache_mb
+        # said when training starts: past the cache, every batch decodes video (data-bound on a few cores)
+        self.notice = None if self.preloaded else (
+            f"its decoded frames ({total_mb:,.0f} MB) exceed data.cache_mb = {cache_mb:g}: frames are decoded per "
+            f"batch into an LRU cache; set data.cache_mb above {total_mb:.0f} to decode them once, shared by the "
+            "workers")
         self.cache_bytes, self.cache, self.cached = int(cache_mb * 2**20), OrderedDict(), 0
         self.frames: dict[str, torch.Tensor] = {}
         if self.preloaded:

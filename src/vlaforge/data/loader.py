@@ -130,7 +130,8 @@ def _lerobot_data(cfg, model) -> Data:
     dataset = DemoDataset(reader, spec, tokenizer, seed=cfg.train.seed, shift=d.augment_shift, color=d.augment_color,
                           cache_mb=d.cache_mb, text_column=text_column, threads=max(2, d.num_workers),
                           env_state=env_state)
-    return Data(dataset, spec, tokenizer, tuple(f"dataset {d.path}: {n}" for n in reader.notices))
+    notices = (*reader.notices, *([dataset.store.notice] if dataset.store.notice else []))
+    return Data(dataset, spec, tokenizer, tuple(f"dataset {d.path}: {n}" for n in notices))
 
 
 def check_env_state(reader, dim: int) -> None:
