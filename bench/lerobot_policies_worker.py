@@ -66,29 +66,47 @@ def variant_config(kind: str, folder: Path, variant: str):
     return load_config(ROOT / "recipes" / f"{kind}.toml", overrides)
 
 
+def frozen_model(cfg):
+    """(the variant's model on the CPU with the recipe's freezing, its precision setup)."""
+    from vlaforge.techniques.freezing import apply_freezing
+    from vlaforge.training.trainer import build_model
+
+    model, precision = build_model(cfg, torch.device("cpu"))
+    apply_freezing(model, dict(cfg.components.items()), 0)
+    return model, precision
+
+
+def pinned_loss(model, inputs_path: Path):
+    """The loss of the inputs file's batch through the folder's own preprocessor (as LeRobot's) at its pinned noise
+    and flow times, as a call; `.batch` is its batch size."""
+    inputs, tasks = read_inputs(inputs_path)
+    noise, time_ = inputs.pop("noise"), inputs.pop("time")
+    batch = model.pipelines[0]({**inputs, "task": tasks})
+
+    def loss_of():
+        return model.loss(model.prepare(batch), noise, time_)
+
+    loss_of.batch = len(tasks)
+    return loss_of
+
+
 def train(args) -> dict:
     """`args.steps` training steps of the variant at the pinned noise and flow times."""
     from vlaforge.errors import VlaforgeError
-    from vlaforge.techniques.freezing import apply_freezing
     from vlaforge.training.optim import build_optimizer
-    from vlaforge.training.trainer import build_model
 
     try:
         cfg = variant_config(args.kind, args.folder, args.variant)
     except (VlaforgeError, ValueError) as exc:
         return {"variant": args.variant, "refused": str(exc).strip().splitlines()[0]}
     start = settle()
-    model, precision = build_model(cfg, torch.device("cpu"))
-    apply_freezing(model, dict(cfg.components.items()), 0)
+    model, precision = frozen_model(cfg)
     optimizer = build_optimizer(model, cfg)
-    inputs, tasks = read_inputs(args.inputs)
-    noise, time_ = inputs.pop("noise"), inputs.pop("time")
-    batch = model.pipelines[0]({**inputs, "task": tasks})  # the folder's own preprocessor, as LeRobot's
+    loss_of = pinned_loss(model, args.inputs)
     trained = [p for p in model.parameters() if p.requires_grad]
     model.train()
     loaded = settle()
-    times, losses = train_steps(lambda: model.loss(model.prepare(batch), noise, time_), trained,
-                                cfg.train.grad_clip, optimizer, args.steps)
+    times, losses = train_steps(loss_of, trained, cfg.train.grad_clip, optimizer, args.steps)
     setup = precision.to_json()
     return {"variant": args.variant, "rss_start_mib": start, "rss_loaded_mib": loaded, **peaks(),
             "step_s": times, "loss": losses[0], "losses": losses, "compute": setup["compute"],
@@ -102,23 +120,17 @@ def tensors(args) -> dict:
     from lora import forward_backward_bytes
 
     from vlaforge.errors import VlaforgeError
-    from vlaforge.techniques.freezing import apply_freezing
-    from vlaforge.training.trainer import build_model
 
     try:
         cfg = variant_config(args.kind, args.folder, args.variant)
     except (VlaforgeError, ValueError) as exc:
         return {"variant": args.variant, "refused": str(exc).strip().splitlines()[0]}
-    model, _ = build_model(cfg, torch.device("cpu"))
-    apply_freezing(model, dict(cfg.components.items()), 0)
+    model, _ = frozen_model(cfg)
     model.train()
     rows = {}
     for path in str(args.inputs).split(","):
-        inputs, tasks = read_inputs(Path(path))
-        noise, time_ = inputs.pop("noise"), inputs.pop("time")
-        batch = model.pipelines[0]({**inputs, "task": tasks})
-        loss_of = lambda b=batch, n=noise, t=time_: model.loss(model.prepare(b), n, t)
-        rows[str(len(tasks))] = forward_backward_bytes(list(model.parameters()), loss_of)
+        loss_of = pinned_loss(model, Path(path))
+        rows[str(loss_of.batch)] = forward_backward_bytes(list(model.parameters()), loss_of)
     return {"variant": args.variant, "batches": rows}
 
 

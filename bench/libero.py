@@ -225,16 +225,15 @@ def _brief(point: dict) -> dict:
 
 def _write_policy(args, result: dict, data: Path, times_file: Path) -> None:
     """OUT/policy.json and --results, from what is measured so far (renamed into place)."""
+    from vlaforge.outputs import write_atomic
+
     info = data / "meta" / "info.json"
     summary = json.loads(info.read_text()) if info.is_file() else {}
     result |= {"frames": summary.get("total_frames"), "episodes": summary.get("total_episodes"),
                "times_s": json.loads(times_file.read_text()) if times_file.is_file() else {},
                "machine": {"cores": os.cpu_count()}, "date": time.strftime("%Y-%m-%d")}
-    for path in (Path(args.out) / "policy.json", *([Path(args.results)] if args.results else [])):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        tmp.replace(path)
+    for path in (Path(args.out) / "policy.json", *([args.results] if args.results else [])):
+        write_atomic(path, json.dumps(result, indent=1) + "\n")
 
 
 def main() -> None:
@@ -259,8 +258,9 @@ def main() -> None:
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = {"expert": expert, "speed": speed, "policy": policy}[args.stage](args)
-    result["date"] = time.strftime("%Y-%m-%d")
-    (Path(args.out) / f"{args.stage}.json").write_text(json.dumps(result, indent=1) + "\n")
+    if args.stage != "policy":  # policy writes OUT/policy.json itself, after each seed
+        result["date"] = time.strftime("%Y-%m-%d")
+        (Path(args.out) / f"{args.stage}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
 
 

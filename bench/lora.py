@@ -83,14 +83,14 @@ def timed(times_file: Path, key: str, fn, every_s: float = 30.0) -> None:
     without a chance to clean up) still leaves its time, to within `every_s`."""
     import threading
 
+    from vlaforge.outputs import write_atomic
+
     times = json.loads(times_file.read_text()) if times_file.is_file() else {}
     before, t0, done = times.get(key, 0.0), time.perf_counter(), threading.Event()
 
     def write() -> None:
         times[key] = round(before + time.perf_counter() - t0, 1)
-        tmp = times_file.with_name(f".{times_file.name}.tmp")
-        tmp.write_text(json.dumps(times, indent=1))
-        tmp.replace(times_file)
+        write_atomic(times_file, json.dumps(times, indent=1))
 
     def beat() -> None:
         while not done.wait(every_s):

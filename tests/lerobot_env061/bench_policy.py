@@ -220,18 +220,29 @@ def _pin(policy, noise: torch.Tensor, time_: torch.Tensor | None) -> dict:
     return {}
 
 
-def train(policy_dir: Path, inputs_path: Path, setting: str, steps: int) -> dict:
-    policy, pre, start = load(policy_dir, setting)
+def _pinned_loss(policy, pre, inputs_path: Path):
+    """The training loss of the inputs file's batch through LeRobot's preprocessor at its pinned noise and flow times,
+    as a call; `.batch` is its batch size."""
     inputs, tasks = read_inputs(inputs_path)
     noise, time_ = inputs.pop("noise"), inputs.pop("time")
     batch = pre({**inputs, "task": tasks})
     kwargs = _pin(policy, noise, time_)
+
+    def loss_of():
+        return policy.forward(dict(batch), **kwargs)[0]
+
+    loss_of.batch = len(tasks)
+    return loss_of
+
+
+def train(policy_dir: Path, inputs_path: Path, setting: str, steps: int) -> dict:
+    policy, pre, start = load(policy_dir, setting)
+    loss_of = _pinned_loss(policy, pre, inputs_path)
     policy.train()
     optimizer = policy.config.get_optimizer_preset().build(policy.get_optim_params())
     trained = [p for p in policy.parameters() if p.requires_grad]
     loaded = settle()
-    times, losses = train_steps(lambda: policy.forward(dict(batch), **kwargs)[0], trained,
-                                policy.config.optimizer_grad_clip_norm, optimizer, steps)
+    times, losses = train_steps(loss_of, trained, policy.config.optimizer_grad_clip_norm, optimizer, steps)
     return {"setting": setting, "rss_start_mib": start, "rss_loaded_mib": loaded, **peaks(),
             "step_s": times, "loss": losses[0], "losses": losses,
             "trainable_parameters": sum(p.numel() for p in trained),
@@ -271,12 +282,8 @@ def tensors(policy_dir: Path, inputs_paths: str, setting: str) -> dict:
     policy.train()
     rows = {}
     for path in inputs_paths.split(","):
-        inputs, tasks = read_inputs(Path(path))
-        noise, time_ = inputs.pop("noise"), inputs.pop("time")
-        batch = pre({**inputs, "task": tasks})
-        kwargs = _pin(policy, noise, time_)
-        rows[str(len(tasks))] = forward_backward_bytes(list(policy.parameters()),
-                                                       lambda b=batch, k=kwargs: policy.forward(dict(b), **k)[0])
+        loss_of = _pinned_loss(policy, pre, Path(path))
+        rows[str(loss_of.batch)] = forward_backward_bytes(list(policy.parameters()), loss_of)
     return {"setting": setting, "batches": rows}
 
 

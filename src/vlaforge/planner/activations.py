@@ -303,11 +303,12 @@ def _projector_bytes(model, seq: Sequence, tower_hidden: int, checkpointing: str
     images = seq.batch * seq.frames
     tv = images * seq.patches  # vision tokens the LLM reads
     tvt = images * seq.tower_patches  # the tower's tokens (as many with a connector that does not merge)
-    width = tower_width(model.vision) * seq.merge * seq.merge
+    tower = tower_width(model.vision)
+    width = tower * seq.merge * seq.merge
     proj = model.projector
     kept = width + 2 * proj.mlp[0].out_features if len(proj.mlp) == 3 else width
     norm = (8 * tower_hidden + 4) * tvt if proj.norm is not None else 0
-    return 4 * tower_width(model.vision) * tvt if checkpointing == "full" else norm + compute * tv * kept
+    return 4 * tower * tvt if checkpointing == "full" else norm + compute * tv * kept
 
 
 def _vision_bytes(model, seq: Sequence, vshape: BlockShape, policy, master_bytes: int, lora, compiled: bool = False
