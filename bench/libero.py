@@ -14,8 +14,9 @@
         generate LIBERO-Object demonstrations (`data generate --suite libero_object`), train recipes/libero.toml on
         them once per seed, evaluate each run on a reduced protocol (all 10 tasks, the first --eval-states fixed
         initial states each, image + wrist_image) task by task; per task and seed the successes with Wilson
-        intervals, and the wall time of each stage (times.json, summed over sittings). Every stage resumes from what
-        a cut run left: the recording from its spool, training from its last checkpoint (every
+        intervals, the wall time of each stage (times.json, summed over sittings, pauses included) and each
+        seed's median step time from its metrics.jsonl (train_speed: the training time without them). Every stage
+        resumes from what a cut run left: the recording from its spool, training from its last checkpoint (every
         --checkpoint-every steps, all kept), evaluation from the tasks already reported; the JSON is written after
         each seed. --curve evaluates earlier checkpoints too (success vs steps); --report writes the JSON from
         what is there.
@@ -167,7 +168,7 @@ def policy(args) -> dict:
         points = {step: _evaluate(args, run, seed, step, tasks, out, times_file) for step in (args.steps, *curve)}
         done = {step: p for step, p in points.items() if p is not None}
         if args.steps in done:
-            result["seeds"][str(seed)] = done.pop(args.steps) | (
+            result["seeds"][str(seed)] = done.pop(args.steps) | {"train_speed": _train_speed(run, args.steps)} | (
                 {"curve": {str(k): _brief(v) for k, v in done.items()}} if curve else {})
         else:
             result["pending"][str(seed)] = {"trained_steps": _latest_step(run),
@@ -186,6 +187,15 @@ def _train(args, run: Path, seed: int, data: Path, out: Path, times_file: Path) 
         f"--train.steps={args.steps}", f"--train.checkpoint_every={args.checkpoint_every}",
         f"--train.keep_checkpoints={args.steps // args.checkpoint_every + 1}", f"--train.seed={seed}",
         "--train.progress=false", *resume, log=out / f"train_s{seed}.log"))
+
+
+def _train_speed(run: Path, steps: int) -> dict:
+    """The run's median step seconds from its metrics.jsonl (the planner's `--calibrate` reader), times its steps: the
+    training time without the pauses and restarts that times.json's wall clock counts when a run spans sittings."""
+    from vlaforge.planner.calibrate import read_run
+
+    step_s = read_run(run).step_s
+    return {"median_step_s": round(step_s, 4), "steps_x_median_s": round(step_s * steps, 1)}
 
 
 def _evaluate(args, run: Path, seed: int, step: int, tasks: list[str], out: Path, times_file: Path) -> dict | None:
