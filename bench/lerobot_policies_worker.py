@@ -77,17 +77,12 @@ def frozen_model(cfg):
 
 
 def pinned_loss(model, inputs_path: Path):
-    """The loss of the inputs file's batch through the folder's own preprocessor (as LeRobot's) at its pinned noise
-    and flow times, as a call; `.batch` is its batch size."""
+    """(the loss of the inputs file's batch through the folder's own preprocessor (as LeRobot's) at its pinned noise
+    and flow times, as a call; that batch's size)."""
     inputs, tasks = read_inputs(inputs_path)
     noise, time_ = inputs.pop("noise"), inputs.pop("time")
     batch = model.pipelines[0]({**inputs, "task": tasks})
-
-    def loss_of():
-        return model.loss(model.prepare(batch), noise, time_)
-
-    loss_of.batch = len(tasks)
-    return loss_of
+    return (lambda: model.loss(model.prepare(batch), noise, time_)), len(tasks)
 
 
 def train(args) -> dict:
@@ -102,7 +97,7 @@ def train(args) -> dict:
     start = settle()
     model, precision = frozen_model(cfg)
     optimizer = build_optimizer(model, cfg)
-    loss_of = pinned_loss(model, args.inputs)
+    loss_of, _ = pinned_loss(model, args.inputs)
     trained = [p for p in model.parameters() if p.requires_grad]
     model.train()
     loaded = settle()
@@ -129,8 +124,8 @@ def tensors(args) -> dict:
     model.train()
     rows = {}
     for path in str(args.inputs).split(","):
-        loss_of = pinned_loss(model, Path(path))
-        rows[str(loss_of.batch)] = forward_backward_bytes(list(model.parameters()), loss_of)
+        loss_of, batch = pinned_loss(model, Path(path))
+        rows[str(batch)] = forward_backward_bytes(list(model.parameters()), loss_of)
     return {"variant": args.variant, "batches": rows}
 
 

@@ -269,8 +269,10 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = {"expert": expert, "speed": speed, "policy": policy}[args.stage](args)
     if args.stage != "policy":  # policy writes OUT/policy.json itself, after each seed
+        from vlaforge.outputs import write_atomic
+
         result["date"] = time.strftime("%Y-%m-%d")
-        (Path(args.out) / f"{args.stage}.json").write_text(json.dumps(result, indent=1) + "\n")
+        write_atomic(Path(args.out) / f"{args.stage}.json", json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
 
 

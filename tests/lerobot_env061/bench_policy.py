@@ -221,23 +221,18 @@ def _pin(policy, noise: torch.Tensor, time_: torch.Tensor | None) -> dict:
 
 
 def _pinned_loss(policy, pre, inputs_path: Path):
-    """The training loss of the inputs file's batch through LeRobot's preprocessor at its pinned noise and flow times,
-    as a call; `.batch` is its batch size."""
+    """(the training loss of the inputs file's batch through LeRobot's preprocessor at its pinned noise and flow
+    times, as a call; that batch's size)."""
     inputs, tasks = read_inputs(inputs_path)
     noise, time_ = inputs.pop("noise"), inputs.pop("time")
     batch = pre({**inputs, "task": tasks})
     kwargs = _pin(policy, noise, time_)
-
-    def loss_of():
-        return policy.forward(dict(batch), **kwargs)[0]
-
-    loss_of.batch = len(tasks)
-    return loss_of
+    return (lambda: policy.forward(dict(batch), **kwargs)[0]), len(tasks)
 
 
 def train(policy_dir: Path, inputs_path: Path, setting: str, steps: int) -> dict:
     policy, pre, start = load(policy_dir, setting)
-    loss_of = _pinned_loss(policy, pre, inputs_path)
+    loss_of, _ = _pinned_loss(policy, pre, inputs_path)
     policy.train()
     optimizer = policy.config.get_optimizer_preset().build(policy.get_optim_params())
     trained = [p for p in policy.parameters() if p.requires_grad]
@@ -282,8 +277,8 @@ def tensors(policy_dir: Path, inputs_paths: str, setting: str) -> dict:
     policy.train()
     rows = {}
     for path in inputs_paths.split(","):
-        loss_of = _pinned_loss(policy, pre, Path(path))
-        rows[str(loss_of.batch)] = forward_backward_bytes(list(policy.parameters()), loss_of)
+        loss_of, batch = _pinned_loss(policy, pre, Path(path))
+        rows[str(batch)] = forward_backward_bytes(list(policy.parameters()), loss_of)
     return {"setting": setting, "batches": rows}
 
 
