@@ -3,7 +3,8 @@
 
 Every runtime call (recording a session's frames, predicting, resetting a session) runs in one worker thread, in
 the order it was asked for, so sessions are never touched by two threads. A request whose observation does not fit
-the policy fails alone; the others of its batch are answered.
+the policy fails alone; the others of its batch are answered. So does a request whose predicted chunk holds a NaN
+or inf: every transport answers through here, so this is the one place that withholds such a chunk.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from vlaforge.inference.runtime import Observation, PolicyRuntime
+import numpy as np
+
+from vlaforge.inference.runtime import Observation, PolicyRuntime, Prediction
+from vlaforge.serving.common import NonFiniteActions
 
 
 @dataclass
@@ -30,12 +34,14 @@ class Batcher:
     """`await batcher.predict(session, obs)` -> (actions (T, A), server_timing dict)."""
 
     def __init__(self, runtime: PolicyRuntime, max_batch: int = 8, max_wait_ms: float = 5.0,
-                 on_batch: Callable[[int, float], None] | None = None, clients: Callable[[], int] | None = None):
+                 on_batch: Callable[[int, float], None] | None = None, clients: Callable[[], int] | None = None,
+                 on_nonfinite: Callable[[], None] | None = None):
         self.runtime, self.max_batch, self.max_wait = runtime, max_batch, max_wait_ms / 1000
         self.clients = clients  # open sessions: a batch holding one request of each starts without waiting
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="vlaforge-infer")
         self.on_batch = on_batch
+        self.on_nonfinite = on_nonfinite  # called once per withheld chunk (in the worker thread)
         self.in_flight = 0
         self._task: asyncio.Task | None = None
 
@@ -122,10 +128,19 @@ class Batcher:
             if self.on_batch is not None:
                 self.on_batch(size, preds[0].timings["total_ms"])
             for (i, _), pred in zip(group, preds):
-                timing = {"infer_ms": pred.timings["total_ms"],
-                          "queue_ms": round((start - batch[i].queued) * 1000, 3), "batch_size": size}
-                out[i] = ((pred.actions, timing), None)
+                out[i] = self._reply(batch[i], pred, start, size)
         return out
+
+    def _reply(self, item: _Item, pred: Prediction, start: float, size: int) -> tuple[Any, BaseException | None]:
+        """One request's (actions, timing), or its refusal when any action of the chunk is NaN or inf."""
+        # NOTE: one check of the (T, A) numpy chunk the runtime already copied to the host: no device sync
+        if not np.isfinite(pred.actions).all():
+            if self.on_nonfinite is not None:
+                self.on_nonfinite()
+            return None, NonFiniteActions()
+        timing = {"infer_ms": pred.timings["total_ms"], "queue_ms": round((start - item.queued) * 1000, 3),
+                  "batch_size": size}
+        return (pred.actions, timing), None
 
     def close(self) -> None:
         if self._task is not None:

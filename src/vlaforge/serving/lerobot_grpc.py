@@ -20,8 +20,9 @@ observation is checked as the runtime will take it when it arrives (its SendObse
 queued as LeRobot's server queues it: the latest only, and only if it must go, or its timestep was
 not predicted yet and its state moved (L2 >= 1) since the last predicted one. Payloads are read by
 `serving.lerobot_pickle` (a restricted unpickler); a refused one is one logged line and the robot's RPC fails,
-other robots are untouched. A robot is told apart by its connection (the gRPC peer address), as LeRobot's server
-does. docs/lerobot.md says how this is safer than LeRobot's own server.
+other robots are untouched. A chunk holding a NaN or inf action is never sent: that GetActions fails (INTERNAL).
+A robot is told apart by its connection (the gRPC peer address), as LeRobot's server does. docs/lerobot.md says
+how this is safer than LeRobot's own server.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import numpy as np
 from vlaforge.errors import VlaforgeError, first_line
 from vlaforge.inference.runtime import LeRobotRuntime, ObservationError, check_image
 from vlaforge.serving import lerobot_pickle, protocol
-from vlaforge.serving.common import authorized, error_kind
+from vlaforge.serving.common import authorized, error_kind, server_fault
 
 SERVICE = "transport.AsyncInference"
 TRANSFER = ("TRANSFER_UNKNOWN", "TRANSFER_BEGIN", "TRANSFER_MIDDLE", "TRANSFER_END")
@@ -225,8 +226,8 @@ class LeRobotService:
         try:
             actions, _ = await self.server.batcher.predict(robot.name, checked)
         except Exception as exc:  # noqa: BLE001 - answered as an error; the robot's session stays usable
-            await self._refuse(context, "INVALID_ARGUMENT" if error_kind(exc) != "internal" else "INTERNAL",
-                               error_kind(exc), first_line(exc))
+            await self._refuse(context, "INTERNAL" if server_fault(exc) else "INVALID_ARGUMENT", error_kind(exc),
+                               first_line(exc))
         data = lerobot_pickle.dumps_actions(actions[:robot.actions_per_chunk], obs.timestamp, obs.timestep,
                                             1.0 / self.options.fps)
         self.server.metrics.request("grpc", time.perf_counter() - t0)

@@ -1,5 +1,6 @@
 """The server's Prometheus metrics (`prometheus_client`, a registry per server): requests, errors by kind,
-latency and batch-size histograms, queue depth, open sessions and the feature cache's hit rate."""
+predictions withheld for NaN / inf actions, latency and batch-size histograms, queue depth, open sessions and the
+feature cache's hit rate."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self._requests = Counter("vlaforge_requests", "predictions answered", ["transport"], registry=r)
         self._errors = Counter("vlaforge_errors", "requests answered with an error, by kind", ["kind"], registry=r)
+        # apart from the errors: a policy that starts predicting NaN is what an operator alerts on
+        self._nonfinite = Counter("vlaforge_nonfinite_actions", "predictions withheld because an action was NaN or "
+                                  "inf", registry=r)
         self._latency = Histogram("vlaforge_request_seconds", "request to reply, in the server", registry=r,
                                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
         self._batch = Histogram("vlaforge_batch_size", "predictions per forward", registry=r,
@@ -34,6 +38,9 @@ class Metrics:
 
     def error(self, kind: str) -> None:
         self._errors.labels(kind).inc()
+
+    def nonfinite(self) -> None:
+        self._nonfinite.inc()
 
     def batch(self, size: int, infer_ms: float) -> None:
         self._batch.observe(size)

@@ -5,8 +5,9 @@ batching, HTTP and metrics.
   observation (openpi or LeRobot keys) and is answered with `{"actions": (T, A) float32, "server_timing":
   {"infer_ms", "queue_ms", "batch_size"}}`; `{"__ctrl__": "episode_start" | "episode_end"}` resets the connection's
   session and is acknowledged with `{"__ack__": verb}`; `"observe"` records a frame without predicting. An error
-  is one text frame (`error: ...`) and the connection stays usable. `GET /healthz` and `GET /metrics` answer on
-  the same port.
+  is one text frame (`error: ...`) and the connection stays usable: so is a prediction holding a NaN or inf
+  action, which is never sent (serving.batching; HTTP 500, gRPC INTERNAL). `GET /healthz` and `GET /metrics`
+  answer on the same port.
 - `protocol = "lerobot"`: LeRobot's AsyncInference gRPC service on port P instead of the websocket
   (serving/lerobot_grpc.py), for an unmodified LeRobot robot client; the same batching, metrics and limits.
 - HTTP (port `http_port`, default P + 1): `POST /act` with JSON (arrays as nested lists), `GET /metrics`
@@ -38,7 +39,7 @@ from vlaforge.errors import first_line
 from vlaforge.inference.runtime import Observation, PolicyRuntime
 from vlaforge.serving import protocol
 from vlaforge.serving.batching import Batcher
-from vlaforge.serving.common import authorized, error_kind
+from vlaforge.serving.common import authorized, error_kind, server_fault
 from vlaforge.serving.metrics import Metrics
 
 
@@ -87,7 +88,7 @@ class PolicyServer:
         self.loop = asyncio.get_running_loop()
         self._stop = self.loop.create_future()
         self.batcher = Batcher(self.runtime, o.max_batch, o.max_wait_ms, on_batch=self.metrics.batch,
-                               clients=lambda: len(self.sessions))
+                               clients=lambda: len(self.sessions), on_nonfinite=self.metrics.nonfinite)
         self.metrics.queue_depth(lambda: self.batcher.queue.qsize())
         self.metrics.sessions(lambda: len(self.sessions))
         self.batcher.start()
@@ -200,8 +201,8 @@ class PolicyServer:
             return protocol.pack({"actions": actions, "server_timing": timing})
         except Exception as exc:  # noqa: BLE001 - every failure is answered; the session stays usable
             self.metrics.error(error_kind(exc))
-            if error_kind(exc) == "internal":
-                self.log(f"internal error in {session}: {type(exc).__name__}: {first_line(exc)}")
+            if server_fault(exc):
+                self.log(f"{error_kind(exc)} error in {session}: {type(exc).__name__}: {first_line(exc)}")
             return f"error: {first_line(exc)[:500]}"
 
     # ---- HTTP ----------------------------------------------------------------------------------------------
@@ -292,6 +293,6 @@ def _http_handler(server: PolicyServer) -> type[BaseHTTPRequestHandler]:
             except json.JSONDecodeError as exc:
                 self._error(400, "bad_message", f"not JSON ({exc.msg} at {exc.pos})")
             except Exception as exc:  # noqa: BLE001 - every failure is answered (400 or 500); the server stays up
-                self._error(400 if error_kind(exc) != "internal" else 500, error_kind(exc), first_line(exc)[:500])
+                self._error(500 if server_fault(exc) else 400, error_kind(exc), first_line(exc)[:500])
 
     return Handler
