@@ -10,11 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# NOTE: the tests never reach the Hugging Face Hub: Hub ids resolve from caches the tests build (tests/hub_cache.py),
+# and the developer's own cache is not read (set before huggingface_hub is imported, which reads them once)
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HOME"] = os.environ.get("VLAFORGE_TEST_HF_HOME") or os.path.join(
+    __import__("tempfile").gettempdir(), f"vlaforge-tests-hf-home-{os.getuid()}")
+for _name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_LEROBOT_HOME"):
+    os.environ.pop(_name, None)
 
-from vlaforge.config import load_config
-from vlaforge.config.loading import deep_merge
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from vlaforge.config import load_config  # noqa: E402
+from vlaforge.config.loading import deep_merge  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RECIPE = ROOT / "recipes" / "tiny_synthetic.toml"

@@ -16,9 +16,20 @@ _DEFAULT = "; default: the same key of the eval section in the checkpoint's conf
 _BACKEND = "auto (a package's runtime for an exported package, else torch), torch, onnx, executorch"
 
 
+_CHECKPOINT = ("a run folder (its latest checkpoint), a checkpoints/step_* folder, a `vlaforge quantize` folder, an "
+               "exported package, or a LeRobot policy folder or its Hub id (lerobot/smolvla_base[@revision], from "
+               "the Hugging Face cache or downloaded there)")
+
+
+_LEROBOT_HELP = {"tokenizer": "a LeRobot policy folder: a tokenizer folder or Hub id instead of the one its pipeline "
+                             "names (pi0's google/paligemma-3b-pt-224, which resolves through the cache by itself)",
+                 "vlm": "a LeRobot SmolVLA folder: a VLM folder or Hub id instead of the one its config.json names",
+                 "sizes": "a LeRobot pi0 / pi0.5 folder: a JSON file of other sizes than LeRobot's variants "
+                          "(docs/lerobot_policies.md)"}
+
+
 @app.command("eval")
-def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint), a checkpoints/step_* "
-                                                      "folder, a `vlaforge quantize` folder or an exported package"),
+def eval_(checkpoint: Path = typer.Argument(..., help=_CHECKPOINT),
           benchmark: Optional[str] = typer.Option(None, help="a LIBERO suite (libero_spatial, libero_object, "
                                                              "libero_goal, libero_10) under LIBERO's protocol: all "
                                                              "its tasks, 50 episodes each from the fixed initial "
@@ -37,7 +48,8 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
           workers: Optional[int] = typer.Option(None, min=1, help="rollout processes" + _DEFAULT),
           seed: Optional[int] = typer.Option(None, min=0, max=MAX_ENV_SEED, help="base seed of held-out positions"
                                                                                   + _DEFAULT),
-          out: Optional[Path] = typer.Option(None, help="report folder (default CHECKPOINT/eval)"),
+          out: Optional[Path] = typer.Option(None, help="report folder (default CHECKPOINT/eval; for a Hub id "
+                                                        "eval/ORG--NAME)"),
           video: Optional[bool] = typer.Option(None, help="write one MP4 per task" + _DEFAULT),
           cache: str = typer.Option("exact", help="frame-feature cache: none, exact (each frame encoded once; same "
                                                   "actions), frame (reuse a similar frame's features), token "
@@ -65,16 +77,24 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
           server: Optional[str] = typer.Option(None, help="ws://HOST:PORT: predict through a running vlaforge serve "
                                                           "(of this checkpoint) instead of in this process"),
           api_key: Optional[str] = typer.Option(None, envvar="VLAFORGE_API_KEY", help="the server's API key"),
-          progress: bool = typer.Option(True, help="show a progress bar")):
+          progress: bool = typer.Option(True, help="show a progress bar"),
+          lerobot_tokenizer: Optional[str] = typer.Option(None, help=_LEROBOT_HELP["tokenizer"]),
+          lerobot_vlm: Optional[str] = typer.Option(None, help=_LEROBOT_HELP["vlm"]),
+          lerobot_sizes: Optional[Path] = typer.Option(None, help=_LEROBOT_HELP["sizes"])):
     """Closed-loop success rate per task in Meta-World or on a LIBERO suite (--benchmark), with Wilson 95% intervals;
     writes report.json with the inference options and figures (latency p50/p99 per prediction, cache hit rates, robot
     idle fraction)."""
-    from vlaforge.checkpoints.layout import saved_config
+    from vlaforge import hub
+    from vlaforge.checkpoints.layout import local_checkpoint, saved_config
     from vlaforge.evaluation.closed_loop import InferenceOptions, evaluate, render_table
     from vlaforge.inference.runtime import resolve_policy
 
+    if out is None and hub.looks_like_id(str(checkpoint)):  # never into the Hugging Face cache
+        out = Path("eval") / str(checkpoint).replace("/", "--").replace("@", "--")
+    checkpoint = local_checkpoint(checkpoint)
+    settings = lerobot_settings(checkpoint, tokenizer=lerobot_tokenizer, vlm=lerobot_vlm, sizes=lerobot_sizes)
     ckpt = resolve_policy(checkpoint)
-    cfg = saved_config(ckpt)
+    cfg = saved_config(ckpt, lerobot=settings)
     e = cfg.eval
     scenes = {"auto": None, "shown": False, "hidden": True}
     if distractors not in scenes:
@@ -84,7 +104,7 @@ def eval_(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
     options = InferenceOptions(cache=cache, compile=compile, dtype=dtype, device=device,
                                execute=pick(execute, e.execute), asynchronous=asynchronous, merge=merge,
                                latency_ms=latency_ms, cache_options=_cache_threshold(cache, cache_threshold),
-                               server=server, api_key=api_key, backend=backend)
+                               server=server, api_key=api_key, backend=backend, lerobot=settings)
     report = evaluate(ckpt, names, pick(episodes, e.episodes), options=options,
                       max_steps=pick(max_steps, e.max_steps), workers=pick(workers, e.workers),
                       seed=pick(seed, e.seed), out=out, video=pick(video, e.video), progress=progress,
@@ -116,13 +136,6 @@ def _eval_tasks(cfg, benchmark: str | None, tasks: str | None, episodes: int | N
     return libero_protocol(benchmark, tasks, episodes, max_steps)
 
 
-_LEROBOT_HELP = {"tokenizer": "a LeRobot policy folder: a local tokenizer folder for a pipeline naming a hub tokenizer "
-                             "(pi0's google/paligemma-3b-pt-224)",
-                 "vlm": "a LeRobot SmolVLA folder: a local copy of the VLM its config.json names",
-                 "sizes": "a LeRobot pi0 / pi0.5 folder: a JSON file of other sizes than LeRobot's variants "
-                          "(docs/lerobot_policies.md)"}
-
-
 def lerobot_settings(checkpoint: Path, **given: str | None) -> dict | None:
     """The `--lerobot-*` options as `model.lerobot` settings for a LeRobot policy folder (None: none given).
 
@@ -139,8 +152,7 @@ def lerobot_settings(checkpoint: Path, **given: str | None) -> dict | None:
 
 
 @app.command()
-def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest checkpoint), a checkpoints/step_* "
-                                                      "folder, a `vlaforge quantize` folder or an exported package"),
+def serve(checkpoint: Path = typer.Argument(..., help=_CHECKPOINT),
           host: str = typer.Option("127.0.0.1", help="interface to bind; anything but loopback should have an API key"),
           port: int = typer.Option(8000, min=0, max=65535, help="websocket port (openpi protocol; also GET /healthz, "
                                                                 "/metrics), or the gRPC port with --protocol lerobot"),
@@ -169,15 +181,17 @@ def serve(checkpoint: Path = typer.Argument(..., help="a run folder (its latest 
           dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16"),
           device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N"),
           backend: str = typer.Option("auto", help=_BACKEND),
-          lerobot_tokenizer: Optional[Path] = typer.Option(None, help=_LEROBOT_HELP["tokenizer"]),
-          lerobot_vlm: Optional[Path] = typer.Option(None, help=_LEROBOT_HELP["vlm"]),
+          lerobot_tokenizer: Optional[str] = typer.Option(None, help=_LEROBOT_HELP["tokenizer"]),
+          lerobot_vlm: Optional[str] = typer.Option(None, help=_LEROBOT_HELP["vlm"]),
           lerobot_sizes: Optional[Path] = typer.Option(None, help=_LEROBOT_HELP["sizes"])):
     """Serve a policy to robot clients: openpi's websocket protocol (msgpack) or LeRobot's gRPC robot client
     (--protocol lerobot), dynamic batching across connections, HTTP POST /act, Prometheus GET /metrics. Stops
     cleanly on SIGTERM / Ctrl-C."""
+    from vlaforge.checkpoints.layout import local_checkpoint
     from vlaforge.inference.runtime import PolicyRuntime
     from vlaforge.serving.server import PolicyServer, ServeOptions
 
+    checkpoint = local_checkpoint(checkpoint)  # a Hub id: its cached snapshot
     if protocol not in ("openpi", "lerobot"):
         raise VlaforgeError(f"--protocol {protocol!r} is not one of openpi, lerobot")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
@@ -251,8 +265,8 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
                                                                   "against the checkpoint [default: 32]"),
            data: Optional[str] = typer.Option(None, help="onnx: the dataset of those frames (default: the run's "
                                                          "data.path; none: random observations)"),
-           lerobot_tokenizer: Optional[Path] = typer.Option(None, help=_LEROBOT_HELP["tokenizer"]),
-           lerobot_vlm: Optional[Path] = typer.Option(None, help=_LEROBOT_HELP["vlm"]),
+           lerobot_tokenizer: Optional[str] = typer.Option(None, help=_LEROBOT_HELP["tokenizer"]),
+           lerobot_vlm: Optional[str] = typer.Option(None, help=_LEROBOT_HELP["vlm"]),
            lerobot_sizes: Optional[Path] = typer.Option(None, help=_LEROBOT_HELP["sizes"])):
     """Consolidate a checkpoint's weights into one safetensors file (a sharded checkpoint's shards are read in this
     one process), or write a policy package: manifest.json, tokenizer.json, vision.onnx and policy.onnx
@@ -261,8 +275,10 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
     run a package like a checkpoint; or write a LeRobot policy folder (--format lerobot: config.json, model.safetensors,
     LeRobot's processor pipelines; docs/lerobot_policies.md) that LeRobot's `from_pretrained` loads."""
     from vlaforge.checkpoints.export import export_weights
-    from vlaforge.checkpoints.layout import refuse_lerobot_policy, resolve_checkpoint
+    from vlaforge.checkpoints.layout import local_checkpoint, refuse_lerobot_policy, resolve_checkpoint
     from vlaforge.models.policies.reader import is_lerobot_folder
+
+    checkpoint = local_checkpoint(checkpoint)
 
     formats = ("safetensors", "onnx", "executorch", "lerobot")
     if format not in formats:
@@ -336,10 +352,10 @@ def quantize(checkpoint: Path = typer.Argument(..., help="a float run folder (it
     """Quantize a trained policy per component with torchao (e.g. --vision int8 --projector fp16 --llm int4) into a
     checkpoint folder that eval, serve and PolicyRuntime load; writes quantize.json (bytes per component, latency,
     action error against the float policy, with --eval closed-loop success of both)."""
-    from vlaforge.checkpoints.layout import refuse_lerobot_policy
+    from vlaforge.checkpoints.layout import local_checkpoint, refuse_lerobot_policy
     from vlaforge.evaluation.quantization import QuantizeOptions, quantize_run, render
 
-    refuse_lerobot_policy(checkpoint, "vlaforge quantize")
+    refuse_lerobot_policy(local_checkpoint(checkpoint), "vlaforge quantize")
     modes = {"vision": vision, "projector": projector, "llm": llm, "action_head": action_head}
     report = quantize_run(checkpoint, out, QuantizeOptions(
         modes, group_size=group_size, algorithm=algorithm, calibrate=calibrate, frames=frames, data=data,

@@ -84,6 +84,18 @@ def move_into_place(tmp: Path, final: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def local_checkpoint(path: str | Path, what: str = "CHECKPOINT") -> Path:
+    """The local folder a verb's CHECKPOINT argument names: a path as it is, or a Hub id of a LeRobot policy
+    (`lerobot/smolvla_base[@rev]`) resolved through the Hugging Face cache (`vlaforge.hub`).
+
+    Raises:
+        VlaforgeError: an id that cannot be resolved (offline and not cached, unknown revision, files missing).
+    """
+    from vlaforge import hub
+
+    return hub.local_folder(path, what, hub.POLICY) if hub.looks_like_id(str(path)) else Path(path)
+
+
 def resolve_checkpoint(resume: str, output_dir: str | Path, what: str = "train.resume") -> Path:
     """'latest' (in output_dir), a run folder or a checkpoint folder -> the checkpoint folder.
 

@@ -10,8 +10,8 @@ from vlaforge.errors import VlaforgeError
 
 # what a run writes before its first checkpoint: a folder holding only these (and no checkpoint) is a run that
 # stopped before it saved anything, which its retry may replace
-BEFORE_FIRST_CHECKPOINT = frozenset({"config.toml", "precision.json", "metrics.jsonl", "tensorboard", "traces",
-                                     "oom_snapshot.pickle", "checkpoints"})
+BEFORE_FIRST_CHECKPOINT = frozenset({"config.toml", "precision.json", "sources.json", "metrics.jsonl", "tensorboard",
+                                     "traces", "oom_snapshot.pickle", "checkpoints"})
 
 
 def stopped_before_first_checkpoint(run_dir: Path) -> list[Path]:

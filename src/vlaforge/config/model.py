@@ -18,7 +18,9 @@ SYNTHETIC_SHAPES = {"cameras": ["corner"], "state_dim": 4, "action_dim": 4}  # w
 
 
 class PretrainedSource(Section):
-    pretrained: str | None = Field(None, description="local save_pretrained folder; None builds from the flavor")
+    pretrained: str | None = Field(None, description="a save_pretrained folder or a Hub id (org/name[@revision], "
+                                                     "from the Hugging Face cache or downloaded there); None builds "
+                                                     "from the flavor")
 
 
 class VisionSource(PretrainedSource):
@@ -31,13 +33,17 @@ class LeRobotSource(Section):
     pretrained: str | None = Field(
         None, description="a folder LeRobot 0.6.x wrote (save_pretrained / lerobot-train): config.json with type "
                           "smolvla, pi0 or pi05, model.safetensors, policy_preprocessor.json / "
-                          "policy_postprocessor.json. "
+                          "policy_postprocessor.json; or its Hub id (lerobot/smolvla_base[@revision]), read from "
+                          "the Hugging Face cache or downloaded there. "
                           "The policy is the model (its VLM, expert and pipelines; docs/lerobot_policies.md); "
                           "excludes model.vlm / vision / llm .pretrained")
-    vlm: str | None = Field(None, description="SmolVLA: a local copy of the VLM its config.json's vlm_model_name "
-                                              "names (a hub name is never fetched)")
-    tokenizer: str | None = Field(None, description="a local tokenizer folder, for a pipeline whose tokenizer step "
-                                                    "names a hub tokenizer (pi0's google/paligemma-3b-pt-224)")
+    vlm: str | None = Field(None, description="SmolVLA: the VLM folder or Hub id to use instead of the one its "
+                                              "config.json's vlm_model_name names (that one resolves through the "
+                                              "Hugging Face cache by itself)")
+    tokenizer: str | None = Field(None, description="a tokenizer folder or Hub id to use instead of the one the "
+                                                    "pipeline's tokenizer step names (pi0's "
+                                                    "google/paligemma-3b-pt-224, resolved through the cache by "
+                                                    "itself)")
     sizes: str | None = Field(None, description="pi0: a JSON file declaring sizes other than LeRobot's variants: "
                                                 "{\"variants\": {name: {width, depth, mlp_dim, num_heads, "
                                                 "num_kv_heads, head_dim}}, \"vision\": {SigLIP config keys}, "
@@ -117,9 +123,13 @@ class ModelConfig(Section):
         import json
         from pathlib import Path
 
-        try:
-            chunk = json.loads((Path(self.lerobot.pretrained) / "config.json").read_text()).get("chunk_size")
-        except (OSError, ValueError):
+        from vlaforge import hub
+        from vlaforge.errors import VlaforgeError
+
+        try:  # a Hub id resolves to its cached snapshot (config.json only; the builder fetches the weights)
+            folder = hub.local_folder(self.lerobot.pretrained, "model.lerobot.pretrained", hub.POLICY_CONFIG)
+            chunk = json.loads((Path(folder) / "config.json").read_text()).get("chunk_size")
+        except (OSError, ValueError, VlaforgeError):
             return  # the reader says what is wrong with the folder, in one line, when it builds the model
         if not isinstance(chunk, int):
             return

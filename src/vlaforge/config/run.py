@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -38,7 +38,17 @@ class LossConfig(Section):
 
 class DataConfig(Section):
     source: Literal["synthetic", "lerobot"] = "synthetic"
-    path: str | None = Field(None, description="LeRobotDataset v3.0 or v2.1 folder (source = 'lerobot')")
+    path: str | None = Field(None, description="LeRobotDataset v3.0 or v2.1 folder (source = 'lerobot'), or a Hub "
+                                                "dataset id (lerobot/libero[@revision]) found in data.root, else "
+                                                "HF_LEROBOT_HOME/<id> (LeRobot's rule), downloaded there when "
+                                                "missing unless HF_HUB_OFFLINE is set")
+    root: str | None = Field(None, description="the local folder of the Hub dataset data.path names, instead of "
+                                               "HF_LEROBOT_HOME/<id> (LeRobot's --dataset.root)")
+    revision: str | None = Field(None, description="the Hub dataset's branch, tag or commit (default: LeRobot's "
+                                                   "v3.0 tag, else the default branch)")
+    episodes: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = Field(
+        None, description="train on these episode indices only (LeRobot's --dataset.episodes); a Hub dataset "
+                          "downloads only their files")
     num_samples: int = Field(1024, ge=1, description="synthetic: samples per epoch")
     num_tasks: int = Field(4, ge=1, description="synthetic: distinct tasks (instruction + goal)")
     max_instruction_tokens: int = Field(16, ge=1, le=MAX_TOKENS)
@@ -60,7 +70,17 @@ class DataConfig(Section):
     def _path_for_lerobot(self) -> "DataConfig":
         if self.source == "lerobot" and not self.path:
             raise ValueError("data.source = 'lerobot' needs data.path (a dataset folder from "
-                             "`vlaforge data generate`)")
+                             "`vlaforge data generate`, or a Hub dataset id)")
+        if self.episodes is not None and len(set(self.episodes)) != len(self.episodes):
+            dup = next(e for e in self.episodes if self.episodes.count(e) > 1)
+            raise ValueError(f"data.episodes lists episode {dup} twice; list each episode once")
+        if (self.root or self.revision) and self.path:
+            from vlaforge.hub import parse_id
+
+            if parse_id(self.path) is None:
+                which = "data.root" if self.root else "data.revision"
+                raise ValueError(f"{which} applies to a Hub dataset id in data.path (org/name), and "
+                                 f"{self.path!r} is not one; drop {which} or give the id")
         return self
 
 

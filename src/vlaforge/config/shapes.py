@@ -10,11 +10,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from vlaforge.config.loading import deep_merge, to_dict, validate
 from vlaforge.config.schema import VLAConfig
+from vlaforge.data.hub_dataset import dataset_root
 from vlaforge.data.lerobot_features import auto_text_column
 from vlaforge.data.lerobot_v3 import read_info
 from vlaforge.data.lerobot_writer import ENV_STATE
@@ -35,7 +35,7 @@ def resolve_shapes(cfg: VLAConfig, required: bool = True) -> tuple[VLAConfig, di
     auto = [k for k in ("cameras", "state_dim", "action_dim") if getattr(m, k) == "auto"]
     if not auto or cfg.data.source != "lerobot":
         return cfg, {}
-    root = Path(cfg.data.path)
+    root = dataset_root(cfg.data, fetch=required)
     if not required and not (root / "meta" / "info.json").is_file():
         return cfg, {}
     shapes = dataset_shapes(read_info(root), root)
@@ -54,7 +54,7 @@ def resolve_terms(cfg: VLAConfig, required: bool = True) -> tuple[VLAConfig, lis
     """
     if cfg.data.source != "lerobot":
         return cfg, []
-    root = Path(cfg.data.path)
+    root = dataset_root(cfg.data, fetch=required)
     if not required and not (root / "meta" / "info.json").is_file():
         return cfg, []
     feats = read_info(root).get("features") or {}

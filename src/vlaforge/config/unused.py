@@ -248,8 +248,8 @@ def _init_twice(cfg, _c):
 PER_COMPONENT = tuple(f"components.{c}." for c in COMPONENTS)
 PRECISIONS = tuple(f"{p}precision" for p in PER_COMPONENT) + tuple(f"{p}trainable" for p in PER_COMPONENT)
 RULES = (
-    Rule(("data.path", "data.text_column", "data.frame_stride", "data.augment_shift", "data.augment_color",
-          "data.cache_mb"), ("data.source",), _data_lerobot),
+    Rule(("data.path", "data.root", "data.revision", "data.episodes", "data.text_column", "data.frame_stride",
+          "data.augment_shift", "data.augment_color", "data.cache_mb"), ("data.source",), _data_lerobot),
     Rule(("data.num_samples", "data.num_tasks"), ("data.source",), _data_synthetic),
     Rule(("data.frame_stride",), ("model.frames",), _frame_stride),
     Rule(("model.max_cameras",), ("data.source", "model.cameras"), _max_cameras),

@@ -45,8 +45,9 @@ class Episode:
     index: int
     task: str
     length: int
-    start: int  # dataset_from_index
+    start: int  # dataset_from_index (with data.episodes: its first row among the selected episodes' rows)
     videos: dict[str, tuple[Path, float]]  # video key -> (file, from_timestamp)
+    data_file: Path | None = None  # the data/ parquet file holding its frames
 
 
 class LeRobotDataset:
@@ -61,8 +62,9 @@ class LeRobotDataset:
         notices: one line per thing training leaves out (a depth camera, event annotations, an unread dtype).
     """
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, episodes: list[int] | None = None):
         self.root = Path(root)
+        self.selected = None if episodes is None else sorted(set(int(e) for e in episodes))
         self.info = read_info(self.root)
         self.version = str(self.info.get("codebase_version", ""))
         if self.version not in ("v3.0", "v2.1", "v2.0"):
@@ -83,17 +85,19 @@ class LeRobotDataset:
         self.stats = _read_json(self.root / "meta" / "stats.json")
         if self.version == "v3.0":
             self.tasks = _read_tasks_v3(self.root / "meta" / "tasks.parquet")
-            self.episodes = self._episodes_v3()
-            data_files = sorted(self.root.glob("data/*/*.parquet"))
+            self.episodes = self._select(self._episodes_v3())
+            named = {e.data_file for e in self.episodes}
+            data_files = sorted(named) if self.selected is not None and None not in named else \
+                sorted(self.root.glob("data/*/*.parquet"))
         else:
             self.tasks = _read_tasks_v21(self.root / "meta" / "tasks.jsonl")
-            self.episodes = self._episodes_v21()
-            data_files = [self.root / self.info["data_path"].format(
-                episode_chunk=e.index // int(self.info.get("chunks_size", 1000)), episode_index=e.index)
-                for e in self.episodes]
+            self.episodes = self._select(self._episodes_v21())
+            data_files = [e.data_file for e in self.episodes]
         if not data_files:
             raise VlaforgeError(f"dataset {self.root} has no data/ parquet files; regenerate it")
         self.columns = self._read_columns(data_files)
+        if self.selected is not None:
+            self._keep_selected()
         self._check_episodes()
         self._check_task_indices()
         self._check_declared_shapes()
@@ -101,6 +105,32 @@ class LeRobotDataset:
         self._check_stats()
 
     # --- metadata ---
+
+    def _select(self, episodes: list[Episode]) -> list[Episode]:
+        """The episodes `data.episodes` asks for (all without it).
+
+        Raises:
+            VlaforgeError: an asked episode the dataset does not have.
+        """
+        if self.selected is None:
+            return episodes
+        have = {e.index for e in episodes}
+        absent = [i for i in self.selected if i not in have]
+        if absent:
+            raise VlaforgeError(f"data.episodes asks for episode {absent[0]}, which dataset {self.root} does not have "
+                                f"(it has {len(have)} episodes, {min(have)}-{max(have)}); drop it from data.episodes")
+        return [e for e in episodes if e.index in self.selected]
+
+    def _keep_selected(self) -> None:
+        """The rows of the selected episodes only (a data file holds others too), each episode's start re-based to
+        its first row among them."""
+        keep = np.isin(self.columns["episode_index"], self.selected)
+        self.columns = {k: v[keep] for k, v in self.columns.items()}
+        self._image_rows = tuple(a[keep] for a in self._image_rows)
+        ep_col = self.columns["episode_index"]
+        for e in self.episodes:
+            rows = np.flatnonzero(ep_col == e.index)
+            e.start = int(rows[0]) if len(rows) else e.start
 
     def _episodes_v3(self) -> list[Episode]:
         files = sorted((self.root / "meta" / "episodes").glob("*/*.parquet"))
@@ -118,8 +148,11 @@ class LeRobotDataset:
                 rel = self.info["video_path"].format(video_key=key, chunk_index=r[f"videos/{key}/chunk_index"],
                                                      file_index=r[f"videos/{key}/file_index"])
                 videos[key] = (self.root / rel, float(r[f"videos/{key}/from_timestamp"]))
+            data = r.get("data/chunk_index"), r.get("data/file_index")
+            data_file = None if None in data else self.root / self.info["data_path"].format(
+                chunk_index=data[0], file_index=data[1])
             out.append(Episode(int(r["episode_index"]), r["tasks"][0], int(r["length"]),
-                               int(r["dataset_from_index"]), videos))
+                               int(r["dataset_from_index"]), videos, data_file))
         return out
 
     def _episodes_v21(self) -> list[Episode]:
@@ -132,7 +165,8 @@ class LeRobotDataset:
             videos = {key: (self.root / self.info["video_path"].format(episode_chunk=ep // chunks, video_key=key,
                                                                        episode_index=ep), 0.0)
                       for key in self.videos}
-            out.append(Episode(ep, r["tasks"][0], int(r["length"]), start, videos))
+            data_file = self.root / self.info["data_path"].format(episode_chunk=ep // chunks, episode_index=ep)
+            out.append(Episode(ep, r["tasks"][0], int(r["length"]), start, videos, data_file))
             start += int(r["length"])
         return out
 
@@ -227,7 +261,7 @@ class LeRobotDataset:
 
     def _check_episodes(self) -> None:
         declared = self.info.get("total_episodes")
-        if declared is not None and declared != len(self.episodes):
+        if declared is not None and declared != len(self.episodes) and self.selected is None:
             raise VlaforgeError(f"dataset {self.root}: meta/info.json says total_episodes = {declared} but the "
                                 f"episode metadata lists {len(self.episodes)}; the dataset is incomplete - "
                                 "regenerate it")

@@ -87,7 +87,9 @@ def _lerobot_data(cfg, model) -> Data:
     from vlaforge.data.transforms import normalization_from_stats
 
     m, d = cfg.model, cfg.data
-    reader = LeRobotDataset(d.path)
+    from vlaforge.data.hub_dataset import dataset_root
+
+    reader = LeRobotDataset(dataset_root(d), d.episodes)
     for name, want in (("observation.state", m.state_dim), ("action", m.action_dim)):
         have = reader.columns[name].shape[1]
         if have != want:

@@ -133,6 +133,9 @@ def load_tokenizer(folder: Path | None, llm_pretrained: str | None) -> TextToken
 def pretrained_tokenizer(path: str) -> TextTokenizer:
     from transformers import AutoTokenizer
 
+    from vlaforge import hub
+
+    path = str(hub.local_folder(path, "model.llm.pretrained", hub.TOKENIZER)) if hub.looks_like_id(path) else path
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:

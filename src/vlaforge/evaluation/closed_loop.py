@@ -36,6 +36,7 @@ from vlaforge.serving.client import PolicyClient, RemoteRuntime
 def eval_tasks(cfg) -> list[str]:
     """The tasks to evaluate a run on: `eval.tasks`, else the tasks its dataset was generated from."""
     from vlaforge.data.generate import recorded_tasks
+    from vlaforge.data.hub_dataset import dataset_root
     from vlaforge.data.lerobot_v3 import read_info
 
     if cfg.eval.tasks:
@@ -47,7 +48,7 @@ def eval_tasks(cfg) -> list[str]:
         raise VlaforgeError(f"the run trained on {cfg.data.source} samples (data.source = {cfg.data.source!r}), "
                             "which name no simulator tasks and no simulator can feed its policy; evaluate a run "
                             "trained on a `vlaforge data generate` dataset (e.g. recipes/tiny_metaworld.toml)")
-    tasks = recorded_tasks(read_info(Path(cfg.data.path))) if cfg.data.path else []
+    tasks = recorded_tasks(read_info(dataset_root(cfg.data))) if cfg.data.path else []
     if not tasks:
         raise VlaforgeError(f"dataset {cfg.data.path} names no Meta-World tasks to evaluate on; set eval.tasks "
                             "(or pass --tasks), or pass --benchmark for a LIBERO suite")
@@ -57,10 +58,13 @@ def eval_tasks(cfg) -> list[str]:
 def recorded_scene(cfg) -> bool:
     """Whether the run's dataset was rendered with the tasks' distractors hidden (evaluation then renders alike)."""
     from vlaforge.data.generate import recorded_hidden_distractors
+    from vlaforge.data.hub_dataset import dataset_root
     from vlaforge.data.lerobot_v3 import read_info
 
-    info = Path(cfg.data.path or "") / "meta" / "info.json"
-    return recorded_hidden_distractors(read_info(Path(cfg.data.path))) if info.is_file() else False
+    if not cfg.data.path:
+        return False
+    root = dataset_root(cfg.data, fetch=False)
+    return recorded_hidden_distractors(read_info(root)) if (root / "meta" / "info.json").is_file() else False
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -90,12 +94,14 @@ class InferenceOptions:
     server: str | None = None  # ws://HOST:PORT: predict through a running `vlaforge serve` instead
     api_key: str | None = None
     backend: str = "auto"  # torch, onnx (an exported package), auto: by what the folder holds
+    lerobot: dict | None = None  # a LeRobot policy folder's model.lerobot settings (tokenizer, vlm, sizes)
 
     def runtime(self, ckpt: Path) -> PolicyRuntime | RemoteRuntime:
         if self.server:
             return RemoteRuntime(PolicyClient(self.server, self.api_key))
         return PolicyRuntime.load(ckpt, device=self.device, dtype=self.dtype, compile=self.compile,
-                                  cache=CacheConfig(mode=self.cache, **self.cache_options), backend=self.backend)
+                                  cache=CacheConfig(mode=self.cache, **self.cache_options), backend=self.backend,
+                                  lerobot=self.lerobot)
 
     def executor(self, runtime: PolicyRuntime, session: str, fps: float = FPS) -> ChunkExecutor:
         return ChunkExecutor(runtime, session, execute=self.execute, period_s=1 / fps, merge=self.merge,

@@ -159,6 +159,7 @@ def calibrate(float_rt: PolicyRuntime, policies: dict[str, QuantPolicy], frames:
 def quantize_run(checkpoint: str | Path, out: str | Path, options: QuantizeOptions) -> dict[str, Any]:
     """Write the quantized checkpoint folder `out` and its `quantize.json`; returns the report."""
     from vlaforge.checkpoints.layout import resolve_run
+    from vlaforge.data.hub_dataset import dataset_root
 
     ckpt, cfg = resolve_run(checkpoint, "RUN")
     out = Path(out)
@@ -166,7 +167,7 @@ def quantize_run(checkpoint: str | Path, out: str | Path, options: QuantizeOptio
     policies = choose_policies(cfg, options)
     trained = {c for c in COMPONENTS if getattr(getattr(cfg.components, c), "qat", "none") == policies[c].mode
                and policies[c].mode != "none"}
-    data = options.data or cfg.data.path
+    data = options.data or (str(dataset_root(cfg.data)) if cfg.data.path else None)
     if not data:
         raise VlaforgeError(f"{ckpt} was not trained on a dataset; give --data DIR (a LeRobot dataset) for the "
                             "frames the action error is measured on")

@@ -276,9 +276,11 @@ def _package_files(ckpt: Path, tokenizer, folder: Path) -> None:
 
 def _run_data(ckpt: Path) -> str | None:
     from vlaforge.checkpoints.layout import saved_config
+    from vlaforge.data.hub_dataset import dataset_root
 
-    path = saved_config(ckpt).data.path
-    return path if path and (Path(path) / "meta" / "info.json").is_file() else None
+    data = saved_config(ckpt).data
+    root = dataset_root(data, fetch=False) if data.path else None
+    return str(root) if root is not None and (root / "meta" / "info.json").is_file() else None
 
 
 def _frames(dataset: str | None, spec, count: int, seed: int) -> list:

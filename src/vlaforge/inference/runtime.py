@@ -106,8 +106,10 @@ class PolicyRuntime:
         kept unmerged over the one base (inference/adapters.py); {} keeps `checkpoint`'s own adapters unmerged.
         A LeRobot policy folder (SmolVLA, pi0) loads too (inference/lerobot_policy.py); `lerobot`: its `model.lerobot`
         settings (vlm, tokenizer, sizes) where the folder needs them."""
+        from vlaforge.checkpoints.layout import local_checkpoint
         from vlaforge.inference.packages import is_package, load_package
 
+        checkpoint = local_checkpoint(checkpoint)  # a Hub id of a LeRobot policy: its cached snapshot
         if backend not in BACKENDS:
             raise VlaforgeError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         if adapters is not None:
@@ -375,9 +377,10 @@ class PolicyRuntime:
 
 def resolve_policy(path: str | Path) -> Path:
     """A policy folder: an exported package as it is, else the checkpoint folder of a run (`resolve_checkpoint`)."""
-    from vlaforge.checkpoints.layout import resolve_checkpoint
+    from vlaforge.checkpoints.layout import local_checkpoint, resolve_checkpoint
     from vlaforge.inference.packages import is_package
 
+    path = local_checkpoint(path)
     return Path(path) if is_package(path) else resolve_checkpoint(str(path), ".", what="CHECKPOINT")
 
 

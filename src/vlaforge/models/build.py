@@ -68,6 +68,24 @@ def _lerobot_policy(model_cfg: ModelConfig, loss_cfg: LossConfig | None, fake: b
     return model
 
 
+def local_sources(model_cfg: ModelConfig, config_only: bool = False) -> ModelConfig:
+    """`model_cfg` with its pretrained folders local: a Hub id (org/name[@rev]) resolved through the Hugging Face
+    cache (`vlaforge.hub`; `config_only`: its config files are enough, as for a fake build)."""
+    from vlaforge import hub
+
+    files = hub.MODEL_CONFIG if config_only else hub.PRETRAINED
+    local = lambda ref, field: ref if ref is None or not hub.looks_like_id(ref) else \
+        str(hub.local_folder(ref, field, files))
+    update = {"vision": model_cfg.vision.model_copy(update={
+                  "pretrained": local(model_cfg.vision.pretrained, "model.vision.pretrained"),
+                  "fused": local(model_cfg.vision.fused, "model.vision.fused")}),
+              "llm": model_cfg.llm.model_copy(update={"pretrained": local(model_cfg.llm.pretrained,
+                                                                          "model.llm.pretrained")}),
+              "vlm": model_cfg.vlm.model_copy(update={"pretrained": local(model_cfg.vlm.pretrained,
+                                                                          "model.vlm.pretrained")})}
+    return model_cfg.model_copy(update=update)
+
+
 def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fake: bool = False,
               backbones: dict[str, dict] | None = None) -> VLA:
     """Build the VLA described by `model_cfg`.
@@ -84,6 +102,7 @@ def build_vla(model_cfg: ModelConfig, loss_cfg: LossConfig | None = None, *, fak
     flavor = FLAVORS.get(model_cfg.flavor)
     if model_cfg.lerobot.pretrained or flavor.policy:
         return _lerobot_policy(model_cfg, loss_cfg, fake or fake_mode_active(), backbones)
+    model_cfg = local_sources(model_cfg, config_only=fake or fake_mode_active())
     backbones = dict(backbones or {})
     # under a caller's own fake-tensor mode (`profile --fake`, `plan --measure`) the build is a fake one too: the
     # pretrained components come from their configs (weights read into fake tensors would not be the parameters the

@@ -256,7 +256,9 @@ def cache_key(teacher: Teacher, cfg, size: int) -> dict[str, str]:
     """What the cached outputs depend on: the teacher's weights (and dtype), the dataset and the sample shapes. The
     cache holds every target any combination of terms uses, so the ablations of one teacher share it."""
     data = cfg.data.model_dump(exclude={"augment_shift", "augment_color", "num_workers", "cache_mb"})
-    info = Path(cfg.data.path or "") / "meta" / "info.json"
+    from vlaforge.data.hub_dataset import dataset_root
+
+    info = dataset_root(cfg.data, fetch=False) / "meta" / "info.json" if cfg.data.path else Path("/nonexistent")
     shapes = {"samples": size, "data": data, "model": cfg.model.model_dump(include={"cameras", "frames",
                                                                                    "image_size", "action_chunk"}),
               "info": hashlib.sha256(info.read_bytes()).hexdigest() if info.is_file() else None}

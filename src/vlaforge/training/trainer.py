@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlaforge import hub
 from vlaforge.checkpoints import lora as lora_checkpoint
 from vlaforge.checkpoints.layout import resolve_checkpoint
 from vlaforge.checkpoints.load import load_init_from
@@ -45,6 +46,8 @@ from vlaforge.training.run import Evaluator, Run, global_batch
 from vlaforge.training.saving import restore, save
 from vlaforge.training.step import DeepSpeedExecutor, Executor, LocalExecutor, StepGuards, train_step
 from vlaforge.training.weighting import build_weighting
+
+SOURCES_FILE = "sources.json"  # in a run folder: the Hub ids it read, each with the commit it resolved to
 
 
 def resolve_device(name: str) -> torch.device:
@@ -150,6 +153,8 @@ def build_run(cfg: VLAConfig, evaluate: Evaluator | None = None) -> Run:
             for path in stale:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         write_atomic(run_dir / "config.toml", dump_toml(cfg))
+        if hub.RESOLVED:  # what each Hub id resolved to (commit), so the run can be reproduced
+            write_atomic(run_dir / SOURCES_FILE, json.dumps(hub.resolved_sources(), indent=1) + "\n")
         write_atomic(run_dir / "precision.json", json.dumps(applied.precision.to_json(), indent=2))
     if teacher is not None:  # the teacher against the student's data, and its output cache (rank 0 builds it)
         weighting.bind(cfg, data, world.is_main, torch.distributed.barrier if dims.distributed else lambda: None)

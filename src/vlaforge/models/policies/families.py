@@ -16,7 +16,6 @@ import copy
 import dataclasses
 import importlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -155,16 +154,36 @@ def _smolvla_layers(n_vlm: int, n_expert: int, mode: str, every: int) -> tuple[t
     return tuple(plan)
 
 
+def _vlm_folder(given: str | None, named: str | None) -> str:
+    """SmolVLA's VLM folder: model.lerobot.vlm, else config.json's vlm_model_name; a Hub id (the real folders'
+    HuggingFaceTB/SmolVLM2-500M-Video-Instruct) resolves through the Hugging Face cache (its config and tokenizer:
+    the weights are the policy's).
+
+    Raises:
+        VlaforgeError: neither is given, or it resolves to no folder with a config.json.
+    """
+    from vlaforge import hub
+
+    field = "model.lerobot.vlm" if given else f"{FIELD}: config.json's vlm_model_name"
+    if not (given or named):
+        raise VlaforgeError(f"{FIELD}: config.json names no vlm_model_name; set model.lerobot.vlm to the VLM's "
+                            "folder or Hub id")
+    folder = hub.local_folder(given or named, field, hub.VLM_CONFIG,
+                              instead="" if given else ", or set model.lerobot.vlm to a local copy of that VLM")
+    if not (folder / "config.json").is_file():
+        raise VlaforgeError(f"{field} {str(given or named)!r} is a folder without a config.json; give the VLM's "
+                            "save_pretrained folder or its Hub id")
+    return str(folder)
+
+
 def _smolvla_build(cfg: dict, over: Overrides, fake: bool) -> tuple[dict[str, nn.Module], PolicySpec]:
     from transformers import AutoConfig
     from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector, SmolVLMVisionTransformer
 
     from vlaforge.models.llm import text_lm_class
 
-    folder = over.vlm or cfg.get("vlm_model_name")
-    if over.vlm_config is None and (not folder or not (Path(folder) / "config.json").is_file()):
-        raise VlaforgeError(f"{FIELD}: config.json's vlm_model_name {folder!r} is not a local folder with a "
-                            "config.json; set model.lerobot.vlm to a local copy of that VLM (save_pretrained)")
+    if over.vlm_config is None:
+        folder = _vlm_folder(over.vlm, cfg.get("vlm_model_name"))
     if cfg.get("add_image_special_tokens"):
         raise VlaforgeError(f"{FIELD}: add_image_special_tokens = true is not built; fine-tune a SmolVLA without it")
     vlm = AutoConfig.from_pretrained(folder, local_files_only=True) if over.vlm_config is None else \

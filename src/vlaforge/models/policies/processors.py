@@ -349,11 +349,15 @@ def _build_tokenizer(ld: _Load, opts: dict[str, Any], entry: dict[str, Any]) -> 
     if name is None:
         raise VlaforgeError(f"{ld.where}: the step names no tokenizer_name; set {TOKENIZER_SETTING} to the policy's "
                             "tokenizer folder")
-    if not Path(name).is_dir():
-        source = f"{TOKENIZER_SETTING} = {name!r} is not a folder" if ld.tokenizer_override else (
-            f"its tokenizer {name!r} is a Hugging Face Hub name, not a local folder, and vlaforge never downloads")
-        raise VlaforgeError(f"{ld.where}: {source}; download it (hf download {opts['tokenizer_name']} --local-dir DIR) "
-                            f"and set {TOKENIZER_SETTING} to that folder")
+    from vlaforge import hub
+
+    # a Hub id (pi0's google/paligemma-3b-pt-224) resolves through the Hugging Face cache: tokenizer files only
+    field = TOKENIZER_SETTING if ld.tokenizer_override else f"{ld.where}: its tokenizer_name"
+    name = hub.local_folder(name, field, hub.TOKENIZER, instead="" if ld.tokenizer_override else
+                            f", or set {TOKENIZER_SETTING} to a local copy")
+    if not name.is_dir():
+        raise VlaforgeError(f"{field} {str(name)!r} is a file, not a tokenizer folder; give the folder or its Hub "
+                            "id")
     if opts["padding"] not in ("max_length", "longest", "do_not_pad", True, False) or (
             opts["padding_side"] not in ("left", "right")):
         raise VlaforgeError(f"{ld.where}: padding {opts['padding']!r} / padding_side {opts['padding_side']!r} is not "

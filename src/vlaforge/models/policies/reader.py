@@ -38,6 +38,15 @@ def is_lerobot_folder(path: str | Path) -> bool:
         return False
 
 
+def policy_folder(ref: str | Path, weights: bool = True, field: str = FIELD) -> Path:
+    """The local folder of a LeRobot policy given as a folder or a Hub id (`lerobot/smolvla_base[@rev]`, resolved
+    through the Hugging Face cache: `vlaforge.hub`); `weights`: its model.safetensors is needed (else its JSON files
+    are enough: planning, config checks)."""
+    from vlaforge import hub
+
+    return hub.local_folder(ref, field, hub.POLICY if weights else hub.POLICY_CONFIG)
+
+
 def read_policy_config(folder: str | Path) -> dict:
     """config.json of a LeRobot policy folder, checked to name a type vlaforge reads.
 
@@ -195,6 +204,8 @@ def build_lerobot(model_cfg, fake: bool = False, saved: dict | None = None) -> P
 
     source = model_cfg.lerobot
     folder = Path(source.pretrained)
+    if saved is None:  # (a checkpoint's own copy needs no folder)
+        folder = policy_folder(source.pretrained, weights=not fake)
     if saved is not None:
         over = Overrides(sizes=saved.get("sizes"), vlm_config=saved.get("vlm"))
         with fake_build() if fake and not fake_mode_active() else contextlib.nullcontext():
