@@ -375,7 +375,9 @@ REFUSALS = {  # case -> (how the folder is broken, what the message must say)
     "corrupt state file": (lambda f: (f / "policy_postprocessor_step_0_unnormalizer_processor.safetensors")
                            .write_bytes(b"\x00garbage"), ["cannot read its state file", "restore it"]),
     "hub tokenizer": (lambda f: _edit(f, "policy_preprocessor", lambda s: s[3]["config"].update(
-        tokenizer_name="google/paligemma-3b-pt-224")), ["Hub name", "model.lerobot.tokenizer", "paligemma"]),
+        tokenizer_name="google/paligemma-3b-pt-224")), ["not in the Hugging Face cache", "HF_HUB_OFFLINE",
+                                                         "hf download google/paligemma-3b-pt-224",
+                                                         "model.lerobot.tokenizer"]),
     "missing json": (lambda f: (f / "policy_postprocessor.json").unlink(),
                      ["policy_postprocessor.json not found", "save_pretrained"]),
     "not a pipeline": (lambda f: (f / "policy_preprocessor.json").write_text("{\"type\": \"smolvla\"}"),
@@ -404,7 +406,7 @@ def test_inert_options_load_and_a_hub_tokenizer_loads_with_the_override(tmp_path
                                                      s[5]["config"].update(stats=None, device="cuda")))
     pre, _ = load_pipelines(folder, tokenizer_override=str(tok))
     assert pre(raw_batch())[LANG_TOKENS].shape[0] == 2
-    with pytest.raises(VlaforgeError, match="model.lerobot.tokenizer = '/nowhere' is not a folder"):
+    with pytest.raises(VlaforgeError, match="model.lerobot.tokenizer = '/nowhere' is neither an existing folder nor"):
         load_pipelines(folder, tokenizer_override="/nowhere")
 
 

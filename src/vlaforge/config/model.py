@@ -3,7 +3,7 @@ shapes ("auto": from the dataset), and the action head."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -44,6 +44,9 @@ class LeRobotSource(Section):
                                                     "pipeline's tokenizer step names (pi0's "
                                                     "google/paligemma-3b-pt-224, resolved through the cache by "
                                                     "itself)")
+    config: dict[str, Any] = Field(default_factory=dict, description="fields of the policy's config.json replaced "
+                                   "for this run, as lerobot-train's --policy.FIELD=VALUE replaces them (e.g. "
+                                   "{n_action_steps = 10}); each must be a field of the policy's type")
     sizes: str | None = Field(None, description="pi0: a JSON file declaring sizes other than LeRobot's variants: "
                                                 "{\"variants\": {name: {width, depth, mlp_dim, num_heads, "
                                                 "num_kv_heads, head_dim}}, \"vision\": {SigLIP config keys}, "
@@ -128,7 +131,7 @@ class ModelConfig(Section):
 
         try:  # a Hub id resolves to its cached snapshot (config.json only; the builder fetches the weights)
             folder = hub.local_folder(self.lerobot.pretrained, "model.lerobot.pretrained", hub.POLICY_CONFIG)
-            chunk = json.loads((Path(folder) / "config.json").read_text()).get("chunk_size")
+            chunk = {**json.loads((Path(folder) / "config.json").read_text()), **self.lerobot.config}.get("chunk_size")
         except (OSError, ValueError, VlaforgeError):
             return  # the reader says what is wrong with the folder, in one line, when it builds the model
         if not isinstance(chunk, int):

@@ -43,6 +43,13 @@ def _data_lerobot(cfg, _c):
     return None
 
 
+def _lerobot_source(cfg, _c):
+    if not cfg.model.lerobot.pretrained:
+        return ("it applies to a LeRobot policy (model.lerobot.pretrained), and none is given; drop it or give the "
+                "policy")
+    return None
+
+
 def _data_synthetic(cfg, _c):
     if cfg.data.source != "synthetic":
         return ("data.source = 'lerobot' reads the episodes of data.path, not generated samples; drop it or set "
@@ -251,6 +258,8 @@ RULES = (
     Rule(("data.path", "data.root", "data.revision", "data.episodes", "data.text_column", "data.frame_stride",
           "data.augment_shift", "data.augment_color", "data.cache_mb"), ("data.source",), _data_lerobot),
     Rule(("data.num_samples", "data.num_tasks"), ("data.source",), _data_synthetic),
+    Rule(("model.lerobot.vlm", "model.lerobot.tokenizer", "model.lerobot.config", "model.lerobot.sizes"),
+         ("model.lerobot.pretrained",), _lerobot_source),
     Rule(("data.frame_stride",), ("model.frames",), _frame_stride),
     Rule(("model.max_cameras",), ("data.source", "model.cameras"), _max_cameras),
     Rule(("model.env_state_dim",), ("loss.weights.env_state", "data.source"), _env_probe),

@@ -224,9 +224,9 @@ def _write_package(ckpt: Path, tmp: Path, source, format: str, dtype: str, int8:
         "vlaforge_version": __version__, "dtype": dtype, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **({"opset": onnx.OPSET} if format == "onnx" else {"delegate": "XNNPACK", "max_batch": executorch.MAX_BATCH}),
         "source": {"checkpoint": str(ckpt), "weights_sha256": checkpoint_digest(ckpt), "config": CONFIG_FILE},
-        "observation": {k: getattr(spec, k) for k in (
+        "observation": {**{k: getattr(spec, k) for k in (
             "cameras", "frames", "frame_stride", "image_size", "render_size", "instruction_tokens", "text_tokens",
-            "chunk", "state_mean", "state_std", "action_mean", "action_std")},
+            "chunk")}, **spec.affine()},  # a LeRobot policy's QUANTILES etc. as the affine map they are
         "tokenizer": {"file": "tokenizer.json", "sha256": {"tokenizer.json": file_sha256(tmp / "tokenizer.json")},
                       "pad_id": source.tokenizer.pad_id, "eos_id": source.tokenizer.eos_id,
                       "style": source.tokenizer.style},

@@ -70,8 +70,8 @@ class PolicyRuntime:
             if self.cache_config.mode == "token" else None
         self.adapters = adapters  # an inference.adapters.AdapterSet: several LoRA runs over this base, unmerged
         specs = {n: a.spec for n, a in adapters.adapters.items()} if adapters is not None else {None: spec}
-        keys = ("state_mean", "state_std", "action_mean", "action_std")
-        self._norms = {n: {k: torch.tensor(getattr(sp, k), device=self.device) for k in keys}
+        # (x - mean) / std on the device: a LeRobot policy's own mode (QUANTILES...) is affine too (spec.affine)
+        self._norms = {n: {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in sp.affine().items()}
                        for n, sp in specs.items()}
         self._norm = next(iter(self._norms.values()))
         self.compile_s = 0.0

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from vlaforge.data.tokenizer import state_prompt
+from vlaforge.data.transforms import MODE_STATS, MODES, normalize
 from vlaforge.errors import VlaforgeError, first_line
 
 PREPROCESSOR_FILE = "policy_preprocessor.json"
@@ -28,10 +29,6 @@ LANG_TOKENS, LANG_MASK = "observation.language.tokens", "observation.language.at
 # its chat fields (messages, language_events...) are left out, as other keys are: SmolVLA and pi0 never read them.
 COMPLEMENTARY_KEYS = ("task", "index", "task_index", "episode_index", "timestamp")
 FEATURE_TYPES = ("STATE", "VISUAL", "ENV", "ACTION", "REWARD", "LANGUAGE")
-# mode -> the (low, high) statistics it divides by; MEAN_STD's are (mean, std)
-MODE_STATS = {"MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"),
-              "QUANTILE10": ("q10", "q90")}
-MODES = (*MODE_STATS, "IDENTITY")
 FLOAT_DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
                 "float32": torch.float32, "float": torch.float32, "float64": torch.float64, "double": torch.float64}
 TOKENIZER_SETTING = "model.lerobot.tokenizer"
@@ -39,23 +36,6 @@ TOKENIZER_SETTING = "model.lerobot.tokenizer"
 
 class DegenerateStatsWarning(UserWarning):
     """A normalized feature's range is zero in some dims (std 0, max == min, q99 == q01): LeRobot divides by eps."""
-
-
-def normalize(x: Tensor, stats: dict[str, Tensor], mode: str, eps: float, *, inverse: bool = False) -> Tensor:
-    """LeRobot's `_apply_transform`: the statistics cast to `x`'s device and dtype, MEAN_STD (x - mean) / (std + eps)
-    (inverse x * std + mean, no eps), the range modes 2 (x - low) / (high - low) - 1 with a zero range replaced by
-    eps (inverse (x + 1) / 2 * range + low). Operation order kept, so results match bit for bit."""
-    if mode == "IDENTITY":
-        return x
-    s = {k: v.to(device=x.device, dtype=x.dtype) for k, v in stats.items()}
-    if mode == "MEAN_STD":
-        return x * s["std"] + s["mean"] if inverse else (x - s["mean"]) / (s["std"] + eps)
-    low_name, high_name = MODE_STATS[mode]
-    low, span = s[low_name], s[high_name] - s[low_name]
-    span = torch.where(span == 0, torch.tensor(eps, device=x.device, dtype=x.dtype), span)
-    if mode == "MIN_MAX":
-        return (x + 1) / 2 * span + low if inverse else 2 * (x - low) / span - 1
-    return (x + 1.0) * span / 2.0 + low if inverse else 2.0 * (x - low) / span - 1.0
 
 
 def _observed(batch: dict[str, Any]) -> dict[str, Any]:

@@ -47,11 +47,13 @@ def policy_folder(ref: str | Path, weights: bool = True, field: str = FIELD) -> 
     return hub.local_folder(ref, field, hub.POLICY if weights else hub.POLICY_CONFIG)
 
 
-def read_policy_config(folder: str | Path) -> dict:
-    """config.json of a LeRobot policy folder, checked to name a type vlaforge reads.
+def read_policy_config(folder: str | Path, overrides: dict | None = None) -> dict:
+    """config.json of a LeRobot policy folder, checked to name a type vlaforge reads, with `overrides`
+    (`model.lerobot.config`: lerobot-train's --policy.FIELD=VALUE) replacing its fields.
 
     Raises:
-        VlaforgeError: not a folder, no config.json or weights, invalid JSON, another policy type.
+        VlaforgeError: not a folder, no config.json or weights, invalid JSON, another policy type, an override of
+            a field the type does not have.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -67,7 +69,25 @@ def read_policy_config(folder: str | Path) -> dict:
     if not isinstance(cfg, dict) or "type" not in cfg:
         raise VlaforgeError(f"{FIELD}: {folder / 'config.json'} has no 'type'; it is not a LeRobot policy folder")
     family_of(cfg["type"], str(folder))
-    return cfg
+    return with_overrides(cfg, overrides or {}, str(folder))
+
+
+def with_overrides(cfg: dict, overrides: dict, where: str) -> dict:
+    """config.json's fields replaced by `overrides` (model.lerobot.config); `type` cannot change.
+
+    Raises:
+        VlaforgeError: a field that neither the folder's config.json nor LeRobot 0.6.1's defaults of its type have.
+    """
+    from vlaforge.models.policies.defaults import DEFAULT_POLICIES
+
+    defaults = DEFAULT_POLICIES.get(cfg["type"])
+    known = set(cfg) | set(defaults.config if defaults is not None else {})
+    for key in overrides:
+        if key == "type" or key not in known:
+            why = "cannot change the policy type" if key == "type" else f"is not a field of a {cfg['type']} config"
+            raise VlaforgeError(f"model.lerobot.config.{key} {why} ({where}/config.json); fields: "
+                                f"{', '.join(sorted(k for k in known if k != 'type'))[:300]}")
+    return {**cfg, **overrides}
 
 
 def _state(folder: Path) -> dict[str, torch.Tensor]:
@@ -128,10 +148,11 @@ def map_state(fam: PolicyFamily, model: PolicyVLA, state: dict[str, torch.Tensor
     return parts, dropped
 
 
-def load_policy(folder: str | Path, over: Overrides | None = None, fake: bool = False) -> PolicyVLA:
+def load_policy(folder: str | Path, over: Overrides | None = None, fake: bool = False,
+                config: dict | None = None) -> PolicyVLA:
     """The policy in a LeRobot folder as a vlaforge model, its weights loaded strictly (fp32)."""
     folder = Path(folder)
-    cfg = read_policy_config(folder)
+    cfg = read_policy_config(folder, config)
     over = over or Overrides()
     model = build_policy(cfg, over, fake=fake)
     if fake:
@@ -212,9 +233,9 @@ def build_lerobot(model_cfg, fake: bool = False, saved: dict | None = None) -> P
             model = build_policy(saved["config"], over, fake=fake)
     elif fake:
         with fake_build() if not fake_mode_active() else contextlib.nullcontext():
-            model = build_policy(read_policy_config(folder), overrides_from(source), fake=True)
+            model = build_policy(read_policy_config(folder, source.config), overrides_from(source), fake=True)
     else:
-        model = load_policy(folder, overrides_from(source))
+        model = load_policy(folder, overrides_from(source), config=source.config)
     # the folder's own pipelines: required when the policy comes from the folder, read when a checkpoint's folder is
     # still there (a fine-tuned run predicts through its own policy.json and tokenizer)
     wanted = not fake and (saved is None or (folder / PROCESSOR_FILES[0]).is_file())
