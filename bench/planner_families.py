@@ -1,7 +1,10 @@
 """The planner's activation bytes against the fake-tensor accounting of a real step, for every family vlaforge
 trains: each LLM family of tests/families.py (6 blocks; Gemma3 with a full-attention block after two sliding ones, so
 the measured model is cut shorter than the planned one) on the tiny flavor's tower, and each vision tower family (4
-blocks; the fused DINOv2-with-registers + SigLIP tower) on the tiny flavor's LLM. Prints JSON, one row per family:
+blocks; the fused DINOv2-with-registers + SigLIP tower) on the tiny flavor's LLM. Each LLM is its family's plain
+`transformers` config class given that family's own fields only (`families.family_config`: GPT-NeoX's folder has no
+`num_key_value_heads`, as a user's has not), so the planner sees what users' folders hold. Prints JSON, one row per
+family:
 
     {"llm": {family: {"how": "formula" | "measured", "ratios": {strategy: {instruction tokens: planned / counted}},
                       "plan_s": seconds of a `vlaforge plan` search on 1 x h100-80, its model build included}},
@@ -34,6 +37,7 @@ STRATEGIES = ("none", "full", "selective", "selective_attn", "selective_ffn")
 LENGTHS = (48, 160)
 LLM_LAYERS = 6
 TOWER_LAYERS = 4
+# fields of those families' own config classes (`families.family_config` refuses any other)
 OVERRIDES = {"gemma3_text": {"layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2},
              "gemma2": {"layer_types": ["sliding_attention", "full_attention"] * 3}}
 

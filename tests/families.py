@@ -1,6 +1,8 @@
 """Tiny random-init `save_pretrained` folders of each LLM family, built with `transformers` the way a user's real
 folder is written (config.json, model.safetensors, a tokenizer): the family matrix's inputs. Each family is built once
-per test session (`family_folder`), in a folder shared by the tests that use it."""
+per test session (`family_folder`), in a folder shared by the tests that use it. Each config is its family's plain
+`transformers` config class given only the fields that class declares (`family_config`), so a folder holds what a
+user's does: GPT-NeoX's, for one, no `num_key_value_heads` and no `head_dim`."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # hidden 64, 4 heads of 16, 2 kv heads: tp = 2 and cp = 2 divide everything; windows of 8 tokens are shorter than
-# tiny_synthetic's sequence, so a sliding window binds
+# tiny_synthetic's sequence, so a sliding window binds. Each family takes the ones its config class declares
+# (`own_fields`): a multi-head family (GPT-NeoX) no kv heads, and head_dim only where the family has the field
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=320, max_position_embeddings=256, head_dim=16, pad_token_id=0, bos_token_id=1,
               eos_token_id=2)
@@ -58,22 +61,49 @@ def _tokenizer():
                                    unk_token="<unk>")
 
 
+def own_fields(cls, values: dict) -> dict:
+    """The entries of `values` that config class `cls` declares (its dataclass fields and `attribute_map` aliases):
+    what a folder of that family states, nothing added for vlaforge's convenience."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "attribute_map", {}))
+    return {k: v for k, v in values.items() if k in names}
+
+
+def family_config(name: str, **overrides):
+    """Family `name`'s plain `transformers` config: COMMON's values for the fields its class declares, then the
+    family's own extras and `overrides` (e.g. more layers), each of which must be one of its fields."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[name]
+    extra = {**FAMILIES[name], **overrides}
+    unknown = sorted(set(extra) - set(own_fields(cls, extra)))
+    if unknown:  # a field the family does not have would only sit in its config.json, unread by its model
+        raise ValueError(f"{cls.__name__} has no field {', '.join(unknown)}")
+    return cls(**{**own_fields(cls, COMMON), **extra})
+
+
+def save_causal_lm(model, out: Path) -> Path:
+    """`model` and the test tokenizer saved into `out`, as a user's folder is."""
+    model.save_pretrained(out)
+    _tokenizer().save_pretrained(out)
+    return out
+
+
 def build_family(name: str, out: Path, **overrides) -> Path:
     """A tiny random-init causal LM of family `name` saved with its tokenizer into `out` (`overrides`: config
-    fields on top of the family's, e.g. more layers)."""
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    fields of the family on top of its own, e.g. more layers)."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = CONFIG_MAPPING[name](**{**COMMON, **FAMILIES[name], **overrides})
+    config = family_config(name, **overrides)
     attn = "eager" if name == "gemma2" else "sdpa"
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     with torch.no_grad():  # norms start at ones (zeros for Gemma's 1 + w): random ones catch a misplaced norm
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
-    _tokenizer().save_pretrained(out)
-    return out
+    return save_causal_lm(model, out)
 
 
 def _cached(key: str, build, out: Path) -> Path:
@@ -140,9 +170,11 @@ def build_vlm(name: str, out: Path) -> Path:
     elif name in ("qwen2_vl", "qwen2_5_vl"):
         import transformers
 
-        # M-RoPE over head_dim 16: (temporal, height, width) = 2 + 3 + 3 frequency pairs
-        text = dict(COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                             "mrope_section": [2, 3, 3]})
+        # M-RoPE over head_dim 16 (hidden / heads: the text configs have no head_dim field): (temporal, height,
+        # width) = 2 + 3 + 3 frequency pairs
+        text_cls = {"qwen2_vl": transformers.Qwen2VLTextConfig, "qwen2_5_vl": transformers.Qwen2_5_VLTextConfig}[name]
+        text = dict(own_fields(text_cls, COMMON), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "mrope_section": [2, 3, 3]})
         tokens = dict(image_token_id=319, video_token_id=318, vision_start_token_id=317)
         if name == "qwen2_vl":  # embed_dim is the tower's width, hidden_size the merger's output
             vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=8, mlp_ratio=2)

@@ -2,7 +2,8 @@
 tower family (the fused tower too) plans from a tiny `save_pretrained` folder, its activation bytes taken from
 measured rows (`planner/measured.py`) where no formula counts its blocks exactly, and equal to a fake-tensor count of
 a real step at another sequence length than the one the rows were measured at (bench/planner_families.py runs every
-checkpointing strategy at two lengths and deeper models)."""
+checkpointing strategy at two lengths and deeper models). Every folder holds its family's own config fields only
+(`families.family_config`), and the LLM's dimensions are read through its family's (`models.families.llm_dims`)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import pytest
 from vlaforge import COMPONENTS
 from vlaforge.errors import VlaforgeError
 
-from conftest import run_cli, tiny_config
-from families import FAMILIES, VISION_FAMILIES, family_folder, tower_folder
+from conftest import TINY_RECIPE, run_cli, tiny_config
+from families import FAMILIES, VISION_FAMILIES, family_folder, save_causal_lm, tower_folder
 
 MEASURED_LLMS = sorted(set(FAMILIES) - {"llama", "qwen2", "qwen3", "mistral"})
 
@@ -92,6 +93,43 @@ def test_a_measured_llm_refuses_sharded_layouts_and_plans_the_rest(root, tmp_pat
                    "--fix", "parallel.tp=2")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "measures this LLM's blocks whole and does not divide them for tensor parallel" in done.stderr
+
+
+def test_llm_dims_read_only_the_familys_own_fields():
+    """GPT-NeoX declares no kv heads (multi-head) and no head dim; a stray key in its config.json changes nothing in
+    the model transformers builds, so nothing in the plan; a dimension a family lacks is refused in one line."""
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
+
+    from vlaforge.models.families import llm_dims
+
+    neox = llm_dims(GPTNeoXConfig(hidden_size=128, num_attention_heads=4, intermediate_size=512))
+    assert (neox.heads, neox.kv_heads, neox.head_dim) == (4, 4, 32)
+    assert llm_dims(GPTNeoXConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)).kv_heads == 4
+    llama = llm_dims(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32))
+    assert (llama.kv_heads, llama.head_dim) == (2, 32)
+    with pytest.raises(VlaforgeError, match="^the llm's gpt2 config .* has no intermediate_size"):
+        llm_dims(GPT2Config())
+
+
+def test_plan_on_a_gpt_neox_folder_saved_by_transformers(tmp_path):
+    """Issue 76: a GPT-NeoX folder as `GPTNeoXForCausalLM.save_pretrained` writes it (2 layers, width 128, 4 heads,
+    parallel residual, rotary on a quarter of each head: transformers 5's `partial_rotary_factor`) as
+    model.llm.pretrained over the tiny recipe's SigLIP tower: `vlaforge plan` exits 0 with a plan (its config has no
+    num_key_value_heads, which the planner used to read: an AttributeError traceback)."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
+                           vocab_size=320, use_parallel_residual=True, rope_parameters={
+                               "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    folder = save_causal_lm(GPTNeoXForCausalLM(config), tmp_path / "neox")
+    assert "num_key_value_heads" not in (folder / "config.json").read_text()
+    recipe = tmp_path / "neox.toml"
+    recipe.write_text(f'base = "{TINY_RECIPE}"\n[model.llm]\npretrained = "{folder}"\n')
+    done = run_cli("plan", f"--model={recipe}", "--gpu=h100-80", "--gpus-per-node=1", "--global-batch=8")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "best:" in done.stdout
 
 
 def test_a_block_the_planner_cannot_measure_is_refused_naming_its_type(root, monkeypatch):

@@ -9,6 +9,10 @@ instead of from Llama's attribute names: the one place that knows families diffe
   styles vlaforge runs and a one-line refusal for the others.
 - `expert_modules`: the modules holding the 3-D stacked expert weights of MoE blocks, which `nn.Linear`-based
   converters (fp8, quantization) do not see.
+- `llm_dims`: the LLM's dimensions (width, FFN width, depth, heads, kv-heads, head dim, vocabulary) as the family's
+  modeling code reads them: a config class without a `num_key_value_heads` field (GPT-NeoX) is multi-head, no
+  `head_dim` is hidden / heads, and a dimension every decoder family states but this config lacks is refused in one
+  line.
 - `mrope_section`: whether the LLM takes Qwen-VL's 3-D multimodal RoPE positions (the VLA then gives them).
 - `block_norms`: a block's own norm layers (two in Llama, one in Phi, four in Gemma3), for sequence parallel.
 - `unlike_llama`: what in a block differs from Llama's (q/k norms, extra norms, fused projections, experts), for
@@ -19,6 +23,7 @@ instead of from Llama's attribute names: the one place that knows families diffe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -110,6 +115,58 @@ def tp_plan(config) -> dict[str, str]:
                                 "parallel does not run; use tp = 1 with dp_shard (FSDP2)")
         out[pattern.removeprefix("layers.*.")] = style
     return out
+
+
+@dataclass(frozen=True)
+class LLMDims:
+    """An LLM's dimensions, as its family's modeling code reads them from its config (`llm_dims`)."""
+
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+
+# the dimensions every decoder family's config names alike (transformers' `attribute_map` maps GPT-2-style names)
+LLM_DIM_FIELDS = {"hidden": "hidden_size", "ffn": "intermediate_size", "layers": "num_hidden_layers",
+                  "heads": "num_attention_heads", "vocab": "vocab_size"}
+
+
+def declared(config, name: str):
+    """`config.<name>` where the family's config class declares the field (a dataclass field, an `attribute_map`
+    alias or a property), else None. NOTE: transformers keeps a key a config.json adds beyond its family's fields as
+    an attribute, which a family's modeling code may still read (`head_dim`, by getattr) or not (GPT-NeoX's
+    attention splits its fused projection into `num_attention_heads` whatever `num_key_value_heads` says)."""
+    cls = type(config)
+    if dataclasses.is_dataclass(cls) and name not in {f.name for f in dataclasses.fields(cls)} \
+            and name not in getattr(cls, "attribute_map", {}) and not isinstance(getattr(cls, name, None), property):
+        return None
+    return getattr(config, name, None)
+
+
+def llm_dims(config) -> LLMDims:
+    """The LLM's dimensions as its family's modeling code reads them: kv-heads from a declared `num_key_value_heads`
+    (a family without the field, or None in it, is multi-head), the head dim as transformers' rotary and attention
+    code reads it, `getattr(config, "head_dim", None) or hidden // heads` (Qwen3-MoE's folders state one its config
+    class does not declare).
+
+    Raises:
+        VlaforgeError: the config lacks a dimension every decoder family states.
+    """
+    dims = {}
+    for key, name in LLM_DIM_FIELDS.items():
+        value = getattr(config, name, None)
+        if not isinstance(value, int):
+            raise VlaforgeError(f"the llm's {family(config)} config ({type(config).__name__}) has no {name}, which "
+                                "vlaforge reads its blocks' shape from; use a causal-LM folder of a decoder-only "
+                                "family transformers ships (docs/families.md)")
+        dims[key] = value
+    heads = dims["heads"]
+    return LLMDims(**dims, kv_heads=declared(config, "num_key_value_heads") or heads,
+                   head_dim=getattr(config, "head_dim", None) or dims["hidden"] // heads)
 
 
 def mrope_section(config) -> list[int] | None:

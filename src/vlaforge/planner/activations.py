@@ -73,12 +73,13 @@ class BlockShape:
 
 
 def llm_shape(config, block=None) -> BlockShape:
-    """The LLM block's shape; `block` (a built one) says whether it norms q and k per head."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    """The LLM block's shape, from its family's own config fields (`families.llm_dims`: GPT-NeoX's multi-head
+    attention has no kv-head field); `block` (a built one) says whether it norms q and k per head."""
+    from vlaforge.models.families import llm_dims
+
+    dims = llm_dims(config)
     qk_norm = block is not None and hasattr(getattr(block, "self_attn", None), "q_norm")
-    return BlockShape("llama", config.hidden_size, config.intermediate_size, heads,
-                      config.num_key_value_heads or heads, head_dim, qk_norm)
+    return BlockShape("llama", dims.hidden, dims.ffn, dims.heads, dims.kv_heads, dims.head_dim, qk_norm)
 
 
 def vision_shape(vision) -> BlockShape:
@@ -237,6 +238,7 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     `compiled`: `train.compile`, each block one compiled graph (`block_bytes`); an unpadded `seq` builds no mask.
     `measured`: the model's `measured.MeasuredRows`, whose components' blocks, once-terms and rest are its measured
     rows (at tp = cp = 1: `measured.refuse_sharded`) instead of a formula."""
+    from vlaforge.models.families import llm_dims
     from vlaforge.planner.lora import adapters_of, block_delta
 
     if measured is not None and measured.policy:  # a LeRobot policy: every part measured (tp = cp = 1)
@@ -290,7 +292,7 @@ def activation_parts(model, seq: Sequence, policies, contrastive: bool = True, t
     ha, t = model.action_head.in_proj.out_features, seq.chunk
     out["action_head"] = (4 * D * b * t if strat["action_head"] == "full"
                           else c["action_head"] * (b * t * (D + 4 * ha) + b * seq.state_dim))
-    out["other"] = _loss_bytes(seq, D, llm.vocab_size, contrastive, frozen_embeddings="llm" in lora)
+    out["other"] = _loss_bytes(seq, D, llm_dims(llm).vocab, contrastive, frozen_embeddings="llm" in lora)
     return out
 
 
@@ -399,8 +401,10 @@ def model_activation_bytes(model, seq: Sequence, policies, contrastive: bool = T
 
     The regression action head is modeled; projector and action head with `checkpointing = "full"` keep their
     input only. `measured`: as `activation_parts`'s."""
+    from vlaforge.models.families import llm_dims
+
     parts = activation_parts(model, seq, policies, contrastive, master=master, measured=measured)
-    layers = model.llm.config.num_hidden_layers
+    layers = llm_dims(model.llm.config).layers
     out = {k: v for k, v in parts.items() if not k.startswith("llm_")}
     out["llm"] = layers * parts["llm_block"] + parts["llm_once"] + parts["llm_tail"]
     return out

@@ -85,10 +85,10 @@ def build_case(pm: PlanModel, cfg, cluster: Cluster) -> Case:
     policies = dict(cfg.components.items())
     seq = replace(pm.seq, batch=tr.batch_size, instruction=cfg.data.max_instruction_tokens,
                   text=cfg.data.max_text_tokens)
-    layers = pm.model.llm.config.num_hidden_layers
+    layers = pm.llm_dims.layers
     method = par.cp_method
     if cp > 1 and method == "auto":
-        method = cp_method_for(par, seq.llm_tokens, pm.model.llm.config.num_attention_heads)[0]
+        method = cp_method_for(par, seq.llm_tokens, pm.llm_dims.heads)[0]
     why = refuse_sharded(pm.measured_components, tp, cp, pp, par.backend)
     if why:
         raise VlaforgeError(why)
@@ -277,5 +277,5 @@ def _buffers(pm: PlanModel, case: Case) -> float:
     elif case.par.backend == "ddp":
         out += 2 * DDP_BUCKET
     if case.pp > 1:
-        out += 2 * case.micro * -(-case.seq.llm_tokens // case.cp) * pm.model.llm.config.hidden_size * 4
+        out += 2 * case.micro * -(-case.seq.llm_tokens // case.cp) * pm.llm_dims.hidden * 4
     return out

@@ -105,11 +105,9 @@ def fp8_linear_seconds(m: float, k: float, n: float, gpu, assume, weight_bytes: 
 
 def fp8_block_seconds(pm, case, gpu, assume, tokens: float) -> tuple[float, float]:
     """(fp8 seconds, bf16 seconds) of one LLM block's seven linears over `tokens` (its tp shares)."""
-    cfg = pm.model.llm.config
-    D, F, tp = cfg.hidden_size, cfg.intermediate_size // case.tp, case.tp
-    heads = cfg.num_attention_heads
-    d = getattr(cfg, "head_dim", None) or D // heads
-    q, kv = heads * d // tp, max(1, (cfg.num_key_value_heads or heads) // tp) * d
+    dims, tp = pm.llm_dims, case.tp
+    D, F, d = dims.hidden, dims.ffn // tp, dims.head_dim
+    q, kv = dims.heads * d // tp, max(1, dims.kv_heads // tp) * d
     master = compute_master_bytes(case)
     shapes = ((D, q), (D, kv), (D, kv), (q, D), (D, F), (D, F), (F, D))
     recipe = case.policies["llm"].fp8_recipe

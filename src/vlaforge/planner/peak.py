@@ -85,9 +85,9 @@ def stage_parts(pm, case, stage: int, comp_mem: dict, other: float, in_flight: i
     head_cast = llm.weight_casts * pm.cast_numel("llm", pol.checkpointing, 0, case.tp) / cast_all if cast_all else 0
     through = case.backward_through
     tokens = case.micro * -(-case.seq.llm_tokens // case.cp)
-    shape = pm.model.llm.config
-    wide = 3 * c * shape.intermediate_size // case.tp
-    llm_work = (8 * shape.hidden_size + wide) * tokens if through["llm"] else 0.0
+    dims = pm.llm_dims
+    wide = 3 * c * dims.ffn // case.tp
+    llm_work = (8 * dims.hidden + wide) * tokens if through["llm"] else 0.0
     head_work = c * n["tied_head" if tied else "tail"] if last and c < master and llm.grads else 0.0
     parts = [Part(acts=other + comp_mem["action_head"].activations + tail + head_cast,
                   grads=comp_mem["action_head"].grads + per_param * head_numel, work=head_work),

@@ -23,10 +23,10 @@ def korthikanti_bytes(pm: PlanModel, batch: int, tp: int = 1, strategy: str = "n
     per layer for 16-bit training with dropout and materialized attention scores; 2·s·b·h with full
     recomputation. It assumes MHA, a 4h GELU FFN, half-precision residuals and no flash attention, which is why
     vlaforge derives its own terms from the architecture instead."""
-    cfg = pm.model.llm.config
-    s, h, a = pm.tokens_per_sample, cfg.hidden_size, cfg.num_attention_heads
+    dims = pm.llm_dims
+    s, h, a = pm.tokens_per_sample, dims.hidden, dims.heads
     per_layer = 2 * s * batch * h if strategy == "full" else s * batch * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    return int(per_layer * cfg.num_hidden_layers)
+    return int(per_layer * dims.layers)
 
 
 def plan_json(pm: PlanModel, plan: Plan, assume: Assumptions) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def plan_json(pm: PlanModel, plan: Plan, assume: Assumptions) -> dict[str, Any]:
         ck = f["components.llm.checkpointing"]
         parts = activation_parts(pm.model, replace(pm.seq, batch=micro), dict(best.config.components.items()),
                                  pm.contrastive, tp=tp, measured=pm.measured)
-        ours = pm.model.llm.config.num_hidden_layers * parts["llm_block"] + parts["llm_once"]
+        ours = pm.llm_dims.layers * parts["llm_block"] + parts["llm_once"]
         ref = {"korthikanti_llm_blocks_gb": round(korthikanti_bytes(pm, micro, tp, "full" if ck == "full" else "none")
                                                   / GB, 3),
                "vlaforge_llm_blocks_gb": round(ours / GB, 3), "micro_batch": micro, "tp": tp, "checkpointing": ck}

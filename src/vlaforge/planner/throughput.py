@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vlaforge import COMPONENTS
+from vlaforge.models.families import llm_dims
 from vlaforge.planner.activations import (
     Sequence,
     activation_parts,
     compute_bytes,
-    llm_shape,
     qwen_window_grid,
     vision_shape,
 )
@@ -107,7 +107,7 @@ def _attention_pairs(vis, seq: Sequence, block: int, qwen: bool) -> int:
 
 def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> StepFlops:
     """FLOPs of one micro-batch's forward and backward (times `grad_accum` for a step)."""
-    llm = model.llm.config
+    llm = llm_dims(model.llm.config)  # the family's own fields (GPT-NeoX states no kv-heads: multi-head)
     b, s = seq.batch, seq.llm_tokens
     t, tp = b * s, b * seq.frames * seq.patches  # the LLM's tokens, the projected image tokens
     from vlaforge.planner.lora import adapters_of
@@ -117,28 +117,27 @@ def step_flops(model, seq: Sequence, policies, contrastive: bool = True) -> Step
     out = StepFlops()
 
     v_hidden = _vision_flops(out, model, seq, policies, trains, lora)
-    _projector_flops(out, model, v_hidden * seq.merge * seq.merge, tp, llm.hidden_size, trains,
+    _projector_flops(out, model, v_hidden * seq.merge * seq.merge, tp, llm.hidden, trains,
                      policies["projector"].checkpointing)
 
     # llm: blocks (q, k, v, o; gate, up, down), LM head over the text positions (+1), causal attention core
     # each block's own weights (Llama's q, k, v, o; gate, up, down; a MoE block's routed experts' share)
-    ls = llm_shape(llm)
-    D, hd = ls.hidden, ls.heads * ls.head_dim
+    D, hd = llm.hidden, llm.heads * llm.head_dim
     lb = model_matmuls(model, "llm")[0]
     l_out, l_attn_mm, l_down, l_ffn_mm = (2.0 * t * sum(b[k] for b in lb) / len(lb)
                                           for k in ("attn_out", "attn", "ffn_out", "ffn"))
-    l_blocks = llm.num_hidden_layers * (l_attn_mm + l_ffn_mm)
-    head = 2.0 * b * (seq.text + 1) * D * llm.vocab_size
-    l_core = llm.num_hidden_layers * 4.0 * b * s * s * hd
+    l_blocks = llm.layers * (l_attn_mm + l_ffn_mm)
+    head = 2.0 * b * (seq.text + 1) * D * llm.vocab
+    l_core = llm.layers * 4.0 * b * s * s * hd
     upstream = trains["vision"] or trains["projector"]
     out.forward["llm"] = l_blocks + head
     out.backward["llm"] = (l_blocks + head) * (trains["llm"] + (trains["llm"] or upstream))
     needs_backward = trains["llm"] or upstream
     rec, core_again = _recomputed(policies["llm"].checkpointing, l_attn_mm, l_ffn_mm, l_out, l_down)
-    out.recompute["llm"] = llm.num_hidden_layers * rec if needs_backward else 0.0
+    out.recompute["llm"] = llm.layers * rec if needs_backward else 0.0
     if "llm" in lora:  # frozen block weights and head (its input gradient only); adapters train; the LLM's input
         # needs no gradient unless something below trains (its own token embeddings are frozen)
-        _lora_flops(out, "llm", lora["llm"], llm.num_hidden_layers, t, policies["llm"].checkpointing,
+        _lora_flops(out, "llm", lora["llm"], llm.layers, t, policies["llm"].checkpointing,
                     (l_attn_mm, l_ffn_mm, l_out, l_down), extra=(head, head), input_free=not upstream)
     out.recompute_attention["llm"] = l_core if core_again and needs_backward else 0.0
     out.attention["llm"] = l_core + (2 * l_core if needs_backward else 0.0) + out.recompute_attention["llm"]
@@ -290,7 +289,7 @@ def _ring(nbytes: float, n: int, bw: float, passes: float = 1.0) -> float:
 
 def _block_activation_bytes(pm: "PlanModel", case: "Case") -> float:
     """A cp rank's hidden states of one micro-batch in the LLM's compute dtype (what TP reduces, PP sends)."""
-    return (case.micro * -(-case.seq.llm_tokens // case.cp) * pm.model.llm.config.hidden_size
+    return (case.micro * -(-case.seq.llm_tokens // case.cp) * pm.llm_dims.hidden
             * compute_bytes(case.policies["llm"].precision))
 
 
@@ -363,11 +362,10 @@ def _core_precision(precision: str) -> str:
 def _block_linear_share(pm: "PlanModel", seq: Sequence, f: StepFlops) -> float:
     """The share of the LLM's forward matmul FLOPs in its blocks' linears (the rest: the LM head): what fp8
     converts."""
-    cfg = pm.model.llm.config
-    ls = llm_shape(cfg)
+    ls = pm.llm_dims
     q, kv = ls.heads * ls.head_dim, ls.kv_heads * ls.head_dim
     block = 2.0 * seq.batch * seq.llm_tokens * (2 * ls.hidden * q + 2 * ls.hidden * kv + 3 * ls.hidden * ls.ffn)
-    return min(1.0, cfg.num_hidden_layers * block / f.forward["llm"]) if f.forward["llm"] else 0.0
+    return min(1.0, ls.layers * block / f.forward["llm"]) if f.forward["llm"] else 0.0
 
 
 def _data_parallel_comm(case: "Case", cluster: "Cluster", assume: "Assumptions") -> float:
@@ -409,9 +407,8 @@ def _model_parallel_comm(pm: "PlanModel", case: "Case", cluster: "Cluster", assu
         per_block = 6 if policies["llm"].checkpointing == "full" else 4
         times["tp_comm"] = accum * stage_layers * per_block * _ring(act_bytes, tp, _link(cluster, tp, assume), 2)
     if cp > 1:
-        llm = pm.model.llm.config
-        hd = llm.hidden_size // llm.num_attention_heads
-        kv = (2 * case.micro * -(-case.seq.llm_tokens // cp) * (llm.num_key_value_heads // tp or 1) * hd
+        llm = pm.llm_dims
+        kv = (2 * case.micro * -(-case.seq.llm_tokens // cp) * max(1, llm.kv_heads // tp) * llm.head_dim
               * compute_bytes(policies["llm"].precision))
         bw = _link(cluster, cp * tp, assume)
         if case.method == "ring":

@@ -12,6 +12,7 @@ from torch import nn
 
 from vlaforge import COMPONENTS
 from vlaforge.errors import VlaforgeError
+from vlaforge.models.families import llm_dims
 from vlaforge.models.llm import llm_blocks
 from vlaforge.planner.activations import Sequence, sequence_of
 from vlaforge.planner.hardware import GPU
@@ -95,6 +96,8 @@ class PlanModel:
                 self.model.objective = objective_from(cfg.loss)
             self.seq = replace(sequence_of(self.model, synthetic_batch(cfg, self.model, 1)), padded=padded)
         self.cfg = cfg
+        # the LLM's dimensions as its family states them: a field the family lacks is refused here, in one line
+        self.llm_dims = llm_dims(self.model.llm.config)
         proj = self.model.projector
         if getattr(proj, "spec", {}).get("norm") not in (None, "rms"):
             # NOTE: activations.py counts linear + GELU + linear or one linear, after a merge and an RMSNorm or none
