@@ -161,6 +161,10 @@ def saved_config(folder: Path, what: str = "CHECKPOINT", lerobot: dict | None = 
     if is_lerobot_folder(folder):
         return lerobot_config(folder, lerobot)
 
+    if not (Path(folder) / CONFIG_FILE).is_file() and (Path(folder) / "config.json").is_file():
+        from vlaforge.models.policies.reader import read_policy_config
+
+        read_policy_config(folder)  # meant as a LeRobot folder: says what its config.json lacks
     if not (Path(folder) / CONFIG_FILE).is_file():
         raise VlaforgeError(f"{what} {folder} has no {CONFIG_FILE}; the checkpoint is incomplete: use another "
                             "checkpoint of the run")

@@ -21,7 +21,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from vlaforge.config.base import MAX_TOKENS
 from vlaforge.errors import VlaforgeError
+from vlaforge.models.policies.checks import MAX_LAYERS, MAX_STEPS, Bound, check_policy_config, image_pair
 from vlaforge.models.policies.model import Composition, ExpertHead, PolicySpec, PolicyVLA
 from vlaforge.registry import Registry
 
@@ -47,6 +49,15 @@ class PolicyFamily:
     dropped: tuple[tuple[str, str], ...]  # (LeRobot's prefix, why vlaforge does not keep it)
     build: Callable[[dict, Overrides, bool], tuple[dict[str, nn.Module], PolicySpec]]
     refused_layouts: dict[str, str]  # parallel layouts (sequence / pipeline / tensor) not built, and why
+    steps_field: str = "num_steps"  # config.json's denoising steps per prediction
+    bounds: tuple[Bound, ...] = ()  # config.json's family-specific numbers and their ranges (checks.COMMON_BOUNDS: all)
+    image_field: str | None = None  # config.json's image size pair
+
+    def check(self, cfg: dict, where: str, overridden: frozenset = frozenset()) -> None:
+        """Every number of config.json in its range, before anything is built (`checks.check_policy_config`)."""
+        check_policy_config(cfg, self.bounds, where, overridden)
+        if self.image_field:
+            image_pair(cfg, self.image_field, where)
 
     def key(self, name: str) -> tuple[str, str] | None:
         """A LeRobot state-dict name -> (component, its name there); None for a name no component takes."""
@@ -125,9 +136,9 @@ def _features(cfg: dict) -> tuple[tuple[str, ...], int, int]:
     return cameras, int(state["shape"][0]), int(action["shape"][0])
 
 
-def _spec(family: str, cfg: dict, image_size: tuple[int, int], steps_key: str, rope_base: float,
-          layers: tuple, **kw) -> PolicySpec:
+def _spec(family: str, cfg: dict, image_size: tuple[int, int], rope_base: float, layers: tuple, **kw) -> PolicySpec:
     cameras, state_dim, action_dim = _features(cfg)
+    steps_key = POLICY_FAMILIES.get(family).steps_field
     return PolicySpec(family=family, cameras=cameras, state_dim=state_dim, action_dim=action_dim,
                       chunk=int(cfg["chunk_size"]), max_state_dim=int(cfg["max_state_dim"]),
                       max_action_dim=int(cfg["max_action_dim"]), image_size=image_size,
@@ -190,7 +201,8 @@ def _smolvla_build(cfg: dict, over: Overrides, fake: bool) -> tuple[dict[str, nn
         AutoConfig.for_model(**over.vlm_config)
     text = copy.deepcopy(vlm.text_config)
     n_vlm = int(cfg.get("num_vlm_layers", -1))
-    text.num_hidden_layers = n_vlm if n_vlm > 0 else text.num_hidden_layers
+    # NOTE: LeRobot keeps the first num_vlm_layers blocks: a larger number keeps them all
+    text.num_hidden_layers = min(n_vlm, text.num_hidden_layers) if n_vlm > 0 else text.num_hidden_layers
     text.tie_word_embeddings = bool(getattr(vlm, "tie_word_embeddings", False))
     expert = copy.deepcopy(text)
     expert.hidden_size = int(text.hidden_size * float(cfg.get("expert_width_multiplier", 0.75)))
@@ -218,7 +230,7 @@ def _smolvla_build(cfg: dict, over: Overrides, fake: bool) -> tuple[dict[str, nn
                             "their kind")
     size = cfg.get("resize_imgs_with_padding")  # LeRobot's (width, height)
     image = (int(size[1]), int(size[0])) if size else (vlm.vision_config.image_size,) * 2
-    spec = _spec("smolvla", cfg, image, "num_steps", 10_000.0, layers, prefix_length=int(cfg.get("prefix_length", -1)))
+    spec = _spec("smolvla", cfg, image, 10_000.0, layers, prefix_length=int(cfg.get("prefix_length", -1)))
     parts["backbones"] = {"config": cfg, "vlm": vlm.to_dict()}
     return parts, spec
 
@@ -245,7 +257,7 @@ def _gemma(variant: dict, vocab: int):
 
 def _variant(name: str, field: str, declared: dict) -> dict:
     variants = {**GEMMA_VARIANTS, **(declared.get("variants") or {})}
-    if name not in variants:
+    if not isinstance(name, str) or name not in variants:
         raise VlaforgeError(f"{FIELD}: config.json's {field} = {name!r} is not a Gemma variant vlaforge knows "
                             f"({', '.join(variants)}); declare its sizes in model.lerobot.sizes")
     return variants[name]
@@ -281,10 +293,27 @@ def _pi0_build(cfg: dict, over: Overrides, fake: bool, family: str = "pi0") -> t
                             "them one to one")
     beta = tuple(float(cfg.get(k, d)) for k, d in (("time_sampling_beta_alpha", 1.5), ("time_sampling_beta_beta", 1.0),
                                                    ("time_sampling_scale", 0.999), ("time_sampling_offset", 0.001)))
-    spec = _spec(family, cfg, resolution, "num_inference_steps", float(rope),
+    spec = _spec(family, cfg, resolution, float(rope),
                  tuple((i, i, "self") for i in range(n)), time_beta=beta)
     parts["backbones"] = {"config": cfg, "sizes": over.sizes}
     return parts, spec
+
+
+# config.json's numbers each family reads beyond checks.COMMON_BOUNDS (-1: LeRobot's "none" / "all")
+_SMOLVLA_BOUNDS = (
+    Bound("num_steps", 1, MAX_STEPS, "denoising steps per prediction"),
+    Bound("prefix_length", -1, MAX_TOKENS, "tokens the prefix is padded to", required=False),
+    Bound("num_vlm_layers", -1, MAX_LAYERS, "VLM blocks kept", required=False),
+    Bound("num_expert_layers", -1, MAX_LAYERS, "expert blocks", required=False),
+    Bound("self_attn_every_n_layers", -1, MAX_LAYERS, "layers between joint-attention layers", required=False),
+    Bound("expert_width_multiplier", 0, 8, "the expert's width over the VLM's", number=True, required=False,
+          above=True))
+_PI0_BOUNDS = (
+    Bound("num_inference_steps", 1, MAX_STEPS, "denoising steps per prediction"),
+    *(Bound(f"time_sampling_beta_{k}", 0, 1e3, "a Beta parameter of the training times", number=True,
+            required=False, above=True) for k in ("alpha", "beta")),
+    Bound("time_sampling_scale", 0, 1, "the training times' scale", number=True, required=False, above=True),
+    Bound("time_sampling_offset", 0, 1, "the training times' offset", number=True, required=False))
 
 
 POLICY_FAMILIES.add("smolvla", PolicyFamily(
@@ -298,7 +327,8 @@ POLICY_FAMILIES.add("smolvla", PolicyFamily(
               ("model.vlm_with_expert.lm_expert.layers.", "action_head", "blocks."),
               ("model.vlm_with_expert.lm_expert.norm.", "action_head", "norm."),
               ("model.", "action_head", "")),
-    dropped=(), build=_smolvla_build, refused_layouts=_REFUSED))
+    dropped=(), build=_smolvla_build, refused_layouts=_REFUSED, bounds=_SMOLVLA_BOUNDS,
+    image_field="resize_imgs_with_padding"))
 
 POLICY_FAMILIES.add("pi0", PolicyFamily(
     name="pi0", lerobot_types=("pi0",),
@@ -314,7 +344,8 @@ POLICY_FAMILIES.add("pi0", PolicyFamily(
               ("model.", "action_head", "")),
     dropped=(("model.paligemma_with_expert.gemma_expert.lm_head.",
               "the action expert's LM head, which pi0 never uses (263 M parameters at pi0's size)"),),
-    build=_pi0_build, refused_layouts=_REFUSED))
+    build=_pi0_build, refused_layouts=_REFUSED, steps_field="num_inference_steps", bounds=_PI0_BOUNDS,
+    image_field="image_resolution"))
 
 
 # pi0.5: pi0's keys, drops and composition, but the state in the prompt and the flow time in every expert norm
@@ -342,6 +373,7 @@ def family_of(kind: str | None, where: str) -> PolicyFamily:
 def build_policy(cfg: dict, over: Overrides, fake: bool = False) -> PolicyVLA:
     """The family's modules, sized from config.json, composed (weights random: the reader fills them)."""
     fam = family_of(cfg.get("type"), "config.json")
+    fam.check(cfg, FIELD)  # NOTE: also a checkpoint's saved copy and the defaults, before allocating
     parts, spec = fam.build(cfg, over, fake)
     parts["llm"].tie_weights()  # NOTE: transformers' no_init_weights (a fake build) also skips the tying
     blocks, norm, state_in, state_out, width = parts.pop("action_head")

@@ -18,6 +18,8 @@ from torch import Tensor
 from vlaforge.data.tokenizer import state_prompt
 from vlaforge.data.transforms import MODE_STATS, MODES, normalize
 from vlaforge.errors import VlaforgeError, first_line
+from vlaforge.models.policies import checks
+from vlaforge.models.policies.checks import FEATURE_TYPES, feature_shapes, json_file
 
 PREPROCESSOR_FILE = "policy_preprocessor.json"
 POSTPROCESSOR_FILE = "policy_postprocessor.json"
@@ -28,7 +30,6 @@ LANG_TOKENS, LANG_MASK = "observation.language.tokens", "observation.language.at
 # Raw keys carried beside `observation.*` and `action` (and every `*_is_pad`), LeRobot's complementary data; NOTE:
 # its chat fields (messages, language_events...) are left out, as other keys are: SmolVLA and pi0 never read them.
 COMPLEMENTARY_KEYS = ("task", "index", "task_index", "episode_index", "timestamp")
-FEATURE_TYPES = ("STATE", "VISUAL", "ENV", "ACTION", "REWARD", "LANGUAGE")
 FLOAT_DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
                 "float32": torch.float32, "float": torch.float32, "float64": torch.float64, "double": torch.float64}
 TOKENIZER_SETTING = "model.lerobot.tokenizer"
@@ -285,14 +286,17 @@ def _read_state(ld: _Load, filename: str) -> dict[str, dict[str, Tensor]]:
     return stats
 
 
-def _check_stats(ld: _Load, key: str, mode: str, stats: dict[str, Tensor], eps: float) -> None:
-    """Refuse a mode whose statistics are missing; warn (once per feature and statistic) where their range is 0."""
+def _check_stats(ld: _Load, key: str, mode: str, stats: dict[str, Tensor], eps: float,
+                 shape: tuple[int, ...] | None) -> None:
+    """Refuse a mode whose statistics are missing, not finite or not of the feature's `shape`; warn (once per feature
+    and statistic) where their range is 0."""
     low, high = MODE_STATS[mode]
     missing = [s for s in (low, high) if s not in stats]
     if missing:
         raise VlaforgeError(f"{ld.where}: feature {key!r} is normalized with {mode} but its stats lack "
                             f"{', '.join(missing)} (it has {', '.join(sorted(stats)) or 'none'}); re-save the "
                             "pipeline with dataset stats that hold them")
+    checks.check_statistics(ld.where, key, stats, (low, high), shape)
     flat = stats[high] == 0 if mode == "MEAN_STD" else stats[high] == stats[low]
     what = f"{high} == 0" if mode == "MEAN_STD" else f"{high} == {low}"
     if bool(flat.any()) and (key, what) not in ld.warned:
@@ -303,7 +307,7 @@ def _check_stats(ld: _Load, key: str, mode: str, stats: dict[str, Tensor], eps: 
 
 
 def _build_normalizer(ld: _Load, opts: dict[str, Any], entry: dict[str, Any], inverse: bool) -> _Normalizer:
-    features = {k: (f.get("type"), tuple(f.get("shape", ()))) for k, f in (opts["features"] or {}).items()}
+    features = feature_shapes(ld.where, opts["features"] or {})
     norm_map = dict(opts["norm_map"] or {})
     bad = [t for t, _ in features.values() if t not in FEATURE_TYPES] + [
         f"{k}: {v}" for k, v in norm_map.items() if k not in FEATURE_TYPES or v not in MODES]
@@ -314,12 +318,12 @@ def _build_normalizer(ld: _Load, opts: dict[str, Any], entry: dict[str, Any], in
     for key, (ftype, _) in features.items():  # (C,) image stats broadcast over (C, H, W) as (C, 1, 1)
         if ftype == "VISUAL" and key in stats:
             stats[key] = {s: v.reshape(-1, 1, 1) if v.ndim == 1 else v for s, v in stats[key].items()}
-    eps = float(opts["eps"])
+    eps = checks.normalizer_eps(ld.where, opts["eps"])
     used = {k: t for k, (t, _) in features.items() if t != "ACTION"} | {ACTION: "ACTION"}
     for key, ftype in used.items():
         mode = norm_map.get(ftype, "IDENTITY")
         if mode != "IDENTITY" and key in stats:
-            _check_stats(ld, key, mode, stats[key], eps)
+            _check_stats(ld, key, mode, stats[key], eps, features[key][1] if key in features else None)
     keys = opts["normalize_observation_keys"]
     return _Normalizer(inverse, features, norm_map, stats, eps, set(keys) if keys is not None else None)
 
@@ -338,6 +342,7 @@ def _build_tokenizer(ld: _Load, opts: dict[str, Any], entry: dict[str, Any]) -> 
     if not name.is_dir():
         raise VlaforgeError(f"{field} {str(name)!r} is a file, not a tokenizer folder; give the folder or its Hub "
                             "id")
+    checks.tokenizer_length(ld.where, opts["max_length"])
     if opts["padding"] not in ("max_length", "longest", "do_not_pad", True, False) or (
             opts["padding_side"] not in ("left", "right")):
         raise VlaforgeError(f"{ld.where}: padding {opts['padding']!r} / padding_side {opts['padding_side']!r} is not "
@@ -356,7 +361,11 @@ def _build_device(ld: _Load, opts: dict[str, Any], entry: dict[str, Any]) -> _To
     if opts["float_dtype"] is not None and opts["float_dtype"] not in FLOAT_DTYPES:
         raise VlaforgeError(f"{ld.where}: float_dtype {opts['float_dtype']!r} is not supported; supported: "
                             f"{', '.join(FLOAT_DTYPES)} or null")
-    device = ld.device or torch.device(str(opts["device"]))
+    try:
+        device = ld.device or torch.device(opts["device"])
+    except RuntimeError:
+        raise VlaforgeError(f"{ld.where}: device {opts['device']!r} is not a torch device; give cpu, cuda, cuda:N "
+                            "or mps") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         device = torch.device("cpu")  # NOTE: moving is all this step does; values are the same on the CPU
     return _ToDevice(device, FLOAT_DTYPES.get(opts["float_dtype"]))
@@ -402,8 +411,9 @@ def _read_pipeline(ld: _Load) -> list[dict[str, Any]]:
         raise VlaforgeError(f"{ld.file} not found: point at the folder LeRobot's save_pretrained wrote (it holds "
                             f"{PREPROCESSOR_FILE} and {POSTPROCESSOR_FILE}), or migrate an older checkpoint with "
                             "LeRobot's migrate_policy_normalization.py")
+    data = json_file(ld.file)
     try:
-        steps = json.loads(ld.file.read_text())["steps"]
+        steps = data["steps"]
         if not isinstance(steps, list) or not all(isinstance(s, dict) for s in steps):
             raise ValueError("its 'steps' is not a list of objects")
     except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -414,20 +424,26 @@ def _read_pipeline(ld: _Load) -> list[dict[str, Any]]:
 
 
 def _build_step(ld: _Load, index: int, entry: dict[str, Any]) -> tuple[str, Callable]:
-    name = entry.get("registry_name") or entry.get("class") or "<unnamed>"
+    name = str(entry.get("registry_name") or entry.get("class") or "<unnamed>")
     ld.where = f"{ld.file}: step {index} ({name})"
     if name not in STEPS:
         raise VlaforgeError(f"{ld.where} is not a step vlaforge runs; supported steps: {', '.join(STEPS)} (run this "
                             "policy with LeRobot, or re-save its pipeline without the step)")
     options, inert, build = STEPS[name]
     config = entry.get("config") or {}
+    if not isinstance(config, dict):
+        raise VlaforgeError(f"{ld.where}: its config is a JSON {type(config).__name__}, not an object; re-save the "
+                            "pipeline with LeRobot's save_pretrained")
     for key, value in config.items():
         accepted = inert.get(key)
         if key not in options and not (accepted is _ANY or (accepted is not None and value in accepted)):
             raise VlaforgeError(f"{ld.where} sets option {key!r} = {json.dumps(value)[:60]}, which vlaforge does not "
                                 f"implement; supported options of {name}: {', '.join(options) or 'none'} (run "
                                 "this policy with LeRobot, or re-save the pipeline without the option)")
+    checks.check_options(ld.where, {k: v for k, v in config.items() if k in options})  # (inert ones are never read)
     state = entry.get("state_file")
+    if state is not None:
+        checks.check_state_file(ld.where, state)
     if state is not None and not (ld.folder / state).is_file():
         raise VlaforgeError(f"{ld.where} names state file {state}, which is not in {ld.folder}; copy it from the "
                             "checkpoint it came from (LeRobot writes it beside the JSON) or re-save the pipeline")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from vlaforge.errors import VlaforgeError
+from vlaforge.models.policies.checks import json_file, pickles_in, refuse_pickles
 from vlaforge.models.policies.families import FIELD, Overrides, PolicyFamily, build_policy, family_of
 from vlaforge.models.policies.model import PolicyVLA
 from vlaforge.models.vlm import _expected
@@ -27,15 +28,19 @@ PROCESSOR_FILES = ("policy_preprocessor.json", "policy_postprocessor.json")
 
 
 def is_lerobot_folder(path: str | Path) -> bool:
-    """Whether `path` looks like a LeRobot policy folder (config.json with a `type`, model.safetensors)."""
+    """Whether `path` is meant as a LeRobot policy folder: config.json with a `type`, and weights (model.safetensors,
+    or only pickles, which `read_policy_config` refuses saying how to convert). A config.json that does not parse,
+    beside weights and no vlaforge config.toml, counts too: `read_policy_config` then names its line and column
+    (rather than a vlaforge checkpoint's missing config.toml)."""
     folder = Path(path)
     config = folder / "config.json"
-    if not (config.is_file() and (folder / WEIGHTS).is_file()):
+    if not (config.is_file() and ((folder / WEIGHTS).is_file() or pickles_in(folder))):
         return False
     try:
-        return "type" in json.loads(config.read_text())
+        found = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
+        return not (folder / "config.toml").is_file()
+    return isinstance(found, dict) and "type" in found
 
 
 def policy_folder(ref: str | Path, weights: bool = True, field: str = FIELD) -> Path:
@@ -52,24 +57,25 @@ def read_policy_config(folder: str | Path, overrides: dict | None = None) -> dic
     (`model.lerobot.config`: lerobot-train's --policy.FIELD=VALUE) replacing its fields.
 
     Raises:
-        VlaforgeError: not a folder, no config.json or weights, invalid JSON, another policy type, an override of
-            a field the type does not have.
+        VlaforgeError: not a folder, no config.json or weights (pickles only: how to convert), invalid JSON (its line
+            and column), another policy type, an override of a field the type does not have, a value out of its
+            range (`checks.py`), after the overrides.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise VlaforgeError(f"{FIELD}: {folder} is not a folder; give the folder LeRobot's save_pretrained wrote")
+    refuse_pickles(folder, FIELD, WEIGHTS)
     for name in ("config.json", WEIGHTS):
         if not (folder / name).is_file():
             raise VlaforgeError(f"{FIELD}: {folder} has no {name}; give the folder LeRobot's save_pretrained wrote "
                                 f"(config.json, {WEIGHTS}, {', '.join(PROCESSOR_FILES)})")
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except ValueError as exc:
-        raise VlaforgeError(f"{FIELD}: {folder / 'config.json'} is not valid JSON ({exc})") from None
+    cfg = json_file(folder / "config.json", FIELD)
     if not isinstance(cfg, dict) or "type" not in cfg:
         raise VlaforgeError(f"{FIELD}: {folder / 'config.json'} has no 'type'; it is not a LeRobot policy folder")
-    family_of(cfg["type"], str(folder))
-    return with_overrides(cfg, overrides or {}, str(folder))
+    fam = family_of(cfg["type"], str(folder))
+    cfg = with_overrides(cfg, overrides or {}, str(folder))
+    fam.check(cfg, f"{FIELD}: {folder}", frozenset(overrides or {}))
+    return cfg
 
 
 def with_overrides(cfg: dict, overrides: dict, where: str) -> dict:
