@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from hub_cache import cache_repo, commit_of
+
 from vlaforge import hub
 from vlaforge.errors import VlaforgeError
 
@@ -164,8 +164,9 @@ def test_sources_are_written_with_the_run(tmp_path, cache):
     """A run reading a dataset by id writes sources.json naming it (no commit: it was not downloaded here)."""
     import json
 
-    from conftest import train_on_dataset
     from vlaforge.data.hub_dataset import lerobot_home
+
+    from conftest import train_on_dataset
 
     _dataset(lerobot_home() / "org" / "demo")
     (tmp_path / "ds").mkdir()  # (train_on_dataset's own data.path, replaced by the id)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlaforge.export.lerobot import PIPELINES, REPORT, default_steps, export_lerobot
+from vlaforge.checkpoints.lerobot_folder import PIPELINES, REPORT, default_steps, export_lerobot
 
 from conftest import run_cli
 

@@ -34,10 +34,11 @@ def _run(args: list[str], out: Path, *extra: str) -> Path:
 
 
 def _step(kind: str, root: Path, strategies: dict[str, str], precisions: dict[str, str] | None = None,
-          master: str = "fp32", seen: list | None = None) -> tuple[float, dict, int]:
+          master: str = "fp32", seen: list | None = None, compiled: bool = False) -> tuple[float, dict, int]:
     """(loss, gradients, bytes kept for backward) of one training forward at LeRobot's reference inputs (fixed noise
     and time), with each component's checkpointing strategy and precision applied by the trainer's own
-    `apply_precision` and `apply_checkpointing`. `seen`: gets the dtypes of the first joint layer's query outputs."""
+    `apply_precision` and `apply_checkpointing` (`compiled`: then `train.compile`'s per-block compile). `seen`: gets
+    the dtypes of the first joint layer's query outputs."""
     from vlaforge.checkpoints.load import load_policy_model
     from vlaforge.config.components import ComponentConfig
     from vlaforge.techniques import accounting
@@ -53,6 +54,10 @@ def _step(kind: str, root: Path, strategies: dict[str, str], precisions: dict[st
                 for c in ("vision", "projector", "llm", "action_head")}
     apply_precision(model, policies, torch.device("cpu"), master)
     apply_checkpointing(model, policies)
+    if compiled:
+        from vlaforge.techniques.compile import compile_blocks
+
+        compile_blocks(model)
     if seen is not None:
         for block in (model.joint_layers[0].vlm, model.joint_layers[0].expert):
             block.self_attn.q_proj.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
@@ -81,6 +86,16 @@ def test_checkpointed_joint_layers_give_the_plain_gradients_and_keep_less(kind, 
         assert saved < plain_saved, (strategies, saved, plain_saved)
     _, _, full_saved = _step(kind, session_root, {"llm": "full", "vision": "full"})
     assert full_saved < 0.6 * plain_saved, (full_saved, plain_saved)
+
+
+def test_compiled_joint_layers_give_the_plain_gradients(session_root):
+    """`train.compile` (lerobot-train's --policy.compile_model) compiles each joint layer and tower block: pi0's loss
+    and gradients equal the eager policy's, with the same parameters left without a gradient (the last VLM block's
+    output projection and MLP, whose output nothing reads, are not run)."""
+    plain_loss, plain, _ = _step("pi0", session_root, {})
+    loss, grads, _ = _step("pi0", session_root, {}, compiled=True)
+    assert abs(loss - plain_loss) <= 1e-6 and grads.keys() == plain.keys()
+    assert max(float((grads[n] - plain[n]).abs().max()) for n in plain) <= 1e-6
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -233,7 +248,8 @@ def test_pi05_fine_tunes_with_its_state_prompt_in_training_and_serving(session_r
     images = {c: np.zeros((32, 32, 3), np.uint8) for c in runtime.cameras}
     for raw in (np.asarray(spec.state_mean, np.float32), np.asarray(spec.state_mean, np.float32) + 0.5):
         runtime.predict(Observation(images, raw, "press the button"))
-        normed = (torch.tensor(raw) - torch.tensor(spec.state_mean)) / torch.tensor(spec.state_std)
+        normed = spec.normalize_state(raw)  # the policy's own QUANTILES (test_lerobot_train.py: LeRobot's numbers)
+        assert spec.norm_map == {"STATE": "QUANTILES", "ACTION": "QUANTILES"}
         ids, _ = theirs("press the button", normed)
         tokens, mask, _ = runtime.session("default").tokens
         assert tokens[mask].tolist() == ids

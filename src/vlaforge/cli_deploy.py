@@ -296,7 +296,7 @@ def export(checkpoint: Path = typer.Argument(..., help="a run folder (its latest
     if format == "lerobot":
         if out is None:
             raise VlaforgeError("--format lerobot needs --out DIR (the LeRobot policy folder to write)")
-        from vlaforge.export import lerobot
+        from vlaforge.checkpoints import lerobot_folder as lerobot
 
         settings = lerobot_settings(checkpoint, tokenizer=lerobot_tokenizer, vlm=lerobot_vlm, sizes=lerobot_sizes)
         typer.echo(lerobot.render(lerobot.export_lerobot(checkpoint, out, lerobot=settings)))

@@ -103,7 +103,6 @@ class VLAConfig(Section):
                              "instead")
         p, extra = self.parallel, {k: v for k, v in self.loss.weights.items() if k != "action" and v > 0}
         for what, hit in {"parallel.tp > 1": p.tp > 1, "parallel.pp > 1": p.pp > 1, "parallel.cp > 1": p.cp > 1,
-                          "train.compile": self.train.compile,
                           "distill.teacher": self.distill.teacher is not None,
                           f"loss.weights.{next(iter(extra), '')}": bool(extra)}.items():
             if hit:

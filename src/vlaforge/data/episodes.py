@@ -94,12 +94,15 @@ class DemoDataset(Dataset):
 
     env_state: samples carry the dataset's `observation.environment_state`, standardized within each task (a target
     of the auxiliary env_state term; the caller checks that the column exists). Per task, because the goals of
-    different tasks lie far apart: over the whole dataset, reach's goal box would span a fraction of one std."""
+    different tasks lie far apart: over the whole dataset, reach's goal box would span a fraction of one std.
+    repeat_padding: a chunk step past the episode end holds the episode's last action and counts in the loss (LeRobot's
+    padding, which pi0 and pi0.5 train on: their loss ignores action_is_pad); else it is zero and masked out."""
 
     def __init__(self, reader: LeRobotDataset, spec: ObservationSpec, tokenizer: TextTokenizer, *, seed: int,
                  shift: int, color: float, cache_mb: float, text_column: str | None, threads: int = 2,
-                 env_state: bool = False):
+                 env_state: bool = False, repeat_padding: bool = False):
         self.reader, self.spec, self.seed, self.shift, self.color = reader, spec, seed, shift, color
+        self.repeat_padding = repeat_padding
         cols = reader.columns
         # normalized once here, not per sample
         self.state = spec.normalize_state(np.ascontiguousarray(cols["observation.state"], dtype=np.float32))
@@ -146,7 +149,10 @@ class DemoDataset(Dataset):
         steps = torch.arange(t, t + spec.chunk)
         valid = steps < length
         actions = self.action[start + steps.clamp(max=length - 1)]
-        actions = actions * valid[:, None]
+        if self.repeat_padding:
+            valid = torch.ones_like(valid)
+        else:
+            actions = actions * valid[:, None]
         task = int(self.task_of_row[row])
         text_ids = text_mask = None
         if self.text is not None:

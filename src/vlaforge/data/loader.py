@@ -120,20 +120,43 @@ def _lerobot_data(cfg, model) -> Data:
     if tokenizer.vocab_size > vocab:
         raise VlaforgeError(f"the tokenizer has {tokenizer.vocab_size} tokens but the LLM only {vocab}")
     cameras = resolve_cameras(reader, m.cameras)
+    policy_norm, computed = policy_normalization(model, reader)
     spec = ObservationSpec(cameras=cameras, frames=m.frames, frame_stride=d.frame_stride,
                            image_size=model.layout.image_size,
                            render_size=frame_size(reader.info["features"][cameras[0]])[0],
                            instruction_tokens=instruction_tokens,
                            text_tokens=d.max_text_tokens, chunk=m.action_chunk,
-                           **normalization_from_stats(reader.stats))
+                           **normalization_from_stats(reader.stats), **policy_norm)
     env_state = cfg.loss.weights.get("env_state", 0.0) > 0
     if env_state:
         check_env_state(reader, m.env_state_dim)
     dataset = DemoDataset(reader, spec, tokenizer, seed=cfg.train.seed, shift=d.augment_shift, color=d.augment_color,
                           cache_mb=d.cache_mb, text_column=text_column, threads=max(2, d.num_workers),
-                          env_state=env_state)
-    notices = (*reader.notices, *([dataset.store.notice] if dataset.store.notice else []))
+                          env_state=env_state, repeat_padding=repeats_padding(model))
+    notices = (*reader.notices, *([dataset.store.notice] if dataset.store.notice else []),
+               *([computed] if computed else []))
     return Data(dataset, spec, tokenizer, tuple(f"dataset {d.path}: {n}" for n in notices))
+
+
+def repeats_padding(model) -> bool:
+    """A LeRobot policy whose loss counts the chunk steps past the episode end (pi0, pi0.5: LeRobot's repeated last
+    action) trains on them as LeRobot does; SmolVLA and vlaforge's heads mask them out."""
+    composition = getattr(model, "composition", None)
+    return composition is not None and not composition.masks_padded_actions
+
+
+def policy_normalization(model, reader) -> tuple[dict, str | None]:
+    """A LeRobot policy's own normalization of state and action (its normalization_mapping: pi0.5's QUANTILES) with
+    the dataset's statistics (data/stats.py), as ObservationSpec fields ({} for vlaforge's VLA: MEAN_STD, std
+    floored); and a line when statistics had to be computed."""
+    mapping = getattr(model, "normalization_mapping", None)
+    if mapping is None:
+        return {}, None
+    from vlaforge.data.stats import policy_stats
+
+    norm_map = {k: v for k, v in mapping().items() if k in ("STATE", "ACTION")}
+    stats, computed = policy_stats(reader, norm_map)
+    return {"norm_map": norm_map, "stats": stats}, computed
 
 
 def check_env_state(reader, dim: int) -> None:

@@ -229,9 +229,10 @@ class PolicyRuntime:
                 state: torch.Tensor | None = None) -> Session:
         tokenizer = self.tokenizer if s.adapter is None else self.adapters.adapters[s.adapter].tokenizer
         if state is not None and getattr(tokenizer, "state_prompt", False):  # pi0.5: a prompt per state, each call
-            norm = self._norms[s.adapter]
-            normed = (state.to(norm["state_mean"].device) - norm["state_mean"]) / norm["state_std"]
-            ids, mask = tokenizer.encode_with_states([instruction], normed[None].cpu(), self.spec.instruction_tokens)
+            # NOTE: the spec's own arithmetic (LeRobot's, as training wrote the prompts), not the device's affine
+            spec = self.spec if s.adapter is None else self.adapters.adapters[s.adapter].spec
+            normed = spec.normalize_state(state.cpu())
+            ids, mask = tokenizer.encode_with_states([instruction], normed[None], self.spec.instruction_tokens)
             s.tokens = (ids[0].to(self.device), mask[0].to(self.device), int(mask[0].sum()))
             s.instruction = None
         elif instruction != s.instruction:  # tokenized once per instruction, not per call

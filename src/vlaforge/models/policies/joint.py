@@ -77,6 +77,10 @@ class JointContext:
     cross_angles: torch.Tensor | None = None
     cache: PrefixCache | None = None  # given: fill it (prefix pass) or read it (suffix pass)
     cond: torch.Tensor | None = None  # the expert's norms' condition (B, C) (pi0.5's flow-time embedding)
+    # the joint layer whose prefix output nothing reads (the last: only its keys and values matter): its VLM block
+    # stops after attention. Saves its output projection and MLP, and leaves their parameters without gradients in
+    # a compiled graph too (as in eager, where autograd never reaches them)
+    last_prefix: int | None = None
 
 
 class AdaRMSNorm(nn.Module):
@@ -167,7 +171,9 @@ class JointLayer(nn.Module):
         att = attend(q, k, v, ctx.mask, self.scale)
         outs, start = [], 0
         for (block, hidden, cond), parts in zip(streams, qkv):
-            outs.append(_finish(block, hidden, att[:, start:start + hidden.shape[1]], parts[3], cond))
+            unread = block is self.vlm and ctx.last_prefix == self.index
+            outs.append(None if unread else _finish(block, hidden, att[:, start:start + hidden.shape[1]], parts[3],
+                                                    cond))
             start += hidden.shape[1]
         it = iter(outs)
         return (next(it) if prefix is not None else None), (next(it) if suffix is not None else None)
@@ -182,6 +188,8 @@ class JointLayer(nn.Module):
             ctx.cache.keys[self.index] = (k, v)
         if joint and self.expert is not None:  # for `_expert_cross` in this pass
             self.__dict__["_prefix_kv"] = (k, v)
+        if ctx.last_prefix == self.index:
+            return None
         att = attend(apply_rope(q, angles), k, v, ctx.prefix_mask if joint else ctx.mask, self.scale)
         return _finish(self.vlm, prefix, att)
 

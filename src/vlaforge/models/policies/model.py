@@ -258,7 +258,8 @@ class PolicyVLA(nn.Module):
         ctx = JointContext(mask=self._additive(allowed), angles=self._angles(positions),
                            prefix_mask=self._additive(allowed[:, :n, :n]),
                            cross_mask=self._additive(allowed[:, n:, :n]),
-                           cross_angles=self._angles(s_pos - s_pos.min(dim=1, keepdim=True).values), cond=cond)
+                           cross_angles=self._angles(s_pos - s_pos.min(dim=1, keepdim=True).values), cond=cond,
+                           last_prefix=self.joint_layers[-1].index)
         for layer in self.joint_layers:
             prefix, suffix = layer(prefix, suffix, ctx)
         v_t = self.velocity_out(suffix, cond)
@@ -285,7 +286,7 @@ class PolicyVLA(nn.Module):
         prefix, pad, att = self.embed_prefix(x, image_tokens)
         cache = PrefixCache()
         ctx = JointContext(mask=self._additive(att_2d(pad, att)), angles=self._angles(pad.long().cumsum(1) - 1),
-                           cache=cache)
+                           cache=cache, last_prefix=self.joint_layers[-1].index)
         for layer in self.joint_layers:
             prefix, _ = layer(prefix, None, ctx)
         return cache, pad

@@ -1,13 +1,15 @@
-"""`vlaforge export --format lerobot`: a LeRobot policy (SmolVLA, pi0, pi0.5) written back as the folder LeRobot 0.6.1's
-own `from_pretrained` loads - from a folder LeRobot wrote, or from a run fine-tuned from one - with no missing or
-unexpected keys, giving vlaforge's actions for the same inputs and noise (docs/lerobot_policies.md).
+"""A LeRobot policy folder written from vlaforge (`vlaforge export --format lerobot`, and a `lerobot-train` run's
+`checkpoints/<step>/pretrained_model/`): a LeRobot policy (SmolVLA, pi0, pi0.5) written back as the folder LeRobot
+0.6.1's own `from_pretrained` loads - from a folder LeRobot wrote, or from a run fine-tuned from one - with no missing
+or unexpected keys, giving vlaforge's actions for the same inputs and noise (docs/lerobot_policies.md).
 
   OUT/config.json               the source folder's (a run keeps it in backbones.json); for a run, input / output
                                 features set to its cameras (3, render, render) and state / action sizes
   OUT/model.safetensors         vlaforge's tensors under LeRobot's names (families.py's key map, inverted), a tied LM
                                 head under both names, and what vlaforge drops zero-filled (pi0's expert LM head)
   OUT/policy_preprocessor.json  LeRobot's pipelines and their state files: a folder's copied; a run's are the folder's
-  OUT/policy_postprocessor.json steps with its dataset statistics (MEAN_STD, as vlaforge trained) and its tokenizer
+  OUT/policy_postprocessor.json steps with its dataset statistics (the policy's own normalization_mapping, as
+                                lerobot-train writes them; a run from before: MEAN_STD) and its tokenizer
   OUT/tokenizer/                (a run) the run's tokenizer (save_pretrained), which the tokenizer step names
   OUT/vlaforge_export.json      the report; `.vlaforge-owner.json` lets a later export replace OUT (vlaforge/outputs.py)
 
@@ -34,7 +36,8 @@ REPORT, CONFIG, WEIGHTS, TOKENIZER = "vlaforge_export.json", "config.json", "mod
 PIPELINES = {"policy_preprocessor.json": "policy_preprocessor", "policy_postprocessor.json": "policy_postprocessor"}
 NORMALIZERS = ("normalizer_processor", "unnormalizer_processor")
 IMAGES = "observation.images."
-# what a run trained with: vlaforge's data pipeline normalizes state and action MEAN_STD and leaves images as they are
+# what a run trained with before policies normalized with their own mapping (a run's policy.json without norm_map):
+# MEAN_STD for state and action, images as they are
 RUN_NORMALIZATION = {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"}
 # LeRobot's tensors that vlaforge drops (families.py's `dropped`), written back as zeros: LeRobot name -> shape
 ZERO_FILLED = {"model.paligemma_with_expert.gemma_expert.lm_head.weight":
@@ -195,19 +198,44 @@ def _write_run(ckpt: Path, model, tmp: Path, out: Path) -> dict[str, Any]:
     spec = ObservationSpec.load(ckpt)
     cfg, notes = _run_config(model.backbones["config"], spec)
     (tmp / CONFIG).write_text(json.dumps(cfg, indent=4) + "\n")
-    source = Path(saved_config(ckpt).model.lerobot.pretrained)
+    source = _source_folder(saved_config(ckpt).model.lerobot.pretrained)
     if all((source / f).is_file() for f in PIPELINES):
         steps, origin = _pipeline_steps(source), f"the steps of {source}"
     else:
         steps, origin = default_steps(cfg), f"LeRobot 0.6.1's default {cfg['type']} steps ({source} is gone)"
-    stats = {f"{key}.{stat}": torch.tensor(values, dtype=torch.float32)
-             for key, name in (("observation.state", "state"), ("action", "action"))
-             for stat, values in (("mean", getattr(spec, f"{name}_mean")), ("std", getattr(spec, f"{name}_std")))}
+    stats, how = run_statistics(spec)
     tokenizer = out.resolve() / TOKENIZER
     notes += _write_pipelines(steps, cfg, stats, str(tokenizer), source, tmp)
     _save_tokenizer(ckpt / TOKENIZER, tmp / TOKENIZER)
     return {"config": "the source folder's, the run's features", "pipelines": f"{origin}, the run's statistics "
-            f"(MEAN_STD, std floored as vlaforge trained) and tokenizer ({tokenizer})", "notes": notes}
+            f"({how}) and tokenizer ({tokenizer})", "notes": notes}
+
+
+def _source_folder(ref: str) -> Path:
+    """The folder a run was fine-tuned from (a Hub id: its cached snapshot; a path that is gone: as it is)."""
+    from vlaforge import hub
+    from vlaforge.models.policies.reader import policy_folder
+
+    if not hub.looks_like_id(ref):
+        return Path(ref)
+    try:
+        return policy_folder(ref, weights=False)
+    except VlaforgeError:
+        return Path(ref)
+
+
+def run_statistics(spec) -> tuple[dict[str, torch.Tensor], str]:
+    """The normalizer state a run trained with, as LeRobot's flat `<feature>.<stat>` tensors, and how it was made:
+    a policy's own normalization with every statistic of the dataset (as lerobot-train writes them), else vlaforge's
+    MEAN_STD with its floored std."""
+    if spec.norm_map is not None:
+        stats = {f"{key}.{stat}": torch.tensor(values, dtype=torch.float32)
+                 for key, kinds in spec.stats.items() for stat, values in kinds.items()}
+        return stats, f"{', '.join(f'{k} {m}' for k, m in spec.norm_map.items())}, the dataset's statistics"
+    stats = {f"{key}.{stat}": torch.tensor(values, dtype=torch.float32)
+             for key, name in (("observation.state", "state"), ("action", "action"))
+             for stat, values in (("mean", getattr(spec, f"{name}_mean")), ("std", getattr(spec, f"{name}_std")))}
+    return stats, "MEAN_STD, std floored as vlaforge trained"
 
 
 def _run_config(source: dict, spec) -> tuple[dict, list[str]]:
@@ -218,11 +246,12 @@ def _run_config(source: dict, spec) -> tuple[dict, list[str]]:
               for c in spec.cameras}
     inputs["observation.state"] = {"type": "STATE", "shape": [len(spec.state_mean)]}
     was = dict(cfg.get("normalization_mapping") or {})
+    trained = dict(spec.norm_map) if spec.norm_map is not None else RUN_NORMALIZATION
     notes = [f"{kind}: the folder normalizes {was.get(kind, 'IDENTITY')}, the run trained with {mode}: written {mode} "
-             "(normalization_mapping and norm_map)" for kind, mode in RUN_NORMALIZATION.items()
+             "(normalization_mapping and norm_map)" for kind, mode in trained.items()
              if was.get(kind, "IDENTITY") != mode]
     cfg.update(input_features=inputs, output_features={"action": {"type": "ACTION", "shape": [len(spec.action_mean)]}},
-               normalization_mapping={**was, **RUN_NORMALIZATION})
+               normalization_mapping={**was, **trained})
     return cfg, notes
 
 
