@@ -1,3 +1,5 @@
+import functools
+import math
 import warnings
 
 import pytest
@@ -6,7 +8,7 @@ import torch
 from vlaforge import COMPONENTS
 from vlaforge.models.build import build_vla
 from vlaforge.techniques.freezing import apply_freezing
-from vlaforge.training.optim import LRSpreadWarning, build_optimizer, build_scheduler, lr_factor
+from vlaforge.training.optim import LRSpreadWarning, build_optimizer, build_param_groups, build_scheduler, lr_factor
 from vlaforge.training.step import train_step
 from vlaforge.training.trainer import build_loss_weighting
 
@@ -87,3 +89,27 @@ def test_schedule_warmup_cosine_constant():
     assert lr_factor(55, 100, 10, "cosine", 0.1) == pytest.approx(0.55)
     assert lr_factor(100, 100, 10, "cosine", 0.1) == pytest.approx(0.1)
     assert lr_factor(50, 100, 0, "constant", 0.1) == 1.0
+
+
+def test_schedule_cosine_decay_with_warmup():
+    """LeRobot's formula by hand (tests/test_lerobot_schedule.py compares every step with LeRobot itself)."""
+    f = functools.partial(lr_factor, schedule="cosine_decay_with_warmup", min_ratio=0.1)
+    # 30 steps of decay 100: warmup 10 scaled to int(10 * 0.3) = 3, from 1/4; the cosine over 30 steps from step 0
+    assert [f(s, 30, 10, decay=100) for s in range(3)] == pytest.approx([0.25, 0.5, 0.75])
+    assert f(3, 30, 10, decay=100) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 3 / 30)))
+    assert f(30, 30, 10, decay=100) == pytest.approx(0.1)
+    # 120 steps of decay 100: warmup 10 from 1/11, the floor from step 100 on
+    assert f(0, 120, 10, decay=100) == pytest.approx(1 / 11)
+    assert f(10, 120, 10, decay=100) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 10 / 100)))
+    assert f(100, 120, 10, decay=100) == f(119, 120, 10, decay=100) == pytest.approx(0.1)
+    assert f(40, 120, 10) == f(40, 120, 10, decay=120)  # decay unset: train.steps
+
+
+def test_decay_all_leaves_no_no_decay_group(tmp_path):
+    cfg = _cfg(tmp_path)
+    model = build_vla(cfg.model, cfg.loss)
+    groups = build_param_groups(model, cfg.components, decay_all=True)
+    assert [g["name"] for g in groups] == list(COMPONENTS)
+    for g in groups:
+        assert g["weight_decay"] == WDS[g["name"]] and g["lr"] == LRS[g["name"]]
+        assert [id(p) for p in g["params"]] == [id(p) for p in getattr(model, g["name"]).parameters()]

@@ -138,9 +138,22 @@ class TrainConfig(Section):
     precision_master: Literal["fp32", "bf16"] = Field(
         "fp32", description="dtype of weights, gradients and optimizer state of components not in fp32 "
                             "(bf16: half the memory, updates lose low-order bits)")
-    lr_schedule: Literal["cosine", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of each group's lr")
+    lr_schedule: Literal["cosine", "constant", "cosine_decay_with_warmup"] = Field(
+        "cosine", description="cosine: linear warmup from lr / warmup_steps, then cosine over the remaining steps to "
+                              "the floor; constant: the same warmup, then each group's lr; cosine_decay_with_warmup: "
+                              "LeRobot 0.6.1's scheduler of that name (pi0, pi0.5, SmolVLA): warmup from lr / "
+                              "(warmup_steps + 1), cosine over steps 0..decay_steps (warmup included) to the floor, "
+                              "then the floor; a run shorter than decay_steps scales warmup to int(warmup_steps x "
+                              "steps / decay_steps) and decays over its steps, as LeRobot does")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup (LeRobot's num_warmup_steps)")
+    decay_steps: int | None = Field(None, ge=1, le=1 << 40, description=(
+        "cosine_decay_with_warmup: steps of the cosine (LeRobot's num_decay_steps, e.g. pi0's 30000); unset: "
+        "train.steps"))
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of each group's lr "
+                                                             "(LeRobot's decay_lr / peak_lr)")
+    decay_all: bool = Field(False, description="weight decay on every parameter, norms, biases and scalars too, as "
+                                               "LeRobot's AdamW over the policy's parameters; off: parameters with "
+                                               "fewer than 2 dimensions are not decayed")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1)")
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")

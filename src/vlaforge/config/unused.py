@@ -171,8 +171,24 @@ def _context(cfg, _c):
 
 
 def _cosine(cfg, _c):
-    if cfg.train.lr_schedule != "cosine":
+    if cfg.train.lr_schedule == "constant":
         return "train.lr_schedule = 'constant' has no floor; drop it or set train.lr_schedule = 'cosine'"
+    return None
+
+
+def _decay_steps(cfg, _c):
+    s = cfg.train.lr_schedule
+    if s != "cosine_decay_with_warmup":
+        return (f"train.lr_schedule = {s!r} does not read it (it is LeRobot's num_decay_steps); drop it or set "
+                "train.lr_schedule = 'cosine_decay_with_warmup'")
+    return None
+
+
+def _decay_all(cfg, _c):
+    # NOTE: until training/trainer.py's DeepSpeed path passes train.decay_all to build_param_groups; then drop this
+    if cfg.parallel.backend == "deepspeed":
+        return ("parallel.backend = 'deepspeed' builds its parameter groups without it (norms and biases stay "
+                "undecayed); drop it or set parallel.backend = 'fsdp2' or 'ddp'")
     return None
 
 
@@ -279,6 +295,8 @@ RULES = (
          _ds_nvme),
     Rule(("parallel.cp_method",), ("parallel.cp",), _context),
     Rule(("train.min_lr_ratio",), ("train.lr_schedule",), _cosine),
+    Rule(("train.decay_steps",), ("train.lr_schedule",), _decay_steps),
+    Rule(("train.decay_all",), ("parallel.backend",), _decay_all),
     Rule(("train.precision_master",), PRECISIONS, _master),
     Rule(("train.lora_random_base",), ("train.init_from", "model.vision.pretrained", "model.llm.pretrained",
                                        "model.vlm.pretrained", *(f"{p}lora" for p in PER_COMPONENT)), _random_base),

@@ -1,4 +1,5 @@
-"""Optimizer and schedule: one AdamW group per component (plus its no-decay twin), warmup + cosine/constant."""
+"""Optimizer and schedule: one AdamW group per component (plus its no-decay twin unless `train.decay_all`), warmup +
+cosine/constant, or LeRobot 0.6.1's cosine_decay_with_warmup."""
 
 from __future__ import annotations
 
@@ -31,11 +32,13 @@ def owned_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     return owned
 
 
-def build_param_groups(model: nn.Module, components) -> list[dict]:
+def build_param_groups(model: nn.Module, components, decay_all: bool = False) -> list[dict]:
     """Groups named '<component>' and '<component>.no_decay' with the component's lr / weight decay.
 
     Every parameter is in a group from the start (frozen ones included) so staged unfreezing needs no rebuild;
     the frozen base of a LoRA component (which never trains) is left out: its adapters and `lora.full` modules are in.
+    `decay_all` (`train.decay_all`): one '<component>' group of all its parameters at its weight decay, as LeRobot's
+    AdamW over a policy's parameters (no '.no_decay' groups: the update of every element is the same either way).
     """
     groups = []
     for name, params in owned_parameters(model).items():
@@ -47,7 +50,7 @@ def build_param_groups(model: nn.Module, components) -> list[dict]:
             params = [p for p in params if id(p) in adapters]
         decay, no_decay = [], []
         for p in params:
-            (no_decay if _no_decay(p) else decay).append(p)
+            (no_decay if _no_decay(p) and not decay_all else decay).append(p)
         for suffix, params, wd in (("", decay, policy.weight_decay), (".no_decay", no_decay, 0.0)):
             if params:
                 groups.append({"params": params, "lr": policy.lr, "weight_decay": wd,
@@ -76,7 +79,7 @@ def build_optimizer(model: nn.Module, cfg, extra_params: list[nn.Parameter] = ()
     message = check_lr_spread(cfg.components, cfg.train.lr_ratio_warning)
     if message:
         warnings.warn(message, LRSpreadWarning, stacklevel=2)
-    groups = build_param_groups(model, cfg.components)
+    groups = build_param_groups(model, cfg.components, cfg.train.decay_all)
     extra = list(extra_params)
     if extra:
         groups.append({"params": extra, "lr": cfg.loss.weighting_lr, "weight_decay": 0.0,
@@ -88,7 +91,8 @@ def build_optimizer(model: nn.Module, cfg, extra_params: list[nn.Parameter] = ()
         return torch.optim.AdamW(groups, betas=cfg.train.betas, eps=cfg.train.eps, foreach=True)
     optimizer = torch.optim.AdamW(groups, betas=cfg.train.betas, eps=cfg.train.eps, fused=True)
     for group in optimizer.param_groups:  # the schedule sets them on the device (`StepSchedule`)
-        group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=group["params"][0].device)
+        group["initial_lr"] = float(group["lr"])  # the schedule's base (torch's LRScheduler key), unrounded
+        group["lr"] = torch.tensor(group["initial_lr"], dtype=torch.float32, device=group["params"][0].device)
     return optimizer
 
 
@@ -106,8 +110,12 @@ def fused_supported(groups: list[dict]) -> bool:
     return bool(params) and all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
 
 
-def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
-    """Multiplier of each group's base lr at optimizer step `step` (0-based)."""
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float, decay: int | None = None
+              ) -> float:
+    """Multiplier of each group's base lr at optimizer step `step` (0-based) of `total`; `decay`: the
+    cosine_decay_with_warmup schedule's decay steps (None: `total`)."""
+    if schedule == "cosine_decay_with_warmup":
+        return cosine_decay_with_warmup(step, total, warmup, decay or total, min_ratio)
     if warmup and step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -116,12 +124,29 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def cosine_decay_with_warmup(step: int, total: int, warmup: int, decay: int, min_ratio: float) -> float:
+    """LeRobot 0.6.1's `CosineDecayWithWarmupSchedulerConfig` lambda at `step` of a `total`-step run
+    (lerobot/optim/schedulers.py), with its arithmetic in its order, so the floats are LeRobot's: a run shorter
+    than `decay` scales warmup by total / decay and decays over `total`; warmup rises linearly from
+    1 / (warmup + 1); the cosine runs over steps 0..decay (warmup included), then stays at `min_ratio`
+    (LeRobot's decay_lr / peak_lr)."""
+    if total < decay:
+        warmup, decay = int(warmup * (total / decay)), total
+    if step < warmup:
+        if step <= 0:
+            return 1 / (warmup + 1)
+        frac = 1 - step / warmup
+        return (1 / (warmup + 1) - 1) * frac + 1
+    cosine = 0.5 * (1 + math.cos(math.pi * min(step, decay) / decay))
+    return (1 - min_ratio) * cosine + min_ratio
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg):
     """`StepSchedule` for an optimizer whose learning rates are device tensors (`build_optimizer`'s fused AdamW);
     else torch's LambdaLR (a DeepSpeed engine's optimizer)."""
     def factor(step: int) -> float:
         return lr_factor(step, train_cfg.steps, train_cfg.warmup_steps, train_cfg.lr_schedule,
-                         train_cfg.min_lr_ratio)
+                         train_cfg.min_lr_ratio, train_cfg.decay_steps)
 
     if isinstance(optimizer.param_groups[0]["lr"], torch.Tensor):
         return StepSchedule(optimizer, [factor(s) for s in range(train_cfg.steps + 1)])
@@ -137,7 +162,7 @@ class StepSchedule:
     def __init__(self, optimizer: torch.optim.Optimizer, factors: list[float]):
         self.optimizer = optimizer
         device = optimizer.param_groups[0]["lr"].device
-        self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self.base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
         self._bases = torch.tensor(self.base_lrs, dtype=torch.float64, device=device)
         self._factors = torch.tensor(factors, dtype=torch.float64, device=device)  # per step, as LambdaLR's
         self._taken = torch.zeros((), dtype=torch.int64, device=device)
@@ -157,12 +182,16 @@ class StepSchedule:
         # NOTE: the optimizer's own lr tensors, refilled in place (a restored optimizer state replaced them)
         for group, lr in zip(self.optimizer.param_groups, self._lrs):
             group["lr"] = lr
+        torch._foreach_copy_(self._lrs, list((self._bases * self._factor()).float().unbind()))
+
+    def _factor(self) -> torch.Tensor:
         # (a gather: indexing with a 0-d tensor would read it on the host)
-        factor = self._factors.gather(0, self._taken.clamp(max=len(self._factors) - 1).reshape(1))
-        torch._foreach_copy_(self._lrs, list((self._bases * factor).float().unbind()))
+        return self._factors.gather(0, self._taken.clamp(max=len(self._factors) - 1).reshape(1))
 
     def get_last_lr(self) -> list[float]:
-        return [float(lr) for lr in self._lrs]
+        """Each group's lr as the schedule computes it (float64, as LambdaLR reports it; the optimizer holds it
+        rounded to float32, the dtype fused AdamW's kernels read)."""
+        return (self._bases * self._factor()).tolist()
 
     def state_dict(self) -> dict:
         taken = self.last_epoch
