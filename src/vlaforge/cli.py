@@ -83,6 +83,35 @@ def train(ctx: typer.Context,
     _train_and_report(cfg)
 
 
+@app.command("lerobot-train", context_settings=OVERRIDES)
+def lerobot_train(ctx: typer.Context):
+    """LeRobot 0.6.1's `lerobot-train` command line, unchanged: `vlaforge lerobot-train
+    --policy.path=lerobot/smolvla_base --dataset.repo_id=lerobot/libero --batch_size=64 --steps=20000
+    --output_dir=outputs/train/my_smolvla`. Each flag
+    becomes a vlaforge setting with LeRobot's semantics, or is refused in one line; vlaforge's own --section.key=value
+    flags may follow. Prints the `vlaforge train` command it became; writes LeRobot's checkpoint layout
+    (OUT/checkpoints/<step>/pretrained_model, checkpoints/last) beside vlaforge's; --resume=true --config_path=...
+    continues it (docs/lerobot_policies.md)."""
+    from types import SimpleNamespace
+
+    from vlaforge.lerobot_train import translate
+
+    t = translate(list(ctx.args))
+    typer.echo(f"lerobot-train -> {t.command()}", err=True)
+    for note in t.notes:
+        typer.echo(f"note: {note}", err=True)
+    args = SimpleNamespace(args=t.overrides)
+    cfg = _load(None, args, resume=str(t.resume)) if t.resume else _load(Path(t.recipe), args)
+    _train_and_report(cfg)
+    from vlaforge.distributed.parallel_dims import world_from_env
+
+    last = Path(cfg.train.output_dir) / "checkpoints" / "last" / "pretrained_model"
+    if world_from_env().is_main:
+        typer.echo(f"LeRobot policy folder: {last} (lerobot-eval --policy.path={last})")
+        if cfg.lerobot.repo_id:
+            typer.echo(f"not pushed (vlaforge does not upload): hf upload {cfg.lerobot.repo_id} {last}")
+
+
 @app.command(context_settings=OVERRIDES)
 def distill(ctx: typer.Context,
             teacher: str = typer.Argument(..., help="the teacher: a run folder, a checkpoints/step_* folder or a "

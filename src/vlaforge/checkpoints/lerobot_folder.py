@@ -33,7 +33,9 @@ from vlaforge.outputs import check_replaceable, replace_folder, stamp
 
 OWNER = "vlaforge export --format lerobot"  # the command in the folder's ownership stamp
 REPORT, CONFIG, WEIGHTS, TOKENIZER = "vlaforge_export.json", "config.json", "model.safetensors", "tokenizer"
+PRETRAINED, TRAIN_CONFIG, LAST = "pretrained_model", "train_config.json", "last"  # LeRobot's checkpoint layout
 PIPELINES = {"policy_preprocessor.json": "policy_preprocessor", "policy_postprocessor.json": "policy_postprocessor"}
+PREPROCESSOR = "policy_preprocessor.json"
 NORMALIZERS = ("normalizer_processor", "unnormalizer_processor")
 IMAGES = "observation.images."
 # what a run trained with before policies normalized with their own mapping (a run's policy.json without norm_map):
@@ -77,6 +79,39 @@ def export_lerobot(path: str | Path, out: str | Path, lerobot: dict | None = Non
     stamp(tmp, OWNER)
     replace_folder(tmp, out)
     return report
+
+
+def lerobot_step_name(step: int, total_steps: int) -> str:
+    """LeRobot's `get_step_identifier`: the step zero-padded to max(6, digits of the run's total steps)."""
+    return f"{step:0{max(6, len(str(total_steps)))}d}"
+
+
+def write_lerobot_checkpoint(ckpt: Path, run_dir: Path, step: int, total_steps: int, record: dict) -> Path:
+    """LeRobot's checkpoint layout of a vlaforge checkpoint (`[lerobot] layout`): RUN/checkpoints/<step>/
+    pretrained_model/ (the policy folder `lerobot-eval --policy.path` and `from_pretrained` load, with the run's
+    statistics and tokenizer, and train_config.json: `record`, the lerobot-train command it came from), written
+    beside and renamed into place, and RUN/checkpoints/last pointing at it (a relative link, as LeRobot's). Returns
+    the pretrained_model folder."""
+    root = Path(run_dir) / "checkpoints"
+    name = lerobot_step_name(step, total_steps)
+    final, tmp = root / name, root / f".{name}.lerobot.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / PRETRAINED).mkdir(parents=True)
+    try:
+        model = _load_run(ckpt)
+        _write_weights(model, tmp / PRETRAINED)
+        _write_run(ckpt, model, tmp / PRETRAINED, final / PRETRAINED)
+        (tmp / PRETRAINED / TRAIN_CONFIG).write_text(json.dumps(record, indent=4) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    link = root / f".last.{name}.tmp"
+    link.unlink(missing_ok=True)
+    link.symlink_to(name)
+    link.replace(root / LAST)  # NOTE: atomic: `last` names a complete checkpoint at every instant
+    return final / PRETRAINED
 
 
 def _policy_run(path: Path) -> Path:
@@ -204,11 +239,22 @@ def _write_run(ckpt: Path, model, tmp: Path, out: Path) -> dict[str, Any]:
     else:
         steps, origin = default_steps(cfg), f"LeRobot 0.6.1's default {cfg['type']} steps ({source} is gone)"
     stats, how = run_statistics(spec)
-    tokenizer = out.resolve() / TOKENIZER
-    notes += _write_pipelines(steps, cfg, stats, str(tokenizer), source, tmp)
+    tokenizer = _hub_tokenizer(steps, saved_config(ckpt).model.lerobot.tokenizer) or str(out.resolve() / TOKENIZER)
+    notes += _write_pipelines(steps, cfg, stats, tokenizer, source, tmp)
     _save_tokenizer(ckpt / TOKENIZER, tmp / TOKENIZER)
     return {"config": "the source folder's, the run's features", "pipelines": f"{origin}, the run's statistics "
             f"({how}) and tokenizer ({tokenizer})", "notes": notes}
+
+
+def _hub_tokenizer(steps: dict[str, list[dict]], override: str | None) -> str | None:
+    """The Hub id the source pipeline's tokenizer step names (google/paligemma-3b-pt-224), kept as it is when the run
+    used that tokenizer (no model.lerobot.tokenizer): LeRobot resolves it from the same cache; None otherwise (the
+    run's tokenizer is written beside, and named by its path)."""
+    from vlaforge import hub
+
+    named = next((e.get("config", {}).get("tokenizer_name") for e in steps.get(PREPROCESSOR, [])
+                  if e.get("registry_name") == "tokenizer_processor"), None)
+    return named if override is None and isinstance(named, str) and hub.looks_like_id(named) else None
 
 
 def _source_folder(ref: str) -> Path:

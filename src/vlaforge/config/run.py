@@ -75,9 +75,9 @@ class DataConfig(Section):
             dup = next(e for e in self.episodes if self.episodes.count(e) > 1)
             raise ValueError(f"data.episodes lists episode {dup} twice; list each episode once")
         if (self.root or self.revision) and self.path:
-            from vlaforge.hub import parse_id
+            from vlaforge.data.hub_dataset import dataset_id
 
-            if parse_id(self.path) is None:
+            if dataset_id(self.path) is None:
                 which = "data.root" if self.root else "data.revision"
                 raise ValueError(f"{which} applies to a Hub dataset id in data.path (org/name), and "
                                  f"{self.path!r} is not one; drop {which} or give the id")

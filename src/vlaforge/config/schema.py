@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 from vlaforge.config.base import MAX_ENV_SEED, Section
 from vlaforge.config.components import ComponentConfig, ComponentsConfig
 from vlaforge.config.distill import DistillConfig
+from vlaforge.config.lerobot_run import LeRobotRunConfig
 from vlaforge.config.model import ACTION_HEAD_KINDS, SYNTHETIC_SHAPES, ActionHeadConfig, ModelConfig
 from vlaforge.config.monitors import DiagnosticsConfig, LossScaleConfig, NumericsConfig
 from vlaforge.config.parallel import ZERO_AUTO_FROM_HIDDEN, ZERO_TUNING, ParallelConfig
@@ -26,7 +27,7 @@ __all__ = ["ACTION_HEAD_KINDS", "MAX_ENV_SEED", "ZERO_AUTO_FROM_HIDDEN", "ZERO_T
 
 class VLAConfig(Section):
     """A whole run: `[model]`, `[components.*]`, `[loss]`, `[parallel]`, `[data]`, `[train]`, `[loss_scale]`,
-    `[numerics]`, `[eval]`, `[diagnostics]`, `[distill]`."""
+    `[numerics]`, `[eval]`, `[diagnostics]`, `[distill]`, `[lerobot]`."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     components: ComponentsConfig = Field(default_factory=ComponentsConfig)
@@ -39,6 +40,7 @@ class VLAConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
+    lerobot: LeRobotRunConfig = Field(default_factory=LeRobotRunConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "VLAConfig":
@@ -61,6 +63,9 @@ class VLAConfig(Section):
                 setattr(self.model, key, list(value) if isinstance(value, list) else value)  # no dataset to ask
         if self.model.lerobot.pretrained:
             self._policy_techniques()
+        elif self.lerobot.layout:
+            raise ValueError("lerobot.layout writes LeRobot's checkpoint layout of a LeRobot policy fine-tune, and "
+                             "model.lerobot.pretrained names no policy; drop lerobot.layout or give the policy")
         self._lora_composes()
         self.distill.check(self)
         if self.model.shapes_known():  # else checked again once the dataset has resolved them

@@ -184,14 +184,6 @@ def _decay_steps(cfg, _c):
     return None
 
 
-def _decay_all(cfg, _c):
-    # NOTE: until training/trainer.py's DeepSpeed path passes train.decay_all to build_param_groups; then drop this
-    if cfg.parallel.backend == "deepspeed":
-        return ("parallel.backend = 'deepspeed' builds its parameter groups without it (norms and biases stay "
-                "undecayed); drop it or set parallel.backend = 'fsdp2' or 'ddp'")
-    return None
-
-
 def _master(cfg, _c):
     if all(p.precision == "fp32" for _, p in cfg.components.items()):
         return ("it is the weight dtype of components that compute below fp32, and every component computes in fp32; "
@@ -296,7 +288,6 @@ RULES = (
     Rule(("parallel.cp_method",), ("parallel.cp",), _context),
     Rule(("train.min_lr_ratio",), ("train.lr_schedule",), _cosine),
     Rule(("train.decay_steps",), ("train.lr_schedule",), _decay_steps),
-    Rule(("train.decay_all",), ("parallel.backend",), _decay_all),
     Rule(("train.precision_master",), PRECISIONS, _master),
     Rule(("train.lora_random_base",), ("train.init_from", "model.vision.pretrained", "model.llm.pretrained",
                                        "model.vlm.pretrained", *(f"{p}lora" for p in PER_COMPONENT)), _random_base),

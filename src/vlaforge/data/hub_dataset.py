@@ -35,7 +35,7 @@ def dataset_root(data, fetch: bool = True) -> Path:
     ref = str(data.path)
     if data.root is None and Path(ref).exists():
         return Path(ref)
-    found = hub.parse_id(ref)
+    found = dataset_id(ref)
     if found is None:
         return Path(ref)  # the reader says the folder does not exist
     hub_id = hub.HubId(found.repo_id, found.revision or data.revision)
@@ -50,6 +50,16 @@ def dataset_root(data, fetch: bool = True) -> Path:
     hub.RESOLVED[(ref, "a dataset")] = hub.Resolved("data.path", ref, hub_id.repo_id, "dataset",
                                                     hub_id.revision or DEFAULT_REVISION, _commit(folder), str(folder))
     return folder
+
+
+def dataset_id(ref: str) -> hub.HubId | None:
+    """A dataset's Hub id: org/name[@rev], or a bare name as LeRobot takes one (HF_LEROBOT_HOME/<name>)."""
+    import re
+
+    found = hub.parse_id(ref)
+    if found is None and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}", ref) and ".." not in ref:
+        return hub.HubId(ref)
+    return found
 
 
 def episode_files(folder: Path, episodes: list[int] | None, missing_only: bool = False) -> list[str]:

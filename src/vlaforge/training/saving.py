@@ -106,9 +106,22 @@ def save(run: Run, step: int) -> Path | None:
         path = save_checkpoint(run.run_dir, step, run.model, state, dump_toml(run.cfg), t.keep_checkpoints,
                                     extra=lambda folder: save_policy_files(run, folder, weights), weights=weights,
                                     prepared=prepared)
+        if run.cfg.lerobot.layout:  # `vlaforge lerobot-train`: LeRobot's layout beside (OUT/checkpoints/<step>/)
+            from vlaforge.checkpoints.lerobot_folder import write_lerobot_checkpoint
+
+            write_lerobot_checkpoint(path, run.run_dir, step, t.steps, lerobot_record(run.cfg))
     if distributed:
         torch.distributed.barrier()  # no rank runs ahead of a checkpoint it may need to resume from
     return path
+
+
+def lerobot_record(cfg) -> dict[str, Any]:
+    """pretrained_model/train_config.json of a lerobot-train run: the command it was started with, the vlaforge
+    run it became, and what LeRobot's own loaders need to know is not there (LeRobot cannot resume it)."""
+    return {"lerobot_train": cfg.lerobot.command, "job_name": cfg.lerobot.job_name, "repo_id": cfg.lerobot.repo_id,
+            "output_dir": cfg.train.output_dir, "steps": cfg.train.steps, "batch_size": cfg.train.batch_size,
+            "seed": cfg.train.seed, "written_by": "vlaforge lerobot-train (resume it with vlaforge lerobot-train "
+                                                   "--resume=true --config_path=THIS_FILE)"}
 
 
 def save_policy_files(run: Run, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:

@@ -184,8 +184,8 @@ def build_executor(cfg: VLAConfig, dims: ParallelDims, model: nn.Module, weighti
     data-parallel step of that backend, built here because it wraps the optimizer) - with the optimizer (the
     per-component AdamW groups) and the schedule."""
     if dims.backend == "deepspeed":
-        engine, scheduler = build_engine(model, cfg, dims.dp, build_param_groups(model, cfg.components),
-                                         lambda o: build_scheduler(o, cfg.train), device)
+        groups = build_param_groups(model, cfg.components, cfg.train.decay_all)
+        engine, scheduler = build_engine(model, cfg, dims.dp, groups, lambda o: build_scheduler(o, cfg.train), device)
         return DeepSpeedExecutor(engine), scheduler.optimizer, scheduler  # ZeRO partitions our optimizer's state
     optimizer = build_optimizer(model, cfg, *split_parameters(weighting))
     pipeline = None
