@@ -233,3 +233,31 @@ def test_the_pi0_and_pi05_docs_commands_train_and_lerobot_loads_them(docs, repo,
         assert cfg["normalization_mapping"]["STATE"] == "MEAN_STD" and cfg["n_action_steps"] == 10
         assert cfg["empty_cameras"] == 1
     _lerobot_loads(pretrained, offline["sizes"][repo], tmp_path)
+
+
+def test_serve_and_eval_take_a_policys_hub_id(offline):
+    """`vlaforge serve lerobot/smolvla_base` serves the cached policy (its config.json's VLM id resolved from the
+    cache too) and a client gets the actions PolicyRuntime gives for the folder itself; `vlaforge eval ID` takes the
+    --lerobot-* settings (and says in one line why Meta-World cannot feed this policy's cameras)."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from vlaforge.inference.runtime import Observation, PolicyRuntime
+    from vlaforge.serving.client import wire_observation
+
+    from conftest import served
+
+    obs = Observation({c: np.full((24, 32, 3), 100, np.uint8) for c in ("top", "wrist")}, np.zeros(6, np.float32),
+                      "pick up the red cube")
+    with served("lerobot/smolvla_base") as uri:
+        host, port = uri.removeprefix("ws://").split(":")
+        reply = WebsocketClientPolicy(host, int(port)).infer(wire_observation(obs))
+    assert np.asarray(reply["actions"]).shape == (5, 6)
+    runtime = PolicyRuntime.load("lerobot/smolvla_base", device="cpu")
+    noise = np.random.default_rng(0).normal(size=(5, 8)).astype(np.float32)
+    local = PolicyRuntime.load(ref061.policy_folder("smolvla", offline["root"]) / "policy", device="cpu")
+    np.testing.assert_allclose(runtime.predict(obs, noise=noise).actions, local.predict(obs, noise=noise).actions,
+                               atol=1e-6)
+    done = run_cli("eval", "lerobot/smolvla_base", "--tasks=reach-v3", "--episodes=1", f"--lerobot-vlm={VLM_ID}",
+                   "--workers=1", timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "camera" in lines[0], done.stderr[-1500:]
