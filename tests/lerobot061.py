@@ -2,12 +2,13 @@
 (tests/lerobot_env061/requirements.txt); its scripts run on this interpreter in subprocesses with that folder first
 on PYTHONPATH (vlaforge never imports lerobot).
 
-- `policy_folder(kind, root)`: a tiny SmolVLA / SmolVLA with half the expert layers / pi0 / pi0.5 written by LeRobot's
-  own `save_pretrained` (tests/lerobot_env061/make_policy.py), built once per session and shared by the xdist
-  workers;
+- `policy_folder(kind, root)`: a tiny SmolVLA / SmolVLA with half the expert layers / pi0 / pi0.5 / pi0.5 with an
+  empty camera / pi0 and pi0.5 at LeRobot's default config (`*_base`) written by LeRobot's own `save_pretrained`
+  (tests/lerobot_env061/make_policy.py), built once per session and shared by the xdist workers; a `*_base` folder's
+  tokenizer step names google/paligemma-3b-pt-224, which `hub_cache(out)` holds (the folder's tiny tokenizer);
 - `reference(kind, root, inputs, tasks)`: LeRobot's preprocessor outputs, losses, gradients, sampled actions and
   postprocessed actions for one batch (tests/lerobot_env061/reference.py), cached on disk per input content;
-- `sample_inputs()`: a standard batch for `reference`.
+- `sample_inputs(kind=...)`: a standard batch for `reference` at the kind's chunk and action pad (`SHAPES`).
 Pass `session_root(tmp_path_factory)` as `root` so the workers share one folder.
 """
 
@@ -29,12 +30,15 @@ from real_lerobot import require_site
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / ".venv" / "lerobot061"
 SCRIPTS = Path(__file__).resolve().parent / "lerobot_env061"
-KINDS = ("smolvla", "smolvla_half", "pi0", "pi05")
+KINDS = ("smolvla", "smolvla_half", "pi0", "pi05", "pi05_empty", "pi0_base", "pi05_base")
+HUB_TOKENIZER = "google/paligemma-3b-pt-224"  # what a *_base folder's tokenizer step names
 CAMERAS = ("observation.images.top", "observation.images.wrist")
 IMAGE_SHAPE = (3, 24, 32)
 STATE_DIM = ACTION_DIM = 6
 CHUNK = 5
 MAX_ACTION_DIM = 8
+# (chunk_size, max_action_dim) of the kinds not at (CHUNK, MAX_ACTION_DIM): LeRobot's defaults
+SHAPES = {"pi0_base": (50, 32), "pi05_base": (50, 32)}
 # different token counts (SmolVLA pads to the longest); every word is in the tiny tokenizers' training text
 TASKS = ("pick up the red cube", "open the top drawer and then close it", "push the green block left",
          "press the button")
@@ -45,15 +49,16 @@ def site() -> Path:
     return require_site(SITE, "LeRobot 0.6.1", "make lerobot061-env")
 
 
-def env() -> dict[str, str]:
+def env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site()), str(SCRIPTS)]), "PYTHONWARNINGS": "ignore",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
 
 
-def run(script: str, *args: str, timeout: float = 300) -> str:
-    """tests/lerobot_env061/SCRIPT ARGS under LeRobot 0.6.1; its stdout (asserts it exits 0)."""
-    done = subprocess.run([sys.executable, str(SCRIPTS / script), *args], env=env(), capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+def run(script: str, *args: str, timeout: float = 300, **extra_env: str) -> str:
+    """tests/lerobot_env061/SCRIPT ARGS under LeRobot 0.6.1 (`extra_env` added to its environment); its stdout
+    (asserts it exits 0)."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / script), *args], env=env(**extra_env), capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
     assert done.returncode == 0, f"{script} {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done.stdout
 
@@ -84,12 +89,32 @@ def policy_folder(kind: str, root: Path) -> Path:
             shutil.rmtree(out, ignore_errors=True)
             run("make_policy.py", kind, str(out))
             assert (out / "info.json").is_file()
+        if kind.endswith("_base") and not (out / "hub").is_dir():
+            _cache_tokenizer(out)
     return out
 
 
+def _cache_tokenizer(out: Path) -> None:
+    """OUT/hub: a Hugging Face hub cache holding OUT/tokenizer as HUB_TOKENIZER (renamed into place when whole)."""
+    from hub_cache import cache_repo
+
+    partial = out / "hub.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    cache_repo(partial, HUB_TOKENIZER, out / "tokenizer")
+    partial.rename(out / "hub")
+
+
+def hub_cache(out: Path) -> Path | None:
+    """The Hugging Face hub cache (for HF_HUB_CACHE) in which a `*_base` folder's tokenizer step finds
+    google/paligemma-3b-pt-224 (the folder's tiny tokenizer); None for the other kinds."""
+    cache = Path(out) / "hub"
+    return cache if cache.is_dir() else None
+
+
 def folder_options(out: Path) -> dict[str, str]:
-    """The `model.lerobot` settings a folder from `policy_folder` needs beside it: pi0's declared sizes and its local
-    tokenizer (none for SmolVLA)."""
+    """The `model.lerobot` settings a folder from `policy_folder` needs beside it: pi0's / pi0.5's declared sizes and
+    their local tokenizer (a *_base folder's pipeline names google/paligemma-3b-pt-224: this is it; none for
+    SmolVLA)."""
     files = {"sizes": out / "sizes.json", "tokenizer": out / "tokenizer"}
     return {k: str(v) for k, v in files.items() if v.exists()}
 
@@ -146,7 +171,9 @@ def reference(kind: str, root: Path, inputs: dict[str, torch.Tensor], tasks: lis
             save_file({k: v.detach().cpu().contiguous() for k, v in inputs.items()}, given,
                       metadata={"tasks": json.dumps(list(tasks))})
             partial = out.with_suffix(".partial")
-            run("reference.py", str(folder / "policy"), str(given), str(partial))
+            cache = hub_cache(folder)
+            run("reference.py", str(folder / "policy"), str(given), str(partial),
+                **({"HF_HUB_CACHE": str(cache)} if cache else {}))
             partial.rename(out)
     with safe_open(out, "pt") as f:
         raw = f.metadata()
@@ -155,14 +182,18 @@ def reference(kind: str, root: Path, inputs: dict[str, torch.Tensor], tasks: lis
     return load_file(out), meta
 
 
-def sample_inputs(batch: int = 2, seed: int = 0) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """A standard input set: two cameras (B,3,24,32) in [0,1], state (B,6), raw action (B,5,6), noise (B,5,8),
-    time (B,) in (0.05, 0.95); tasks of different token lengths."""
+def sample_inputs(batch: int = 2, seed: int = 0, kind: str | None = None, chunk: int | None = None,
+                  max_action_dim: int | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A standard input set: two cameras (B,3,24,32) in [0,1], state (B,6), raw action (B,T,6), noise (B,T,A),
+    time (B,) in (0.05, 0.95); tasks of different token lengths. T, A: `chunk` / `max_action_dim`, else the `kind`'s
+    (`SHAPES`), else CHUNK (5) / MAX_ACTION_DIM (8)."""
+    shape_chunk, shape_pad = SHAPES.get(kind, (CHUNK, MAX_ACTION_DIM))
+    chunk, max_action_dim = chunk or shape_chunk, max_action_dim or shape_pad
     g = torch.Generator().manual_seed(seed)
     inputs = {cam: torch.rand(batch, *IMAGE_SHAPE, generator=g) for cam in CAMERAS}
     inputs["observation.state"] = torch.randn(batch, STATE_DIM, generator=g)
-    inputs["action"] = torch.randn(batch, CHUNK, ACTION_DIM, generator=g)
-    inputs["noise"] = torch.randn(batch, CHUNK, MAX_ACTION_DIM, generator=g)
+    inputs["action"] = torch.randn(batch, chunk, ACTION_DIM, generator=g)
+    inputs["noise"] = torch.randn(batch, chunk, max_action_dim, generator=g)
     inputs["time"] = 0.05 + 0.9 * torch.rand(batch, generator=g)
     return inputs, [TASKS[i % len(TASKS)] for i in range(batch)]
 

@@ -20,12 +20,15 @@ from vlaforge.models.policies.model import PolicyVLA
 pytestmark = pytest.mark.xdist_group("lerobot061")
 
 KINDS = ("smolvla", "pi0", "pi05")
+# and pi0.5 at LeRobot's default config (chunk 50, pads of 32, 224 px, a 200-token prompt; tests/lerobot061.py SHAPES)
+PARITY_KINDS = (*KINDS, "pi05_base")
 TOL = 1e-5
 
 
 def _lerobot_options(out: Path) -> dict:
-    sizes = out / "sizes.json"
-    return {"sizes": str(sizes)} if sizes.is_file() else {}
+    """The folder's declared sizes (pi0*), and its tokenizer where its pipeline names PaliGemma's Hub id (*_base)."""
+    options = ref061.folder_options(out)
+    return {k: v for k, v in options.items() if k == "sizes" or ref061.hub_cache(out) is not None}
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +48,10 @@ def _model(folder: Path, options: dict) -> PolicyVLA:
     return model
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", PARITY_KINDS)
 def test_losses_gradients_and_samples_match_lerobot(kind, session_root):
     folder, options = _folder(kind, session_root)
-    inputs, tasks = ref061.sample_inputs()
+    inputs, tasks = ref061.sample_inputs(kind=kind)
     theirs, meta = ref061.reference(kind, session_root, inputs, tasks)
     model = _model(folder, options)
     pre, _ = model.pipelines
@@ -67,7 +70,7 @@ def test_losses_gradients_and_samples_match_lerobot(kind, session_root):
     loss = model.loss(x, inputs["noise"], inputs["time"])
     assert abs(loss.item() - meta["loss"]) <= TOL
     loss.backward()
-    fam = family_of(kind, "test")
+    fam = family_of(model.spec.family, "test")
     params = dict(model.named_parameters())
     grads = {k[5:]: v for k, v in theirs.items() if k.startswith("grad.")}
     # relative per tensor; a gradient that is zero in exact arithmetic (an attention key bias: softmax ignores a

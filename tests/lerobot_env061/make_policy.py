@@ -3,10 +3,13 @@ its pre/post processor pipelines (the policy's `make_*_pre_post_processors` with
 
 usage: PYTHONPATH=.venv/lerobot061:tests/lerobot_env061 python tests/lerobot_env061/make_policy.py KIND OUT
 KIND: smolvla | smolvla_half (an expert layer every other VLM layer; self-attention every 4th) | pi0 | pi05 (pi0.5)
+      | pi05_empty (pi05 with empty_cameras=1) | pi0_base | pi05_base (every config field at LeRobot's default)
 
 OUT/policy/     config.json, model.safetensors, policy_preprocessor.json, policy_postprocessor.json + state files
 OUT/vlm/        (smolvla*) the tiny SmolVLM (config, random weights, tokenizer, processor) SmolVLA builds from
-OUT/tokenizer/  (pi0*) the tiny tokenizer the saved preprocessor's tokenizer step names (instead of PaliGemma's)
+OUT/tokenizer/  (pi0*) the tiny tokenizer the saved preprocessor's tokenizer step names (instead of PaliGemma's);
+                *_base: the step names PaliGemma's Hub id as LeRobot's real folders do, and this folder is what a
+                test caches under that id (tests/lerobot061.py `hub_cache`)
 OUT/sizes.json  (pi0*) the sizes tiny_pi0.py builds the `gemma_2b` / `gemma_300m` variants and SigLIP at
 OUT/info.json   kind, versions, parameter count
 Features: cameras observation.images.top / .wrist (3, 24, 32), observation.state (6,), action (6,); chunk 5.
@@ -14,6 +17,12 @@ Every parameter is perturbed with seeded noise before saving (LeRobot zero-inits
 `dense` layers): same folder every run.
 pi05 keeps LeRobot's default normalization (QUANTILES for state and action) and writes the discretized state into
 the prompt ("Task: ..., State: 12 200 ...;\nAction: "), tokenized to PI05_TOKENIZER_MAX_LENGTH tokens.
+pi0_base / pi05_base: the tiny sizes, but every config field at LeRobot 0.6.1's default for the type (chunk 50,
+max_state_dim / max_action_dim 32, 10 denoising steps, image_resolution 224 - SigLIP in patches of 28, 64 tokens a
+camera -, tokenizer_max_length 48 / 200, normalization MEAN_STD / QUANTILES) but device cpu and push_to_hub false, so
+that `lerobot-train --policy.type=pi0 --policy.pretrained_path=OUT/policy` (a config from the type's defaults, the
+weights from the folder) loads them; both share one tokenizer (spaces as tokens), as the real pi0 and pi0.5 share
+PaliGemma's.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-KINDS = ("smolvla", "smolvla_half", "pi0", "pi05")
+KINDS = ("smolvla", "smolvla_half", "pi0", "pi05", "pi05_empty", "pi0_base", "pi05_base")
 CAMERAS = ("observation.images.top", "observation.images.wrist")
 IMAGE_SHAPE = (3, 24, 32)  # not square: resize-with-padding pads
 STATE_DIM = ACTION_DIM = 6
@@ -50,6 +59,15 @@ SMOLVLA_LAYERS = {"smolvla": dict(num_expert_layers=-1, self_attn_every_n_layers
 # spaces, punctuation single tokens) the 4 standard tasks take 42 to 65 tokens (<bos> included; 65: "open the top
 # drawer and then close it" with six 3-digit bins), so 80 never truncates them (the step pads to max_length)
 PI05_TOKENIZER_MAX_LENGTH = 80
+HUB_TOKENIZER = "google/paligemma-3b-pt-224"  # the tokenizer LeRobot's pi0 / pi0.5 pipelines name
+# config fields of the pi kinds beyond the features (a *_base kind: LeRobot's defaults, but where it runs and uploads)
+_TINY = dict(image_resolution=(32, 32), num_inference_steps=3)
+PI_CONFIG = {"pi0": {**COMMON, **_TINY},
+             "pi05": {**COMMON, **_TINY, "tokenizer_max_length": PI05_TOKENIZER_MAX_LENGTH},
+             "pi05_empty": {**COMMON, **_TINY, "tokenizer_max_length": PI05_TOKENIZER_MAX_LENGTH, "empty_cameras": 1},
+             "pi0_base": dict(device="cpu", push_to_hub=False),
+             "pi05_base": dict(device="cpu", push_to_hub=False)}
+BASE_PATCH = 28  # SigLIP's patch at the default 224 px: 8 x 8 tokens a camera
 # a BPE over these words and every printable character (so any task tokenizes without <unk>)
 WORDS = ("open close the door drawer press button reach goal pick place put move push pull left right up down red "
          "green blue cube block top wrist and then a of to").split()
@@ -167,10 +185,11 @@ def perturb(policy, seed: int = 1, check: bool = True) -> None:
 
 def pi_tokenizer(kind: str, out: Path, sizes_of) -> Path:
     """OUT/tokenizer (a small BPE in place of PaliGemma's) and OUT/sizes.json (`sizes_of(vocabulary size)`), applied to
-    LeRobot's pi0 / pi0.5 in this process (tiny_pi0.apply); the tokenizer's folder."""
+    LeRobot's pi0 / pi0.5 in this process (tiny_pi0.apply); the tokenizer's folder. Spaces are tokens but for pi0 (the
+    *_base kinds share pi0.5's tokenizer, so one Hub cache entry serves both)."""
     import tiny_pi0
 
-    tokenizer = bpe_tokenizer(["<pad>", "<bos>", "<eos>", "<unk>"], bos="<bos>", spaces=kind == "pi05",
+    tokenizer = bpe_tokenizer(["<pad>", "<bos>", "<eos>", "<unk>"], bos="<bos>", spaces=kind != "pi0",
                               pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
     tokenizer_dir = (out / "tokenizer").resolve()
     tokenizer.save_pretrained(tokenizer_dir)
@@ -181,8 +200,9 @@ def pi_tokenizer(kind: str, out: Path, sizes_of) -> Path:
 
 
 def pi_classes(kind: str):
-    """(processor module, config class, policy class, make_pre_post_processors) of LeRobot's pi0 or pi0.5."""
-    if kind == "pi0":
+    """(processor module, config class, policy class, make_pre_post_processors) of LeRobot's pi0 or pi0.5 (a kind
+    pi0* or pi05*)."""
+    if kind.split("_")[0] == "pi0":
         from lerobot.policies.pi0 import processor_pi0 as processor
         from lerobot.policies.pi0.configuration_pi0 import PI0Config as Config
         from lerobot.policies.pi0.modeling_pi0 import PI0Policy as Policy
@@ -193,6 +213,66 @@ def pi_classes(kind: str):
     from lerobot.policies.pi05.modeling_pi05 import PI05Policy as Policy
 
     return processor, Config, Policy, processor.make_pi05_pre_post_processors
+
+
+def paligemma_config(sizes: dict, folder: Path) -> None:
+    """FOLDER/config.json: PaliGemma's config at the tiny sizes, as google/paligemma-3b-pt-224 holds one beside its
+    tokenizer (transformers' AutoTokenizer reads a Hub id's config.json first, and fails offline without it)."""
+    from transformers import PaliGemmaConfig
+
+    v = sizes["variants"]["gemma_2b"]
+    text = dict(model_type="gemma", hidden_size=v["width"], intermediate_size=v["mlp_dim"],
+                num_hidden_layers=v["depth"], num_attention_heads=v["num_heads"], num_key_value_heads=v["num_kv_heads"],
+                head_dim=v["head_dim"], vocab_size=sizes["vocab_size"])
+    vision = dict(model_type="siglip_vision_model", **sizes["vision"])
+    PaliGemmaConfig(text_config=text, vision_config=vision, projection_dim=sizes["projection_dim"]).save_pretrained(
+        folder)
+
+
+def build_pi(kind: str, out: Path, stats: dict):
+    """(config, policy, preprocessor, postprocessor) of a pi0* / pi05* kind at tiny_pi0's sizes (a *_base kind:
+    SigLIP at the default 224 px in patches of BASE_PATCH), its pipelines' tokenizer step naming OUT/tokenizer
+    (a *_base kind: HUB_TOKENIZER, as LeRobot's real folders)."""
+    import tiny_pi0
+
+    base = kind.endswith("_base")
+    processor, Config, Policy, make_processors = pi_classes(kind)
+    side = Config().image_resolution[0] if base else 32
+    tokenizer_dir = pi_tokenizer(kind, out, lambda vocab: tiny_pi0.sizes(vocab, side, BASE_PATCH if base else 8))
+    config = Config(**PI_CONFIG[kind], **features())
+    torch.manual_seed(0)
+    policy = Policy(config)
+    # the pipeline's tokenizer step names google/paligemma-3b-pt-224 (a hub download): built with the local one
+    real_step = processor.TokenizerProcessorStep
+
+    def local_tokenizer_step(**kwargs):
+        assert kwargs.pop("tokenizer_name") == HUB_TOKENIZER
+        return real_step(tokenizer_name=str(tokenizer_dir), **kwargs)
+
+    processor.TokenizerProcessorStep = local_tokenizer_step
+    try:
+        pre, post = make_processors(config, dataset_stats=stats)
+    finally:
+        processor.TokenizerProcessorStep = real_step
+    if base:  # saved as LeRobot's real folders name it (the step keeps the tokenizer it loaded)
+        next(step for step in pre.steps if isinstance(step, real_step)).tokenizer_name = HUB_TOKENIZER
+        paligemma_config(json.loads((out / "sizes.json").read_text()), tokenizer_dir)
+    return config, policy, pre, post
+
+
+def check_default_load(kind: str, folder: Path) -> None:
+    """A *_base folder's weights load into the policy of the type's default config (lerobot-train's
+    `--policy.type=... --policy.pretrained_path=FOLDER`: the config from the defaults and the flags, only the weights
+    from the folder) with every tensor taken as saved (pi0's loader swallows mismatches, so compared here)."""
+    from safetensors.torch import load_file
+
+    _, Config, Policy, _ = pi_classes(kind)
+    config = Config(device="cpu", push_to_hub=False, **features())
+    config.pretrained_path = str(folder)
+    state = Policy.from_pretrained(folder, config=config).state_dict()
+    saved = load_file(folder / "model.safetensors")
+    wrong = [k for k, v in saved.items() if k not in state or not torch.equal(state[k], v.to(state[k].dtype))]
+    assert not wrong, f"the default {kind} config does not load {folder}: {wrong[:3]}"
 
 
 def build(kind: str, out: Path) -> dict:
@@ -214,30 +294,13 @@ def build(kind: str, out: Path) -> dict:
         policy = SmolVLAPolicy(config)
         pre, post = make_smolvla_pre_post_processors(config, dataset_stats=stats)
     else:
-        import tiny_pi0
-
-        tokenizer_dir = pi_tokenizer(kind, out, tiny_pi0.sizes)
-        processor, Config, Policy, make_processors = pi_classes(kind)
-        common = COMMON if kind == "pi0" else {**COMMON, "tokenizer_max_length": PI05_TOKENIZER_MAX_LENGTH}
-        config = Config(**common, **features(), image_resolution=(32, 32), num_inference_steps=3)
-        torch.manual_seed(0)
-        policy = Policy(config)
-        # the pipeline's tokenizer step names google/paligemma-3b-pt-224 (a hub download): built with the local one
-        real_step = processor.TokenizerProcessorStep
-
-        def local_tokenizer_step(**kwargs):
-            assert kwargs.pop("tokenizer_name") == "google/paligemma-3b-pt-224"
-            return real_step(tokenizer_name=str(tokenizer_dir), **kwargs)
-
-        processor.TokenizerProcessorStep = local_tokenizer_step
-        try:
-            pre, post = make_processors(config, dataset_stats=stats)
-        finally:
-            processor.TokenizerProcessorStep = real_step
+        config, policy, pre, post = build_pi(kind, out, stats)
     perturb(policy)
     policy.save_pretrained(out / "policy")
     pre.save_pretrained(out / "policy")
     post.save_pretrained(out / "policy")
+    if kind.endswith("_base"):
+        check_default_load(kind, out / "policy")
     params = {id(p): p.numel() for p in policy.parameters()}
     info = {"kind": kind, "policy_type": config.type, "lerobot": lerobot.__version__,
             "transformers": transformers.__version__, "torch": torch.__version__,

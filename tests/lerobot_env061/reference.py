@@ -5,17 +5,19 @@ runs the batch in INPUTS through them: fp32, CPU, `torch.manual_seed(0)`.
 
 usage: PYTHONPATH=.venv/lerobot061:tests/lerobot_env061 python tests/lerobot_env061/reference.py POLICY_DIR INPUTS OUT
 
-INPUTS (safetensors): observation.images.top / .wrist (B,3,24,32) in [0,1], observation.state (B,6), action (B,5,6)
-raw, noise (B,5,8), time (B,), optional action_is_pad (B,5) bool; metadata {"tasks": json list of B strings}.
+INPUTS (safetensors): observation.images.top / .wrist (B,3,24,32) in [0,1], observation.state (B,6), action (B,T,6)
+raw, noise (B,T,A), time (B,), optional action_is_pad (B,T) bool; metadata {"tasks": json list of B strings}. T, A:
+the folder's chunk_size and max_action_dim (5 and 8; 50 and 32 for the *_base kinds). A *_base folder's pipeline names
+google/paligemma-3b-pt-224: run with HF_HUB_CACHE where that id is cached (tests/lerobot061.py does).
 OUT (safetensors):
   pre.<key>   every tensor the preprocessor returns for the training batch
-  losses      policy.model.forward(...) per element (B,5,8), inputs prepared as the policy's forward prepares them
-              (pi05: no state argument, the state is in the prompt)
+  losses      policy.model.forward(...) per element (B,T,A), inputs prepared as the policy's forward prepares them
+              (pi05: no state argument, the state is in the prompt; empty cameras appended by LeRobot itself)
   loss        policy.forward(pre batch) with that noise and time (train mode); also in the metadata
   grad.<name> every parameter's gradient after loss.backward(), named as in the policy's state_dict
-  sample      policy.model.sample_actions(..., noise=noise) in eval mode, untruncated (B,5,8)
-  actions     policy.predict_action_chunk(pre batch without action) with the same noise (B,5,6)
-  post        the postprocessor applied to actions (B,5,6)
+  sample      policy.model.sample_actions(..., noise=noise) in eval mode, untruncated (B,T,A)
+  actions     policy.predict_action_chunk(pre batch without action) with the same noise (B,T,6)
+  post        the postprocessor applied to actions (B,T,6)
   metadata    {"loss": float, "pre_steps": json list of registry names, "post_steps": ...}
 Prints one JSON line: the weight check (keys compared, keys LeRobot's loader left missing because they are tied).
 """

@@ -26,9 +26,12 @@ SIZES = {
 }
 
 
-def sizes(vocab_size: int) -> dict:
+def sizes(vocab_size: int, image_size: int = 32, patch_size: int = 8) -> dict:
+    """SIZES for a tokenizer of `vocab_size` and SigLIP at `image_size` (the config's image_resolution, which LeRobot
+    sets the tower's size from) in patches of `patch_size`."""
     out = copy.deepcopy(SIZES)
     out["vocab_size"] = int(vocab_size)
+    out["vision"].update(image_size=int(image_size), patch_size=int(patch_size))
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -24,6 +25,7 @@ MAX_VECTOR_DIM = 4096  # max_state_dim / max_action_dim and a vector feature's s
 MAX_STEPS = 1000  # num_steps / num_inference_steps: denoising steps per prediction (LeRobot's policies: 10)
 MAX_LAYERS = 1024  # num_vlm_layers, num_expert_layers, self_attn_every_n_layers
 MAX_CHANNELS = 4  # an image feature's channels (RGB: 3)
+MAX_EMPTY_CAMERAS = 64  # empty_cameras: masked image slots, each a whole image's tokens (LeRobot's LIBERO pi0.5: 1)
 FEATURE_TYPES = ("STATE", "VISUAL", "ENV", "ACTION", "REWARD", "LANGUAGE")
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 # a processor option -> the JSON types it may hold (LeRobot writes these; another type fails deep in a step)
@@ -60,6 +62,7 @@ COMMON_BOUNDS = (
     Bound("max_state_dim", 1, MAX_VECTOR_DIM, "the size the state is zero-padded to"),
     Bound("max_action_dim", 1, MAX_VECTOR_DIM, "the size actions are zero-padded to"),
     Bound("tokenizer_max_length", 1, MAX_TOKENS, "instruction tokens", required=False),
+    Bound("empty_cameras", 0, MAX_EMPTY_CAMERAS, "image slots of no camera, masked out", required=False),
     Bound("min_period", 0, 1e6, "the time embedding's shortest period", number=True, above=True),
     Bound("max_period", 0, 1e6, "the time embedding's longest period", number=True, above=True),
 )
@@ -150,6 +153,7 @@ def check_policy_config(cfg: dict, bounds: tuple[Bound, ...], where: str, overri
         raise VlaforgeError(f"{where}: min_period = {cfg['min_period']:g} is over max_period = "
                             f"{cfg['max_period']:g}; the time embedding's periods run from the first to the second")
     _check_features(cfg, where)
+    _check_empty_cameras(cfg, where, source("empty_cameras"))
     mapping = cfg.get("normalization_mapping")
     if mapping is not None and not (isinstance(mapping, dict) and all(
             k in FEATURE_TYPES and v in MODES for k, v in mapping.items())):
@@ -205,6 +209,23 @@ def _check_features(cfg: dict, where: str) -> None:
                 raise VlaforgeError(f"{where}: config.json's {key} has shape {shown(shape)}, over {pad} = "
                                     f"{cfg[pad]}; the policy zero-pads it to {pad} and cannot take more: raise "
                                     f"{pad} (model.lerobot.config.{pad}) or give a smaller {key}")
+
+
+def _check_empty_cameras(cfg: dict, where: str, source: str) -> None:
+    """Every `observation.images.empty_camera_{i}` feature within the `empty_cameras` LeRobot added it for: one past
+    them would be read as a real camera that no batch holds (LeRobot's pi0 fills any missing camera, its SmolVLA only
+    `empty_cameras` of them).
+
+    Raises:
+        VlaforgeError: such a feature with i >= empty_cameras."""
+    count = int(cfg.get("empty_cameras") or 0)
+    for key in cfg["input_features"]:
+        found = re.fullmatch(r"observation\.images\.empty_camera_(\d+)", key)
+        if found and int(found.group(1)) >= count:
+            raise VlaforgeError(f"{where}: config.json's input_features names {key}, an image LeRobot adds for "
+                                f"empty_cameras above {found.group(1)}, and {source} = {count}; set empty_cameras to "
+                                f"at least {int(found.group(1)) + 1} (model.lerobot.config.empty_cameras) or remove "
+                                "the feature")
 
 
 # ---- processor pipelines ------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from torch import nn
 from vlaforge.config.base import MAX_TOKENS
 from vlaforge.errors import VlaforgeError
 from vlaforge.models.policies.checks import MAX_LAYERS, MAX_STEPS, Bound, check_policy_config, image_pair
+from vlaforge.models.policies.inputs import empty_camera_keys
 from vlaforge.models.policies.model import Composition, ExpertHead, PolicySpec, PolicyVLA
 from vlaforge.registry import Registry
 
@@ -126,9 +127,11 @@ def _expert(config, cross: set[int], kv_in: int, adaptive: bool = False) -> tupl
 
 
 def _features(cfg: dict) -> tuple[tuple[str, ...], int, int]:
-    """(camera keys, state size, action size) from config.json's input / output features."""
+    """(camera keys, state size, action size) from config.json's input / output features; the cameras are those a
+    batch holds, not the empty ones LeRobot declares for `empty_cameras` (`inputs.py`)."""
     inputs, outputs = cfg.get("input_features") or {}, cfg.get("output_features") or {}
-    cameras = tuple(k for k, f in inputs.items() if f.get("type") == "VISUAL")
+    empty = set(empty_camera_keys(int(cfg.get("empty_cameras") or 0)))
+    cameras = tuple(k for k, f in inputs.items() if f.get("type") == "VISUAL" and k not in empty)
     state, action = inputs.get("observation.state"), outputs.get("action")
     if not cameras or state is None or action is None:
         raise VlaforgeError(f"{FIELD}: config.json's input_features / output_features name no camera, no "
@@ -143,7 +146,8 @@ def _spec(family: str, cfg: dict, image_size: tuple[int, int], rope_base: float,
                       chunk=int(cfg["chunk_size"]), max_state_dim=int(cfg["max_state_dim"]),
                       max_action_dim=int(cfg["max_action_dim"]), image_size=image_size,
                       num_steps=int(cfg[steps_key]), min_period=float(cfg["min_period"]),
-                      max_period=float(cfg["max_period"]), rope_base=rope_base, layers=layers, extra=dict(cfg), **kw)
+                      max_period=float(cfg["max_period"]), rope_base=rope_base, layers=layers,
+                      empty_cameras=int(cfg.get("empty_cameras") or 0), extra=dict(cfg), **kw)
 
 
 # ---- SmolVLA ------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from torch import nn
 from vlaforge.data.batch import Batch
 from vlaforge.errors import VlaforgeError
 from vlaforge.models import losses as L
-from vlaforge.models.policies.images import pad_vector, resize_with_pad, resize_with_pad_centered
+from vlaforge.models.policies.inputs import PolicyInputs, batch_inputs, lerobot_inputs, token_inputs
 from vlaforge.models.policies.joint import JointContext, JointLayer, PrefixCache, norm, rope_angles
 from vlaforge.models.vla import VLA, Layout
 
@@ -49,7 +49,7 @@ class PolicySpec:
     """The shapes and settings of one policy, read from its LeRobot config.json."""
 
     family: str
-    cameras: tuple[str, ...]  # the input features of type VISUAL, in the config's order
+    cameras: tuple[str, ...]  # the input features of type VISUAL, in the config's order, but the empty cameras
     state_dim: int
     action_dim: int
     chunk: int
@@ -63,6 +63,7 @@ class PolicySpec:
     prefix_length: int = -1  # SmolVLA: pad the prefix to this many tokens (<= 0: no padding)
     time_beta: tuple[float, float, float, float] = (1.5, 1.0, 0.999, 0.001)  # alpha, beta, scale, offset
     layers: tuple[tuple[int, int | None, str], ...] = ()  # (VLM block, expert block | None, 'self' | 'cross')
+    empty_cameras: int = 0  # masked image slots after the cameras (config.json's empty_cameras: `inputs.py`)
     extra: dict = field(default_factory=dict)  # the rest of config.json, as read
 
 
@@ -90,21 +91,6 @@ class ExpertHead(nn.Module):
     supports_prefix = False  # no committed-action guidance (RTC) for these policies yet
     prefix_refusal = ("is not built for LeRobot policies yet (LeRobot's real-time chunking guides the velocity; "
                       "vlaforge's inpaints, docs/lerobot_policies.md)")
-
-
-@dataclass
-class PolicyInputs:
-    """A batch as the policy's model reads it (LeRobot's `prepare_images` / `prepare_state` / `prepare_action` done):
-    images (list of (B, 3, H, W) in [-1, 1]), their masks (B,) bool, tokens and their mask (B, L), the padded state
-    (B, max_state_dim), the padded actions (B, T, max_action_dim) and `action_is_pad` (B, T) when training."""
-
-    images: list[torch.Tensor]
-    image_masks: list[torch.Tensor]
-    tokens: torch.Tensor
-    token_mask: torch.Tensor
-    state: torch.Tensor
-    actions: torch.Tensor | None = None
-    action_is_pad: torch.Tensor | None = None
 
 
 def att_2d(pad: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
@@ -154,29 +140,12 @@ class PolicyVLA(nn.Module):
     # ---- inputs -------------------------------------------------------------------------------------------
     def prepare(self, batch: dict, with_actions: bool = True) -> PolicyInputs:
         """A preprocessed batch (LeRobot's keys: the preprocessor's output) -> the model's inputs, as LeRobot's
-        `prepare_images` / `prepare_state` / `prepare_action` make them: each camera resized with padding to the
-        policy's size and mapped to [-1, 1], state and actions zero-padded to max_state_dim / max_action_dim.
+        `prepare_images` / `prepare_state` / `prepare_action` make them, empty cameras included
+        (`inputs.lerobot_inputs`).
 
         Raises:
-            VlaforgeError: a camera of the policy is not in the batch."""
-        spec = self.spec
-        images, masks = [], []
-        for key in spec.cameras:
-            if key not in batch:
-                raise VlaforgeError(f"the batch has no {key}; the policy reads cameras {', '.join(spec.cameras)}")
-            img = batch[key]
-            img = (img[:, -1] if img.ndim == 5 else img).to(torch.float32)
-            if tuple(img.shape[-2:]) != spec.image_size:
-                img = resize_with_pad(img, *spec.image_size, pad_value=0) if self.composition.resize == "top_left" \
-                    else resize_with_pad_centered(img, *spec.image_size)
-            images.append(img * 2.0 - 1.0)
-            masks.append(torch.ones(img.shape[0], dtype=torch.bool, device=img.device))
-        state = batch["observation.state"]
-        state = state[:, -1] if state.ndim > 2 else state
-        actions = pad_vector(batch["action"], spec.max_action_dim) if with_actions and "action" in batch else None
-        return PolicyInputs(images, masks, batch["observation.language.tokens"],
-                            batch["observation.language.attention_mask"].bool(), pad_vector(state, spec.max_state_dim),
-                            actions, batch.get("action_is_pad") if actions is not None else None)
+            VlaforgeError: a real camera of the policy is not in the batch."""
+        return lerobot_inputs(self.spec, self.composition.resize, batch, with_actions)
 
     def embed_image(self, image: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) in [-1, 1] -> (B, P, Dv) projected image tokens."""
@@ -188,12 +157,15 @@ class PolicyVLA(nn.Module):
 
     def embed_prefix(self, x: PolicyInputs,
                      image_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(embeddings (B, Lp, Dv), padding mask (B, Lp) bool, block starts (B, Lp)). `image_tokens`: the images'
-        tokens already embedded (B, N*P, Dv), as `encode_frames` gives them (the runtime's feature cache)."""
+        """(embeddings (B, Lp, Dv), padding mask (B, Lp) bool, block starts (B, Lp)). `image_tokens`: the real
+        cameras' tokens already embedded (B, N*P, Dv), as `encode_frames` gives them (the runtime's feature cache),
+        one slice per image slot left None (the empty cameras' images are embedded here)."""
         embs, pads, att = [], [], []
-        per = None if image_tokens is None else image_tokens.shape[1] // len(x.image_masks)
-        for i, (image, mask) in enumerate(zip(x.images, x.image_masks, strict=True)):
-            e = self.embed_image(image) if per is None else image_tokens[:, i * per:(i + 1) * per]
+        given = sum(image is None for image in x.images) if image_tokens is not None else 0
+        per = image_tokens.shape[1] // given if given else 0
+        slices = iter([image_tokens[:, i * per:(i + 1) * per] for i in range(given)])
+        for image, mask in zip(x.images, x.image_masks, strict=True):
+            e = next(slices) if image is None else self.embed_image(image)
             embs.append(e)
             pads.append(mask[:, None].expand(e.shape[0], e.shape[1]))
             att += [0] * e.shape[1]
@@ -371,19 +343,15 @@ class PolicyVLA(nn.Module):
         tower = self.vision.config
         merge = getattr(self.projector, "scale_factor", 1)
         side = self.spec.image_size[0] // tower.patch_size // merge
-        return Layout(frames=len(self.spec.cameras), image_size=self.spec.image_size[0], patches_per_frame=side * side,
-                      interpolate_pos=False)
+        # NOTE: the empty cameras count: the tower runs on them and the prefix holds their tokens
+        return Layout(frames=len(self.spec.cameras) + self.spec.empty_cameras, image_size=self.spec.image_size[0],
+                      patches_per_frame=side * side, interpolate_pos=False)
 
     def uses_text(self, batch: Batch) -> bool:
         return False
 
     def inputs_from_batch(self, batch: Batch) -> PolicyInputs:
-        b, f = batch.images.shape[:2]
-        ones = torch.ones(b, dtype=torch.bool, device=batch.images.device)
-        actions = None if batch.actions is None else pad_vector(batch.actions, self.spec.max_action_dim)
-        return PolicyInputs([batch.images[:, i] for i in range(f)], [ones] * f, batch.instruction_ids,
-                            batch.instruction_mask.bool(), pad_vector(batch.state, self.spec.max_state_dim), actions,
-                            None if batch.action_mask is None else ~batch.action_mask.bool())
+        return batch_inputs(self.spec, batch)
 
     def draw_time(self, b: int, device: torch.device) -> torch.Tensor:
         """Flow times (B,): Beta(alpha, beta) * scale + offset, the family's distribution."""
@@ -438,12 +406,8 @@ class PolicyVLA(nn.Module):
 
     def token_inputs(self, vision_tokens: torch.Tensor, instruction_ids: torch.Tensor,
                      instruction_mask: torch.Tensor | None, state: torch.Tensor) -> PolicyInputs:
-        """The inputs of a prediction from the images' tokens (the images themselves are not kept)."""
-        b, f = vision_tokens.shape[0], len(self.spec.cameras)
-        mask = torch.ones_like(instruction_ids, dtype=torch.bool) if instruction_mask is None else instruction_mask
-        ones = torch.ones(b, dtype=torch.bool, device=vision_tokens.device)
-        return PolicyInputs([None] * f, [ones] * f, instruction_ids, mask.bool(),
-                            pad_vector(state, self.spec.max_state_dim))
+        """The inputs of a prediction from the real cameras' tokens (the images themselves are not kept)."""
+        return token_inputs(self.spec, vision_tokens, instruction_ids, instruction_mask, state)
 
     def actions_from_tokens(self, vision_tokens: torch.Tensor, instruction_ids: torch.Tensor,
                             instruction_mask: torch.Tensor | None, state: torch.Tensor, **head) -> torch.Tensor:
