@@ -107,8 +107,10 @@ class _AutocastRegion:
     def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype):
         self.device_type, self.dtype = device_type, dtype
         self.stack: list[torch.autocast] = []
-        module.register_forward_pre_hook(self.enter, with_kwargs=True)
-        module.register_forward_hook(self.leave, always_call=True)
+        # NOTE: run eagerly under torch.compile (a compiled block that is itself a region, as a LeRobot policy's
+        # joint layer is): traced, the hook's autocast would be entered in the graph and left outside it
+        module.register_forward_pre_hook(torch._dynamo.disable(self.enter), with_kwargs=True)
+        module.register_forward_hook(torch._dynamo.disable(self.leave), always_call=True)
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         enabled = self.dtype != torch.float32
