@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hub_cache import cache_repo, commit_of
 
 from vlaforge import hub
@@ -174,3 +175,28 @@ def test_sources_are_written_with_the_run(tmp_path, cache):
     sources = json.loads((run / "sources.json").read_text())
     assert sources == [{"field": "data.path", "ref": "org/demo", "repo_id": "org/demo", "repo_type": "dataset",
                         "revision": "v3.0", "commit": None, "path": str(lerobot_home() / "org" / "demo")}]
+
+
+def test_pretrained_backbones_take_hub_ids(tmp_path, cache):
+    """model.llm.pretrained and model.vision.pretrained as Hub ids: the model builds from the cached snapshots, as
+    from the folders themselves (the same weights), and the LLM's tokenizer comes from its snapshot."""
+    from vlaforge.data.tokenizer import pretrained_tokenizer
+    from vlaforge.models.build import build_vla
+
+    from conftest import tiny_config
+    from families import build_family, build_tower
+
+    llm, tower = build_family("llama", tmp_path / "llama"), build_tower("siglip", tmp_path / "siglip")
+    cache_repo(cache, "org/tiny-llama", llm)
+    cache_repo(cache, "org/tiny-siglip", tower)
+    by_id = tiny_config(tmp_path, model={"llm": {"pretrained": "org/tiny-llama"},
+                                         "vision": {"pretrained": "org/tiny-siglip@main"}})
+    by_path = tiny_config(tmp_path, model={"llm": {"pretrained": str(llm)}, "vision": {"pretrained": str(tower)}})
+    a, b = build_vla(by_id.model, by_id.loss), build_vla(by_path.model, by_path.loss)
+    ours, theirs = a.state_dict(), b.state_dict()
+    for comp in ("llm", "vision"):
+        names = [n for n in theirs if n.startswith(comp + ".")]
+        assert names and all(torch.equal(ours[n], theirs[n]) for n in names), comp
+    assert pretrained_tokenizer("org/tiny-llama").ids("open the door") == \
+        pretrained_tokenizer(str(llm)).ids("open the door")
+    assert {r["ref"] for r in hub.resolved_sources()} >= {"org/tiny-llama", "org/tiny-siglip@main"}

@@ -187,6 +187,9 @@ def read_policy(flags: dict[str, str]) -> Policy:
                             "or --policy.type with --policy.pretrained_path (training a policy from scratch is not "
                             "built: vlaforge fine-tunes pretrained ones)")
     source = path or pretrained
+    revision = flags.pop("policy.pretrained_revision", None)  # LeRobot's revision of a Hub id: id@revision here
+    if revision and revision.lower() not in ("null", "none") and "@" not in source:
+        source = f"{source}@{revision}"
     where = "--policy.path" if path else "--policy.pretrained_path"
     folder_cfg = read_policy_config(policy_folder(source, weights=False, field=where))
     if kind is not None and kind != folder_cfg["type"]:
