@@ -14,9 +14,9 @@ from conftest import ROOT, tiny_config
 
 PACKAGE = ROOT / "src" / "vlaforge"
 # Lowest first. A module may import its own floor and any floor below it, never one above.
-LAYERS = [("errors", "registry", "progress", "outputs", "seeding"), ("data",), ("config",), ("models",),
+LAYERS = [("errors", "registry", "progress", "outputs", "seeding", "hub"), ("data",), ("config",), ("models",),
           ("techniques",), ("distributed",), ("checkpoints",), ("training", "inference"), ("serving",), ("evaluation",),
-          ("planner", "export"), ("diagnostics",), ("cli", "cli_deploy", "__main__")]
+          ("planner", "export"), ("diagnostics",), ("cli", "cli_deploy", "lerobot_train", "lerobot_flags", "__main__")]
 FLOOR = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 

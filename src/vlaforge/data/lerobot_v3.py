@@ -107,11 +107,7 @@ class LeRobotDataset:
     # --- metadata ---
 
     def _select(self, episodes: list[Episode]) -> list[Episode]:
-        """The episodes `data.episodes` asks for (all without it).
-
-        Raises:
-            VlaforgeError: an asked episode the dataset does not have.
-        """
+        """The episodes `data.episodes` asks for (all without it); one the dataset lacks is refused."""
         if self.selected is None:
             return episodes
         have = {e.index for e in episodes}
@@ -127,10 +123,8 @@ class LeRobotDataset:
         keep = np.isin(self.columns["episode_index"], self.selected)
         self.columns = {k: v[keep] for k, v in self.columns.items()}
         self._image_rows = tuple(a[keep] for a in self._image_rows)
-        ep_col = self.columns["episode_index"]
         for e in self.episodes:
-            rows = np.flatnonzero(ep_col == e.index)
-            e.start = int(rows[0]) if len(rows) else e.start
+            e.start = int(np.argmax(self.columns["episode_index"] == e.index))  # (each has rows: checked after)
 
     def _episodes_v3(self) -> list[Episode]:
         files = sorted((self.root / "meta" / "episodes").glob("*/*.parquet"))

@@ -24,6 +24,7 @@ from torch import nn
 
 from vlaforge import COMPONENTS
 from vlaforge.errors import VlaforgeError
+from vlaforge.models.blocks import blocks_of, components_with_blocks
 from vlaforge.techniques.fp8 import Fp8Report, convert_fp8, warn_if_slow
 
 # Compute dtype of the autocast region per precision (fp8: linears in fp8, everything else in bf16).
@@ -88,8 +89,9 @@ def apply_precision(model: nn.Module, policies: Mapping[str, Any], device: torch
         masters[name] = master_dtype(precision, master)
         if masters[name] != torch.float32:
             module.to(masters[name])
+        units = {id(b) for c in components_with_blocks(model) for b in blocks_of(model, c)}
         for region in _regions(model, name):
-            _AutocastRegion(region, device.type, DTYPES[precision])
+            _AutocastRegion(region, device.type, DTYPES[precision], eager=id(region) in units)
         used[name] = precision
     return PrecisionSetup(used, masters, reports)
 
@@ -104,13 +106,14 @@ def _regions(model: nn.Module, name: str) -> list[nn.Module]:
 class _AutocastRegion:
     """Forward pre/post hooks that enter and leave `torch.autocast` around one module's forward."""
 
-    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype):
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype, eager: bool = False):
         self.device_type, self.dtype = device_type, dtype
         self.stack: list[torch.autocast] = []
-        # NOTE: run eagerly under torch.compile (a compiled block that is itself a region, as a LeRobot policy's
-        # joint layer is): traced, the hook's autocast would be entered in the graph and left outside it
-        module.register_forward_pre_hook(torch._dynamo.disable(self.enter), with_kwargs=True)
-        module.register_forward_hook(torch._dynamo.disable(self.leave), always_call=True)
+        # NOTE: `eager`: the region is itself a block `train.compile` compiles (a LeRobot policy's joint layer): its
+        # hooks run outside the graph (traced, the autocast would be entered in the graph and left outside it)
+        wrap = torch._dynamo.disable if eager else (lambda f: f)
+        module.register_forward_pre_hook(wrap(self.enter), with_kwargs=True)
+        module.register_forward_hook(wrap(self.leave), always_call=True)
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         enabled = self.dtype != torch.float32

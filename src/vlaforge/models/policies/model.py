@@ -437,14 +437,9 @@ class PolicyVLA(nn.Module):
                 int(pre.max_length))
 
     def normalization_mapping(self) -> dict[str, str]:
-        """How the policy normalizes each feature type (config.json's normalization_mapping, else LeRobot's default
-        for its type): what a fine-tune normalizes its dataset with (pi0.5: QUANTILES)."""
-        from vlaforge.models.policies.defaults import DEFAULT_POLICIES
-
-        cfg = self.backbones["config"]
-        default = DEFAULT_POLICIES[cfg["type"]].config["normalization_mapping"] if cfg.get("type") in \
-            DEFAULT_POLICIES else {}
-        return dict(cfg.get("normalization_mapping") or default)
+        """How the policy normalizes each feature type (its config's normalization_mapping; the reader fills in
+        LeRobot's default for its type where config.json has none): what a fine-tune normalizes its dataset with."""
+        return dict(self.backbones["config"].get("normalization_mapping") or {})
 
     def reset(self) -> None:
         """Start of an episode: the model keeps no state between calls."""

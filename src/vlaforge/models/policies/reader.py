@@ -93,7 +93,10 @@ def with_overrides(cfg: dict, overrides: dict, where: str) -> dict:
             why = "cannot change the policy type" if key == "type" else f"is not a field of a {cfg['type']} config"
             raise VlaforgeError(f"model.lerobot.config.{key} {why} ({where}/config.json); fields: "
                                 f"{', '.join(sorted(k for k in known if k != 'type'))[:300]}")
-    return {**cfg, **overrides}
+    merged = {**cfg, **overrides}
+    if defaults is not None and not merged.get("normalization_mapping"):  # LeRobot's default for the type
+        merged["normalization_mapping"] = dict(defaults.config["normalization_mapping"])
+    return merged
 
 
 def _state(folder: Path) -> dict[str, torch.Tensor]:
