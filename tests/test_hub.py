@@ -151,6 +151,7 @@ def test_only_the_asked_episodes_are_downloaded(tmp_path, cache, monkeypatch):
         return local_dir
 
     monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)  # (an earlier test of this process may set it)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
     folder = dataset_root(_data(path="org/remote", episodes=[1]))
     assert folder == lerobot_home() / "org" / "remote"

@@ -225,6 +225,9 @@ def test_compiled_blocks_save_what_the_planner_counts(kind, precision, padded):
 
     from vlaforge.planner.activations import block_bytes, llm_shape
 
+    # NOTE: a graph an earlier test of this process compiled for another shape of the same block class would make
+    # torch.compile recompile with dynamic shapes, which saves other tensors: start from a clean cache
+    torch._dynamo.reset()
     block, call = _tiny_block(kind, padded)
     params = {StorageWeakRef(p.untyped_storage()) for p in block.parameters()}
     shapes = {tuple(p.shape[::d]) for p in block.parameters() for d in (1, -1) if p.dim() == 2}
