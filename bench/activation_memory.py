@@ -1,11 +1,11 @@
 """Activation memory and recomputation time of each checkpointing strategy at 1k / 2k / 4k tokens. Prints JSON.
 
-Bytes: the `small` flavor under fake tensors. These are exact: the accounting counts every tensor saved for backward,
-and tests/test_activation_memory.py checks that fake and real runs agree. Times: on CPU, the `tiny` flavor on real
-tensors (forward + backward; per round the median of --repeats after a warm-up, then the median over
---rounds whole profiles run one after another); `--time-flavor small` times the `small` flavor instead (a step at
-512 tokens takes ~11 s on 2 cores, so pick a few --time-strategies). With a GPU (`--device cuda`), everything is
-measured on the `small` flavor on real tensors, with CUDA's peak.
+Bytes: the `small` flavor (`--bytes-flavor`) under fake tensors. These are exact: the accounting counts every tensor
+saved for backward, and tests/test_activation_memory.py checks that fake and real runs agree. Times: on CPU, the
+`tiny` flavor on real tensors (forward + backward; per round the median of --repeats after a warm-up, then the median
+over --rounds whole profiles run one after another); `--time-flavor small` times the `small` flavor instead (a step
+at 512 tokens takes ~11 s on 2 cores, so pick a few --time-strategies). With a GPU (`--device cuda`), everything is
+measured on the `small` flavor (`--bytes-flavor`) on real tensors, with CUDA's peak.
 
 Targets checked (from the issue):
 - `full` saves at least 85 % of activation bytes;
@@ -13,7 +13,7 @@ Targets checked (from the issue):
 - CPU offload of the LLM (min bytes 0) leaves none of the LLM's saved tensors in device accounting.
 
     python bench/activation_memory.py [--seq 1024 2048 4096] [--repeats 3] [--rounds 3] [--device auto|cpu|cuda]
-        [--time-flavor tiny|small] [--time-strategies full selective]
+        [--time-flavor tiny|small] [--time-strategies full selective] [--bytes-flavor small|tiny]
 """
 
 from __future__ import annotations
@@ -94,19 +94,22 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--time-flavor", default="tiny", choices=["tiny", "small"],
                     help="CPU: the flavor whose step times are measured (small: ~11 s a step at 512 tokens)")
+    ap.add_argument("--bytes-flavor", default="small", choices=["small", "tiny"],
+                    help="the flavor whose activation bytes are counted (tiny: the GPU campaign's CPU dry run)")
     ap.add_argument("--time-strategies", nargs="+", default=None, choices=list(STRATEGIES),
                     help="CPU: time only these strategies (none is always timed), e.g. full selective")
     args = ap.parse_args()
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
+    timed = f"{args.bytes_flavor}, real tensors" if cuda else f"{args.time_flavor}, real tensors, fp32"
     results = {"bench": "activation_memory", "torch": torch.__version__,
                "hardware": torch.cuda.get_device_name(0) if cuda else f"CPU ({torch.get_num_threads()} threads)",
-               "bytes_from": "small, real tensors" if cuda else "small, fake tensors (exact)",
-               "times_from": "small, real tensors" if cuda else f"{args.time_flavor}, real tensors, fp32",
+               "bytes_from": f"{args.bytes_flavor}, " + ("real tensors" if cuda else "fake tensors (exact)"),
+               "times_from": timed,
                "seq": {}}
     for seq in args.seq:
-        small = config("small", "bf16")
-        bytes_report = profile(small, fake=not cuda, seq_len=seq, offload=True, repeats=args.repeats, device=device)
+        counted = config(args.bytes_flavor, "bf16")
+        bytes_report = profile(counted, fake=not cuda, seq_len=seq, offload=True, repeats=args.repeats, device=device)
         if cuda:
             time_report = bytes_report
         else:

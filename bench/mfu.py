@@ -224,8 +224,8 @@ def main() -> None:
     if args.dry_run:
         # "auto" alone: on this CPU it resolves to tiny, so a "tiny" entry would compile and time the same point
         # again (the dry run checks the script, not the numbers); tiny-1l goes through the layer-shape flavor
-        args.flavors, args.seq, args.micro, args.steps = ["auto"], [64], [2], 1
-        args.fp8_flavor, args.fp8_seq, args.fp8_micro = "tiny-1l", 64, 2
+        args.flavors, args.seq, args.micro, args.steps = ["auto"], [40], [2], 1
+        args.fp8_flavor, args.fp8_seq, args.fp8_micro = "tiny-1l", 40, 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
 
     from vlaforge.planner.estimate import Cluster

@@ -63,6 +63,8 @@ def build(kind: str, device: torch.device, dry: bool):
                      sizes=copy.deepcopy(TINY_PI) if dry and kind != "smolvla" else None)
     if dry and kind == "smolvla":
         cfg |= {"resize_imgs_with_padding": [64, 64], "num_vlm_layers": 2}
+    elif dry:  # 64 px: 64 patches a camera at TINY_PI's patch 8, not 784 at the default 224
+        cfg |= {"image_resolution": [64, 64]}
     with device:
         model = build_policy(cfg, over)
     return model

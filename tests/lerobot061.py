@@ -8,19 +8,24 @@ on PYTHONPATH (vlaforge never imports lerobot).
   tokenizer step names google/paligemma-3b-pt-224, which `hub_cache(out)` holds (the folder's tiny tokenizer);
 - `reference(kind, root, inputs, tasks)`: LeRobot's preprocessor outputs, losses, gradients, sampled actions and
   postprocessed actions for one batch (tests/lerobot_env061/reference.py), cached on disk per input content;
-- `sample_inputs(kind=...)`: a standard batch for `reference` at the kind's chunk and action pad (`SHAPES`).
-Pass `session_root(tmp_path_factory)` as `root` so the workers share one folder.
+- `sample_inputs(kind=...)`: a standard batch for `reference` at the kind's chunk and action pad (`SHAPES`);
+- `trained_run(kind, args, root)`: a tiny fine-tune of the kind's folder, trained once per session and shared.
+Pass `session_root(tmp_path_factory)` as `root` so the workers share one folder. LeRobot's scripts run in forks of
+one warm LeRobot process per test process (`run`, tests/lerobot_env061/warm.py).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -56,11 +61,115 @@ def env(**extra: str) -> dict[str, str]:
 
 def run(script: str, *args: str, timeout: float = 300, **extra_env: str) -> str:
     """tests/lerobot_env061/SCRIPT ARGS under LeRobot 0.6.1 (`extra_env` added to its environment); its stdout
-    (asserts it exits 0)."""
-    done = subprocess.run([sys.executable, str(SCRIPTS / script), *args], env=env(**extra_env), capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
-    assert done.returncode == 0, f"{script} {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    return done.stdout
+    (asserts it exits 0). Forked from this process's warm LeRobot process (`_Warm`) where the environment it was
+    imported with is the call's, else (or with VLAFORGE_TEST_FRESH=1) a fresh interpreter."""
+    environment = env(**extra_env)
+    warm = None if FRESH else _Warm.get(environment)
+    if warm is not None:
+        code, stdout, stderr = warm.call(script, args, environment, timeout)
+    else:
+        done = subprocess.run([sys.executable, str(SCRIPTS / script), *args], env=environment, capture_output=True,
+                              text=True, timeout=timeout, cwd=ROOT)
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+    assert code == 0, f"{script} {' '.join(args)} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    return stdout
+
+
+FRESH = os.environ.get("VLAFORGE_TEST_FRESH") == "1"  # every script in a new interpreter (conftest.FRESH)
+# what modules read once, at import (tests/lerobot_env061/warm.py): a call forks from the warm process only where
+# these equal the warm process's own, but for REREAD, which its children read again
+IMPORT_TIME = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "MKL_", "TORCH", "PYTHON", "CUDA")
+REREAD = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_LEROBOT_HOME")
+
+
+def _imported(environment: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environment.items() if k.startswith(IMPORT_TIME) and k not in REREAD}
+
+
+class _Warm:
+    """tests/lerobot_env061/warm.py, started by this test process on its first LeRobot call (LeRobot's imports cost
+    ~10-15 s a process here; a fork of a process that made them, milliseconds). Ends when this process closes its
+    stdin (at exit)."""
+
+    current: _Warm | None = None
+
+    def __init__(self, environment: dict[str, str]):
+        import tempfile
+
+        self.owner, self.env = os.getpid(), environment
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, str(SCRIPTS / "warm.py")], env=environment, cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.pending = b""
+        ready = self._answer(time.monotonic() + 300, "ready")
+        self.ok = ready is not None and ready.get("threads") == 1
+
+    @classmethod
+    def get(cls, environment: dict[str, str]) -> _Warm | None:
+        """This process's warm process (started now if there is none), or None where `environment` differs from the
+        one it was imported with, or it could not start."""
+        warm = cls.current
+        if warm is not None and (warm.owner != os.getpid() or warm.proc.poll() is not None):
+            warm = cls.current = None  # a forked child of this process, or the warm process ended: start another
+        if warm is None:
+            warm = cls.current = cls({k: v for k, v in environment.items() if k not in REREAD})
+            atexit.register(warm.close)
+        return warm if warm.ok and _imported(environment) == _imported(warm.env) else None
+
+    def _answer(self, deadline: float, key: str) -> dict | None:
+        """The warm process's next answer holding `key`; None if it ended or `deadline` passed."""
+        import select
+
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        answer = json.loads(line)
+        assert key in answer, answer
+        return answer
+
+    def call(self, script: str, args: tuple[str, ...], environment: dict[str, str], timeout: float
+             ) -> tuple[int, str, str]:
+        """(exit code, stdout, stderr) of SCRIPT ARGS in a fork of the warm process; past `timeout` the fork is
+        killed and subprocess.TimeoutExpired raised, as subprocess.run does."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            job = {"script": script, "args": list(args), "env": environment, "cwd": str(ROOT), "stdout": str(out),
+                   "stderr": str(err)}
+            self.proc.stdin.write((json.dumps(job) + "\n").encode())
+            self.proc.stdin.flush()
+            deadline = time.monotonic() + timeout
+            started = self._answer(deadline, "pid")
+            ended = self._answer(deadline, "rc") if started else None
+            if ended is None:
+                if started:
+                    os.kill(started["pid"], signal.SIGKILL)
+                self.close()
+                raise subprocess.TimeoutExpired([script, *args], timeout, stderr=_read(err))
+            return ended["rc"], _read(out), _read(err)
+
+    def close(self) -> None:
+        if self.owner == os.getpid() and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if _Warm.current is self:
+            _Warm.current = None
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
 
 
 def session_root(tmp_path_factory) -> Path:
@@ -120,6 +229,7 @@ def folder_options(out: Path) -> dict[str, str]:
 
 
 QUIET = ("--train.warmup_steps=0", "--train.progress=false", "--train.tensorboard=false")
+ONE_STEP = ("--train.batch_size=2", "--train.grad_accum=1", "--train.steps=1")  # a `trained_run` several tests share
 
 
 def train_args(kind: str, root: Path, data: Path, recipe: str | None = None) -> list[str]:
@@ -132,6 +242,24 @@ def train_args(kind: str, root: Path, data: Path, recipe: str | None = None) -> 
     write_dataset(data)
     return ["train", recipe or f"recipes/{kind}.toml", f"--model.lerobot.pretrained={out / 'policy'}",
             *(f"--model.lerobot.{k}={v}" for k, v in folder_options(out).items()), f"--data.path={data}", *QUIET]
+
+
+def trained_run(kind: str, args: list[str] | tuple[str, ...], root: Path, recipe: str | None = None) -> Path:
+    """A fine-tune shared by the session: `vlaforge train` of `train_args(kind, ...)` + ARGS into
+    ROOT/lerobot061_runs/<digest of kind, recipe, args>/run (its dataset in ./ds beside it), run on first use by
+    any worker (the others wait) and kept. Read it, export it, serve it; never train into it (resume) or change it."""
+    from conftest import run_cli
+
+    key = hashlib.sha256(json.dumps([kind, recipe, list(args)]).encode()).hexdigest()[:16]
+    out = Path(root) / "lerobot061_runs" / f"{kind}-{key}"
+    with _locked(out):
+        if not (out / "done").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            done = run_cli(*train_args(kind, root, out / "ds", recipe), *args, f"--train.output_dir={out / 'run'}",
+                           timeout=300)
+            assert done.returncode == 0, done.stderr[-3000:]
+            (out / "done").write_text(json.dumps([kind, recipe, list(args)]) + "\n")
+    return out / "run"
 
 
 def trained(run: Path, step: int) -> dict[str, torch.Tensor]:

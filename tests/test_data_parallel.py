@@ -1,9 +1,12 @@
 """Data parallel under a real `torchrun`: `vlaforge train` on 2 gloo ranks matches one process that takes the same
 global batch as 2 accumulated micro-batches (FSDP2 and DDP) and, with the contrastive term off, one process with a
-twice larger batch; HSDP 2x2 on 4 ranks; a distributed run resumes bit for bit."""
+twice larger batch; HSDP 2x2 on 4 ranks; a distributed run resumes bit for bit.
+
+The runs several tests compare with are trained once per session (tests/shared_runs.py)."""
 
 import pytest
 import torch
+from shared_runs import ddp_run, plain_run, single_run, two_rank_run
 
 from launch import OFF, assert_same_weights, metrics, train_distributed, train_single, weights
 
@@ -12,32 +15,52 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    return train_single(tmp_path_factory.mktemp("single"), "--train.grad_accum=2")
+    return single_run(tmp_path_factory, "single_accum2", "--train.grad_accum=2")
 
 
 @pytest.fixture(scope="module")
 def single_batch4(tmp_path_factory):
-    return train_single(tmp_path_factory.mktemp("single_batch4"))
+    return plain_run(tmp_path_factory)
 
 
-@pytest.mark.parametrize("layout", [[], ["--parallel.backend=ddp", "--parallel.dp_replicate=2",
-                                         "--parallel.dp_shard=1"]], ids=["fsdp2", "ddp"])
-def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, single, layout):
-    done = train_distributed(tmp_path, *layout, fresh=not layout)  # fsdp2: under the real torchrun
-    assert done.stdout.count("done: 3 steps") == 1  # rank 0 reports
-    assert_same_weights(tmp_path, single)
-    for got, want in zip(metrics(tmp_path), metrics(single)):
+@pytest.fixture(scope="module")
+def single_accum4(tmp_path_factory):
+    return single_run(tmp_path_factory, "single_accum4", "--train.grad_accum=4")
+
+
+@pytest.fixture(scope="module")
+def single_batch8(tmp_path_factory):
+    """Contrastive off, batch 8, a checkpoint at step 2 too (a single-process checkpoint to resume on 2 ranks)."""
+    return single_run(tmp_path_factory, "single_off_batch8", OFF, "--train.batch_size=8",
+                      "--train.checkpoint_every=2")
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    """FSDP2 on 2 ranks under the real torchrun (the launcher itself, once in the suite)."""
+    return two_rank_run(tmp_path_factory, "fsdp2", fresh=True)
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return ddp_run(tmp_path_factory)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "ddp"])
+def test_two_ranks_match_one_process_with_the_same_global_batch(request, single, layout):
+    run = request.getfixturevalue(layout)  # rank 0 alone reported "done: 3 steps" (tests/shared_runs.py)
+    assert_same_weights(run, single)
+    for got, want in zip(metrics(run), metrics(single)):
         assert got["loss/total"] == pytest.approx(want["loss/total"], abs=1e-5)
         assert got["grad_norm/total"] == pytest.approx(want["grad_norm/total"], rel=1e-5)  # norms over shards
         assert got["numerics/llm/zero_frac"] == pytest.approx(want["numerics/llm/zero_frac"])  # counts too
 
 
-def test_two_ranks_equal_one_process_with_a_twice_larger_batch(tmp_path):
+def test_two_ranks_equal_one_process_with_a_twice_larger_batch(tmp_path, single_batch8):
     """Masked means are normalized over all ranks: 2 ranks x 4 samples give one batch of 8 (contrastive off: its
     negatives are per rank)."""
-    large = train_single(tmp_path / "large", OFF, "--train.batch_size=8")
     train_distributed(tmp_path / "dp", OFF)
-    assert_same_weights(tmp_path / "dp", large)
+    assert_same_weights(tmp_path / "dp", single_batch8)
 
 
 @pytest.mark.parametrize("weighting", ["dwa", "uncertainty"])
@@ -66,34 +89,30 @@ def test_fsdp2_times_tensor_parallel_2x2_on_four_ranks(tmp_path, single):
     assert_same_weights(tmp_path, single)
 
 
-def test_reducing_every_micro_step_keeps_the_math(tmp_path):
+def test_reducing_every_micro_step_keeps_the_math(tmp_path, single_accum4):
     """train.sync_every = 1 reduce-scatters after each of the 2 micro-batches instead of once: the same weights as
     one process accumulating all 4 micro-batches."""
-    reference = train_single(tmp_path / "single", "--train.grad_accum=4")
     train_distributed(tmp_path / "dp", "--train.grad_accum=2", "--train.sync_every=1")
-    assert_same_weights(tmp_path / "dp", reference)
+    assert_same_weights(tmp_path / "dp", single_accum4)
 
 
-def test_hsdp_2x2_on_four_ranks(tmp_path):
-    reference = train_single(tmp_path / "single", "--train.grad_accum=4")
+def test_hsdp_2x2_on_four_ranks(tmp_path, single_accum4):
     train_distributed(tmp_path / "hsdp", "--parallel.dp_replicate=2", "--parallel.dp_shard=2", nproc=4)
-    assert_same_weights(tmp_path / "hsdp", reference)
+    assert_same_weights(tmp_path / "hsdp", single_accum4)
 
 
-def test_single_process_checkpoint_resumes_on_two_ranks(tmp_path):
-    reference = train_single(tmp_path / "single", OFF, "--train.batch_size=8")
-    train_single(tmp_path / "mixed", OFF, "--train.steps=2", "--train.batch_size=8")
-    train_distributed(tmp_path / "mixed", OFF, "--train.resume=latest")
-    assert_same_weights(tmp_path / "mixed", reference)
+def test_single_process_checkpoint_resumes_on_two_ranks(tmp_path, single_batch8):
+    """The one-process run's step-2 checkpoint, resumed on 2 ranks (into an empty folder), ends where it ends."""
+    ckpt = single_batch8 / "checkpoints" / "step_00000002"
+    train_distributed(tmp_path / "mixed", OFF, f"--train.resume={ckpt}")
+    assert_same_weights(tmp_path / "mixed", single_batch8)
 
 
-def test_distributed_resume_is_exact(tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train_distributed(straight)
-    train_distributed(resumed, "--train.steps=2")
-    train_distributed(resumed, "--train.resume=latest")
-    a, b = weights(straight), weights(resumed)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+def test_distributed_resume_is_exact(tmp_path, fsdp2):
+    """2 ranks resumed from the 2-rank run's step-2 checkpoint (into an empty folder): its step 3, bit for bit."""
+    train_distributed(tmp_path, f"--train.resume={fsdp2 / 'checkpoints' / 'step_00000002'}")
+    a, b = weights(tmp_path), weights(fsdp2)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_quantization_aware_training_on_two_ranks_matches_one_process(tmp_path):

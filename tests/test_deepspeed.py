@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from shared_runs import ddp_run
 
 from vlaforge.config import load_config
 from vlaforge.config.loading import ConfigError
@@ -158,9 +159,8 @@ def test_transformers_form_deepspeed_files_train(tmp_path, form):
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    train_distributed(out, "--parallel.backend=ddp", "--parallel.dp_replicate=2", "--parallel.dp_shard=1")
-    return out
+    """DDP on 2 ranks, shared with test_data_parallel (tests/shared_runs.py)."""
+    return ddp_run(tmp_path_factory)
 
 
 @pytest.mark.distributed
@@ -181,9 +181,9 @@ def test_zero3_cpu_offload_from_a_deepspeed_file_resumes_exactly(tmp_path, ddp):
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu"}}}))
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train_distributed(straight, "--deepspeed", str(path))
-    train_distributed(resumed, "--deepspeed", str(path), "--train.steps=2")
-    train_distributed(resumed, "--deepspeed", str(path), "--train.resume=latest")
+    train_distributed(straight, "--deepspeed", str(path), "--train.checkpoint_every=2")
+    # its step-2 ZeRO checkpoint resumed by 2 ranks into an empty folder
+    train_distributed(resumed, "--deepspeed", str(path), f"--train.resume={straight / 'checkpoints' / 'step_00000002'}")
     a, b = weights(straight), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert_same_weights(straight, ddp)

@@ -26,11 +26,23 @@ pytestmark = pytest.mark.xdist_group("lerobot061")
 CAMERAS = ("corner", "behindGripper")  # the generated Meta-World dataset's, rendered at 32 px
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def root(tmp_path_factory) -> Path:
-    """This module's own LeRobot-made folders (built on first use): test_lerobot_policies.py renames its session
-    folder while it evaluates, and may run beside this module on another xdist worker."""
-    return tmp_path_factory.mktemp("lerobot061")
+    """The session's LeRobot-made folders (tests/lerobot061.py), read only; the circle renames a copy of its own
+    (`finetuned`). A function fixture: these tests spread over the workers."""
+    return ref061.session_root(tmp_path_factory)
+
+
+def _own_copy(folder: Path, dst: Path) -> Path:
+    """A copy of a session folder (policy, VLM) at `dst`, its files naming the copy's VLM where the session's named
+    the session's: what make_policy.py writes there, to move away without touching what other tests read."""
+    shutil.copytree(folder, dst, ignore=shutil.ignore_patterns("references", "*.lock"))
+    for path in (dst / "policy").glob("*.json"):
+        text = path.read_text()
+        if str(folder) in text:
+            path.write_text(text.replace(str(folder), str(dst)))
+    assert str(dst / "vlm") in (dst / "policy" / "config.json").read_text()
+    return dst
 
 
 def _lerobot_on(folder: Path, inputs: dict[str, torch.Tensor], tasks: list[str], tmp: Path
@@ -86,11 +98,13 @@ def test_folder_export_loads_strictly_in_lerobot_with_the_same_actions(kind, roo
 
 
 @pytest.fixture(scope="module")
-def finetuned(root, tmp_path_factory) -> dict[str, Path]:
-    """The circle's first half: a LeRobot-made SmolVLA folder fine-tuned from recipes/smolvla.toml on a generated
-    Meta-World dataset (24 steps), then exported with `--format lerobot`."""
+def finetuned(tmp_path_factory) -> dict[str, Path]:
+    """The circle's first half: a LeRobot-made SmolVLA folder (this module's copy of the session's: its tests move it
+    away) fine-tuned from recipes/smolvla.toml on a generated Meta-World dataset (24 steps), then exported with
+    `--format lerobot`."""
     tmp = tmp_path_factory.mktemp("circle")
-    src = ref061.policy_folder("smolvla", root) / "policy"
+    session = ref061.policy_folder("smolvla", ref061.session_root(tmp_path_factory))
+    src = _own_copy(session, tmp / session.name) / "policy"
     gen = run_cli("data", "generate", "--tasks=reach-v3", "--episodes=2", "--image-size=32", f"--out={tmp / 'ds'}",
                   f"--cameras={','.join(CAMERAS)}", "--workers=1", "--no-progress", "--seed=3", timeout=300)
     assert gen.returncode == 0, gen.stderr[-2000:]

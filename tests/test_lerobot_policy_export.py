@@ -25,18 +25,17 @@ def session_root(tmp_path_factory) -> Path:
     return ref061.session_root(tmp_path_factory)
 
 
-def _fine_tune(kind: str, root: Path, tmp: Path) -> Path:
-    done = run_cli(*ref061.train_args(kind, root, tmp / "ds"), "--train.batch_size=2", "--train.grad_accum=1",
-                   "--train.steps=1", f"--train.output_dir={tmp / 'run'}", timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return tmp / "run"
+def _fine_tune(kind: str, root: Path) -> Path:
+    """One step of the kind's recipe on its folder: the session's shared run (tests/lerobot061.py `trained_run`; the
+    pi0.5 one is test_lerobot_policy_techniques.py's state-prompt run too)."""
+    return ref061.trained_run(kind, ref061.ONE_STEP, root)
 
 
 @pytest.mark.parametrize("kind", ("smolvla", "pi0", "pi05"))
 def test_a_fine_tuned_policys_onnx_package_predicts_its_actions(kind, session_root, tmp_path):
     from vlaforge.inference.runtime import Observation, PolicyRuntime
 
-    run = _fine_tune(kind, session_root, tmp_path)
+    run = _fine_tune(kind, session_root)
     pkg = tmp_path / "pkg"
     done = run_cli("export", str(run), "--format=onnx", f"--out={pkg}", "--frames=4", "--data=none", timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -78,7 +77,7 @@ def test_what_is_not_built_for_policy_packages_is_refused(session_root, tmp_path
     exit 2, one line each, nothing written."""
     folder = ref061.policy_folder("pi0", session_root) / "policy"
     cases = [(str(folder), "--format=onnx", "export a run fine-tuned from it")]
-    run = _fine_tune("pi0", session_root, tmp_path)
+    run = _fine_tune("pi0", session_root)
     cases.append((str(run), "--format=executorch", "--format onnx a package of a run"))
     for path, fmt, fragment in cases:
         done = run_cli("export", path, fmt, f"--out={tmp_path / 'pkg'}", "--data=none", timeout=300)

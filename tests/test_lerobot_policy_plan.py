@@ -56,15 +56,24 @@ def test_the_planner_counts_a_policy_from_its_measured_joint_layers(kind, sessio
     assert planned.grads == 4 * real, (planned.grads, real)
 
 
-def test_the_planner_plans_pi05_at_its_published_size():
+@pytest.fixture(scope="module")
+def pi05_plan():
+    """The planner's model of the `pi05` flavor, shared by this module's two searches: its fake-tensor measurement of
+    the whole policy at its published size (~35 s here) is made once, on the first search, and kept in it."""
+    from vlaforge.config.loading import load_config
+    from vlaforge.planner.types import PlanModel
+
+    return PlanModel(load_config(None, {"model": {"flavor": "pi05"}}))
+
+
+def test_the_planner_plans_pi05_at_its_published_size(pi05_plan):
     """The `pi05` flavor (LeRobot's defaults): 3,353,433,872 parameters planned (3,616,757,520 with the expert's
     LM head LeRobot builds and never calls); on 8 x h100-80 a configuration fits, in bf16 over fp32 masters."""
-    from vlaforge.config.loading import load_config
     from vlaforge.planner.hardware import CATALOG
     from vlaforge.planner.search import search
-    from vlaforge.planner.types import Cluster, PlanModel
+    from vlaforge.planner.types import Cluster
 
-    pm = PlanModel(load_config(None, {"model": {"flavor": "pi05"}}))
+    pm = pi05_plan
     assert pm.state(dict(pm.cfg.components.items()), "fp32").total.numel == 3_353_433_872
     plan = search(pm, Cluster(CATALOG["h100-80"], gpus_per_node=8), 32)
     assert plan.best is not None and plan.best.fits
@@ -73,16 +82,16 @@ def test_the_planner_plans_pi05_at_its_published_size():
 
 
 @pytest.mark.slow
-def test_the_24gb_recipe_is_the_planners_choice():
+def test_the_24gb_recipe_is_the_planners_choice(pi05_plan):
     """recipes/pi05_24gb.toml: what `vlaforge plan` picks for a full fine-tune of pi0.5 on one 24 GB GPU given
     DeepSpeed ZeRO-3 with CPU offload (nothing fits without it), setting for setting."""
     from vlaforge.config.loading import load_config
     from vlaforge.planner.hardware import CATALOG
     from vlaforge.planner.search import search
-    from vlaforge.planner.types import Cluster, PlanModel
+    from vlaforge.planner.types import Cluster
 
     recipe = load_config("recipes/pi05_24gb.toml")
-    pm = PlanModel(load_config(None, {"model": {"flavor": "pi05"}}))
+    pm = pi05_plan
     card = Cluster(CATALOG["rtx-4090"], gpus_per_node=1)
     assert search(pm, card, 32, alternatives=False).best is None
     pins = {"parallel.backend": "deepspeed", "parallel.zero_stage": 3, "parallel.offload_optimizer": "cpu",

@@ -17,6 +17,9 @@ import torch
 from conftest import run_cli
 
 KINDS = ("smolvla", "pi0", "pi05")
+# two steps of SmolVLA with its VLM trained: the plain run the checkpointed and the ZeRO-3 runs must end on (one
+# `trained_run` of the session)
+TWO_STEPS = ("--train.batch_size=2", "--components.llm.trainable=true", "--train.steps=2", "--train.checkpoint_every=2")
 
 
 @pytest.fixture
@@ -204,7 +207,7 @@ def test_a_lora_bf16_fine_tune_writes_back_a_merged_lerobot_folder(session_root,
                for k in changed), changed
 
 
-def test_pi05_fine_tunes_with_its_state_prompt_in_training_and_serving(session_root, tmp_path):
+def test_pi05_fine_tunes_with_its_state_prompt_in_training_and_serving(session_root):
     """pi0.5 prompts with the discretized state ("Task: ..., State: 12 200 ...;\nAction: "): vlaforge's data pipeline
     writes each sample's prompt from its normalized state, token for token what the folder's own prompt and tokenizer
     steps make of that state; the run trains, and its runtime prompts each call with that call's state as well."""
@@ -217,12 +220,11 @@ def test_pi05_fine_tunes_with_its_state_prompt_in_training_and_serving(session_r
     from vlaforge.models.build import build_vla
     from vlaforge.models.policies.processors import LANG_MASK, LANG_TOKENS
 
-
-    args = ref061.train_args("pi05", session_root, tmp_path / "ds")
+    run = ref061.trained_run("pi05", ref061.ONE_STEP, session_root)  # (test_lerobot_policy_export.py's too)
     out = ref061.policy_folder("pi05", session_root)
     lerobot = {"pretrained": str(out / "policy"), **ref061.folder_options(out)}
     cfg, _ = resolve_shapes(load_config("recipes/pi05.toml", {"model": {"lerobot": lerobot},
-                                                              "data": {"path": str(tmp_path / "ds")}}))
+                                                              "data": {"path": str(run.parent / "ds")}}))
     model = build_vla(cfg.model, cfg.loss)
     data = build_data(cfg, model)
     steps = dict(model.pipelines[0].steps)
@@ -243,7 +245,6 @@ def test_pi05_fine_tunes_with_its_state_prompt_in_training_and_serving(session_r
         prompts.add(tuple(ids))
     assert len(prompts) == 3  # the state's bins differ from frame to frame
 
-    run = _run(args, tmp_path / "run", "--train.batch_size=2", "--train.grad_accum=1", "--train.steps=1")
     runtime = PolicyRuntime.load(run, device="cpu")
     spec = runtime.spec
     images = {c: np.zeros((32, 32, 3), np.uint8) for c in runtime.cameras}
@@ -285,12 +286,11 @@ def test_two_lora_fine_tunes_of_a_policy_serve_side_by_side(session_root, tmp_pa
 def test_a_checkpointed_policy_trains_to_the_same_weights(session_root, tmp_path):
     """Through the trainer: two steps of SmolVLA with its joint layers and tower checkpointed end on the same weights
     as without (fp32, the same seed: the same noise, times and batches)."""
-    args = ref061.train_args("smolvla", session_root, tmp_path / "ds") + [
-        "--train.batch_size=2", "--components.llm.trainable=true", "--train.steps=2", "--train.checkpoint_every=2"]
-    weights = {}
-    for name, extra in (("plain", []), ("checkpointed", ["--components.llm.checkpointing=full",
-                                                         "--components.vision.checkpointing=full"])):
-        weights[name] = ref061.trained(_run(args, tmp_path / name, *extra), 2)
+    args = ref061.train_args("smolvla", session_root, tmp_path / "ds") + list(TWO_STEPS)
+    checkpointed = _run(args, tmp_path / "checkpointed", "--components.llm.checkpointing=full",
+                        "--components.vision.checkpointing=full")
+    weights = {"plain": ref061.trained(ref061.trained_run("smolvla", TWO_STEPS, session_root), 2),
+               "checkpointed": ref061.trained(checkpointed, 2)}
     assert weights["plain"].keys() == weights["checkpointed"].keys()
     worst = ref061.max_diff(weights["plain"], weights["checkpointed"])
     assert worst <= 1e-6, worst
@@ -370,13 +370,11 @@ def test_deepspeed_zero3_with_cpu_offload_steps_a_policy_as_one_process(session_
     each sub-layer's parameters around its own forward, which the joint layers call; two steps end on the weights of
     the plain one-process run."""
     pytest.importorskip("deepspeed")
-    args = ref061.train_args("smolvla", session_root, tmp_path / "ds") + [
-        "--train.batch_size=2", "--components.llm.trainable=true", "--train.steps=2", "--train.checkpoint_every=2"]
-    weights = {}
-    for name, extra in (("plain", []), ("zero3", ["--parallel.backend=deepspeed", "--parallel.zero_stage=3",
-                                                  "--parallel.offload_optimizer=cpu",
-                                                  "--components.llm.checkpointing=full"])):
-        weights[name] = ref061.trained(_run(args, tmp_path / name, *extra), 2)
+    args = ref061.train_args("smolvla", session_root, tmp_path / "ds") + list(TWO_STEPS)
+    weights = {"plain": ref061.trained(ref061.trained_run("smolvla", TWO_STEPS, session_root), 2),
+               "zero3": ref061.trained(_run(args, tmp_path / "zero3", "--parallel.backend=deepspeed",
+                                            "--parallel.zero_stage=3", "--parallel.offload_optimizer=cpu",
+                                            "--components.llm.checkpointing=full"), 2)}
     plain = weights["plain"]
     assert weights["zero3"].keys() == plain.keys()
     worst = ref061.max_diff(plain, weights["zero3"])

@@ -80,8 +80,14 @@ def pi_folders(hub) -> dict:
 
 @pytest.fixture()
 def offline(hub, monkeypatch):
+    from vlaforge import hub as resolver
+
     monkeypatch.setenv("HF_HUB_CACHE", str(hub["cache"]))
     monkeypatch.setenv("HF_LEROBOT_HOME", str(hub["home"]))
+    # NOTE: the ids this test resolves in-process are remembered (`hub.RESOLVED`) and forked CLI runs inherit them:
+    # kept from later tests, which expect an id outside this cache to be refused (test_lerobot_policies.py's
+    # `serve` of a folder naming SmolVLM2 by its id hung, serving, when it ran after this file)
+    monkeypatch.setattr(resolver, "RESOLVED", {})
     return hub
 
 

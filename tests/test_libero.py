@@ -25,6 +25,8 @@ RECIPE = ROOT / "recipes" / "libero.toml"
 
 
 def _vlaforge(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """A fresh `python -m vlaforge` with `env` added: a forked run would inherit this process's LIBERO, configured
+    once (`libero.libero` is cached) with the installed assets."""
     return subprocess.run([sys.executable, "-m", "vlaforge", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})}, cwd=ROOT)
 
@@ -135,14 +137,14 @@ def test_public_layout_trains_and_evaluates_on_the_benchmark(tmp_path):
     trains with recipes/libero.toml and no data override but its path; the policy runs one short LIBERO-Object
     episode under `eval --benchmark`, and the report has the task, success, interval and the initial state used."""
     run = tmp_path / "run"
-    done = _vlaforge("train", str(RECIPE), f"--data.path={FIXTURE}", "--train.steps=2", "--train.batch_size=4",
-                     "--model.image_size=32", f"--train.output_dir={run}", "--data.num_workers=0")
+    done = run_cli("train", str(RECIPE), f"--data.path={FIXTURE}", "--train.steps=2", "--train.batch_size=4",
+                   "--model.image_size=32", f"--train.output_dir={run}", "--data.num_workers=0")
     assert done.returncode == 0, done.stderr[-3000:]
     # the public layout has no per-frame text or environment state: the recipe's auto terms turn off, one line each
     assert "loss.weights.env_state = 1 -> 0" in done.stdout and "loss.weights.language = 0.1 -> 0" in done.stdout
     out = tmp_path / "eval"
-    done = _vlaforge("eval", str(run), "--benchmark", "libero_object", "--tasks", "1", "--episodes", "1",
-                     "--max-steps", "12", "--workers", "1", "--out", str(out), "--no-progress")
+    done = run_cli("eval", str(run), "--benchmark", "libero_object", "--tasks", "1", "--episodes", "1",
+                   "--max-steps", "12", "--workers", "1", "--out", str(out), "--no-progress")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     task = libero.suite_tasks("libero_object")[0]

@@ -10,12 +10,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from shared_runs import base_run, dataset, link_dataset, shared_run
 
 from vlaforge.config import load_config
 from vlaforge.errors import VlaforgeError
 
 from conftest import TINY_RECIPE, make_batch, run_cli, tiny_config, train_on_dataset
-from fake_lerobot import CAMS, write_dataset
+from fake_lerobot import CAMS
 
 ALL_LORA = ['--components.vision.lora={rank=4}', '--components.projector.lora={rank=4}',
             '--components.llm.lora={rank=4,base="nf4"}', '--components.action_head.lora={rank=4}']
@@ -27,14 +28,12 @@ def _step(run, step):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A full run (2 steps, a checkpoint each: two different bases) and a LoRA run on all four components over its
-    step-2 checkpoint (4 steps, a checkpoint every 2)."""
-    tmp = tmp_path_factory.mktemp("lora")
-    write_dataset(tmp / "ds")
-    base = train_on_dataset(tmp, "base", "--train.checkpoint_every=1")
-    lora = train_on_dataset(tmp, "lora", f"--train.init_from={_step(base, 2)}", "--train.checkpoint_every=2",
-                            *ALL_LORA, steps=4)
-    return tmp, base, lora
+    """The session's full run (tests/shared_runs.py: 2 steps, a checkpoint each: two different bases) and a LoRA run
+    on all four components over its step-2 checkpoint (2 steps, a checkpoint each), trained once per session."""
+    base = base_run(tmp_path_factory)
+    lora = shared_run(tmp_path_factory, "lora_all", f"--train.init_from={_step(base, 2)}",
+                      "--train.checkpoint_every=1", *ALL_LORA)
+    return base.parent, base, lora
 
 
 def test_only_adapters_train_and_the_base_stays_bit_identical():
@@ -101,7 +100,7 @@ def test_nf4_base_holds_nf4_bytes():
 
 def test_checkpoint_holds_the_adapters_and_names_its_base(runs):
     tmp, base, lora = runs
-    ckpt = _step(lora, 4)
+    ckpt = _step(lora, 2)
     record = json.loads((ckpt / "lora.json").read_text())
     state = load_file(str(ckpt / "model.safetensors"))
     assert state and all(".lora_A." in k or ".lora_B." in k for k in state)  # every component has LoRA
@@ -115,12 +114,12 @@ def test_checkpoint_holds_the_adapters_and_names_its_base(runs):
 
 
 def test_resume_is_bit_exact(runs, tmp_path):
+    """Resumed from the LoRA run's step-1 checkpoint (adapters, optimizer, schedule, data position; the base rebuilt
+    from init_from) into an empty folder: its step 2 is the straight run's, bit for bit."""
     tmp, base, lora = runs
-    (tmp_path / "ds").symlink_to(tmp / "ds")
-    init = f"--train.init_from={_step(base, 2)}"
-    again = train_on_dataset(tmp_path, "again", init, *ALL_LORA, steps=2)
-    train_on_dataset(tmp_path, "again", init, *ALL_LORA, "--train.resume=latest", steps=4)
-    a, b = load_file(str(_step(again, 4) / "model.safetensors")), load_file(str(_step(lora, 4) / "model.safetensors"))
+    again = train_on_dataset(link_dataset(tmp_path, lora), "again", f"--train.init_from={_step(base, 2)}", *ALL_LORA,
+                             f"--train.resume={_step(lora, 1)}")
+    a, b = load_file(str(_step(again, 2) / "model.safetensors")), load_file(str(_step(lora, 2) / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -132,19 +131,19 @@ def test_another_base_is_refused_in_one_line(runs, tmp_path):
 
     tmp, base, lora = runs
     moved = tmp_path / "moved"
-    shutil.copytree(_step(lora, 4), moved)
+    shutil.copytree(_step(lora, 2), moved)
     config = (moved / "config.toml").read_text()
     (moved / "config.toml").write_text(config.replace(str(_step(base, 2)), str(_step(base, 1))))
     with pytest.raises(VlaforgeError, match="trained over base [0-9a-f]{16}.* is [0-9a-f]{16}"):
         load_policy_model(moved)
     done = run_cli("train", str(TINY_RECIPE), "--data.source=lerobot", f"--data.path={tmp / 'ds'}",
                    f"--model.cameras={json.dumps(CAMS)}", "--model.image_size=32", "--data.max_instruction_tokens=8",
-                   "--train.steps=6", "--train.progress=false", f"--train.init_from={_step(base, 1)}", *ALL_LORA,
-                   f"--train.resume={_step(lora, 4)}", f"--train.output_dir={lora}")
+                   "--train.steps=3", "--train.progress=false", f"--train.init_from={_step(base, 1)}", *ALL_LORA,
+                   f"--train.resume={_step(lora, 2)}", f"--train.output_dir={lora}")
     assert done.returncode == 2 and "trained over base" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_merged_policy_equals_the_unmerged_model(runs):
+def test_merged_policy_equals_the_unmerged_model(runs, tmp_path):
     """What eval / serve / quantize / export load (the adapters merged into fp32 linears) predicts what the trained
     LoRA model predicts (fp32, within 1e-5); `vlaforge export --format safetensors` writes those merged weights."""
     from vlaforge.checkpoints.layout import MODEL_FILE
@@ -154,7 +153,7 @@ def test_merged_policy_equals_the_unmerged_model(runs):
     from vlaforge.inference.runtime import PolicyRuntime
 
     tmp, base, lora = runs
-    ckpt = _step(lora, 4)
+    ckpt = _step(lora, 2)
     cfg = load_config(ckpt / "config.toml")
     unmerged = rebuild_base(cfg)
     apply_techniques(unmerged, cfg, torch.device("cpu"))
@@ -167,7 +166,7 @@ def test_merged_policy_equals_the_unmerged_model(runs):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     runtime = PolicyRuntime.load(lora, device="cpu")
     assert runtime.model.state_dict().keys() == merged.state_dict().keys()
-    out = tmp / "merged.safetensors"
+    out = tmp_path / "merged.safetensors"
     done = run_cli("export", str(lora), f"--out={out}")
     assert done.returncode == 0, done.stderr[-2000:]
     exported = load_file(str(out))
@@ -252,7 +251,7 @@ def test_a_lora_checkpoint_without_its_record_is_refused_not_exported_raw(runs, 
 
     _, _, lora = runs
     damaged = tmp_path / "step"
-    shutil.copytree(_step(lora, 4), damaged)
+    shutil.copytree(_step(lora, 2), damaged)
     (damaged / "lora.json").unlink()
     out = tmp_path / "merged.safetensors"
     one_line(run_cli("export", str(damaged), f"--out={out}"), "holds LoRA adapters", "lora.json")
@@ -261,28 +260,28 @@ def test_a_lora_checkpoint_without_its_record_is_refused_not_exported_raw(runs, 
                      f"--train.output_dir={tmp_path / 'run'}"), "holds LoRA adapters")
 
 
-def test_full_modules_train_beside_the_adapters_and_round_trip(tmp_path):
+def test_full_modules_train_beside_the_adapters_and_round_trip(tmp_path, tmp_path_factory):
     """`lora.full = ["convs", "norms"]` on a conv-stem tower: the stem's convolutions and every norm train with the
     adapters (their optimizer group, their weights move) while the base linears stay bit for bit; the checkpoint holds
     them beside the adapters and lora.json names them; the loaded run predicts what the trained model does; resuming
-    is bit-exact; serving it as one of several adapters and planning it are refused in one line."""
+    (from its step-1 checkpoint) is bit-exact; serving it as one of several adapters and planning it are refused in
+    one line."""
     from vlaforge.inference.runtime import PolicyRuntime
 
-    write_dataset(tmp_path / "ds")
+    (tmp_path / "ds").symlink_to(dataset(tmp_path_factory))
     stem = ["--model.vision_stem=conv"]
-    base = train_on_dataset(tmp_path, "base", *stem)
-    full = ['--components.vision.lora={rank=4,full=["convs","norms"]}', f"--train.init_from={_step(base, 2)}", *stem]
+    base = train_on_dataset(tmp_path, "base", *stem, steps=1)  # only a base to start from
+    full = ['--components.vision.lora={rank=4,full=["convs","norms"]}', f"--train.init_from={_step(base, 1)}", *stem]
     run = train_on_dataset(tmp_path, "lora", *full, "--train.checkpoint_every=1")
     ckpt = _step(run, 2)
     record = json.loads((ckpt / "lora.json").read_text())
-    state, before = load_file(str(ckpt / "model.safetensors")), load_file(str(_step(base, 2) / "model.safetensors"))
+    state, before = load_file(str(ckpt / "model.safetensors")), load_file(str(_step(base, 1) / "model.safetensors"))
     assert record["full"] and all(k in state for k in record["full"])
     assert any("patch_embedding" in k for k in record["full"]) and any("norm" in k for k in record["full"])
     assert all(not torch.equal(state[k], before[k]) for k in record["full"] if k.endswith("weight"))  # they trained
     vision = {k for k in state if k.startswith("vision.")}
     assert vision == set(record["full"]) | {k for k in vision if ".lora_" in k}  # no frozen base tensor saved
-    again = train_on_dataset(tmp_path, "again", *full, steps=1)
-    train_on_dataset(tmp_path, "again", *full, "--train.resume=latest", steps=2)
+    again = train_on_dataset(tmp_path, "again", *full, f"--train.resume={_step(run, 1)}")
     a = load_file(str(_step(again, 2) / "model.safetensors"))
     assert a.keys() == state.keys() and all(torch.equal(a[k], state[k]) for k in a)
 

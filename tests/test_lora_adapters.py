@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from shared_runs import base_run, shared_run
 
 from vlaforge.errors import VlaforgeError
 from vlaforge.inference.runtime import Observation, ObservationError, PolicyRuntime
 
-from conftest import run_cli, train_on_dataset
-from fake_lerobot import CAMS, write_dataset
+from conftest import run_cli
+from fake_lerobot import CAMS
 
 LORA = ['--components.vision.lora={rank=4}', '--components.llm.lora={rank=4,base="nf4"}']
 
@@ -23,14 +24,13 @@ def _step(run, step):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A full run (two checkpoints: two bases), LoRA runs `a` and `b` over its step 2 (other seeds, other
-    adapters and heads), `c` over its step 1."""
-    tmp = tmp_path_factory.mktemp("adapters")
-    write_dataset(tmp / "ds")
-    base = train_on_dataset(tmp, "base", "--train.checkpoint_every=1")
-    a = train_on_dataset(tmp, "a", f"--train.init_from={_step(base, 2)}", *LORA, "--train.seed=1", steps=3)
-    b = train_on_dataset(tmp, "b", f"--train.init_from={_step(base, 2)}", *LORA, "--train.seed=2", steps=3)
-    c = train_on_dataset(tmp, "c", f"--train.init_from={_step(base, 1)}", *LORA, steps=2)
+    """The session's full run (tests/shared_runs.py: two checkpoints, two bases), LoRA runs `a` and `b` over its
+    step 2 (other seeds, other adapters and heads: 2 steps each), `c` over its step 1 (one step: it only needs
+    another base); each trained once per session. A run's folder name is the adapter name it is served under."""
+    base = base_run(tmp_path_factory)
+    a = shared_run(tmp_path_factory, "a", f"--train.init_from={_step(base, 2)}", *LORA, "--train.seed=1")
+    b = shared_run(tmp_path_factory, "b", f"--train.init_from={_step(base, 2)}", *LORA, "--train.seed=2")
+    c = shared_run(tmp_path_factory, "c", f"--train.init_from={_step(base, 1)}", *LORA, steps=1)
     return base, a, b, c
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+import shutil
 
 import numpy as np
 import pytest
 import torch
+from shared_runs import base_run, link_dataset, shared_folder
 from torch import nn
 
 from vlaforge.errors import VlaforgeError
@@ -20,7 +22,7 @@ from vlaforge.techniques.quantize import QuantPolicy, apply_quantization, prepar
 from vlaforge.techniques.quantized_format import _pack, _unpack
 
 from conftest import TINY_RECIPE, run_cli, tiny_config, train_on_dataset
-from fake_lerobot import CAMS, SIZE, write_dataset
+from fake_lerobot import CAMS, SIZE
 
 COMPONENTS = ("vision", "projector", "llm", "action_head")
 
@@ -92,9 +94,20 @@ def test_mixed_components_compute_in_their_own_dtypes():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("quant")
-    write_dataset(tmp / "ds")
-    return tmp, train_on_dataset(tmp, "float")
+    """The session's full run on the fake LeRobot dataset (tests/shared_runs.py)."""
+    return base_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, trained):
+    """The run quantized (int8 vision, fp16 projector, int3 LLM, calibrated) by a fresh `vlaforge quantize` process
+    (the verb's entry point), once per session; tests read it, or damage a copy."""
+    def build(out):
+        done = run_cli("quantize", str(trained), f"--out={out}", "--vision=int8", "--projector=fp16", "--llm=int3",
+                       "--frames=4", "--calibrate=2", "--no-progress", fresh=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+    return shared_folder(tmp_path_factory, "quantized", build)
 
 
 def _observations(n=3):
@@ -107,12 +120,8 @@ def _actions(runtime):
     return np.stack([runtime.predict(o, f"s{i}").actions for i, o in enumerate(_observations())])
 
 
-def test_a_quantized_checkpoint_round_trips_and_loads_like_any_other(trained):
-    tmp, run = trained
-    out = tmp / "q"
-    done = run_cli("quantize", str(run), f"--out={out}", "--vision=int8", "--projector=fp16", "--llm=int3",
-                   "--frames=4", "--calibrate=2", "--no-progress")
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_a_quantized_checkpoint_round_trips_and_loads_like_any_other(trained, quantized, tmp_path):
+    run, out = trained, quantized
     report = json.loads((out / "quantize.json").read_text())
     assert report["layout"]["components"]["llm"]["policy"]["mode"] == "int3"
     assert set(report["calibration"]["llm"]["mse_normalized"]) == {"affine", "hqq"}
@@ -130,7 +139,7 @@ def test_a_quantized_checkpoint_round_trips_and_loads_like_any_other(trained):
     np.testing.assert_array_equal(_actions(loaded), _actions(in_memory))
     assert not np.array_equal(_actions(loaded), _actions(float_rt))  # it is quantized
     # training refuses it in one line
-    proc = run_cli("train", str(TINY_RECIPE), f"--train.init_from={out}", f"--train.output_dir={tmp / 'x'}")
+    proc = run_cli("train", str(TINY_RECIPE), f"--train.init_from={out}", f"--train.output_dir={tmp_path / 'x'}")
     assert proc.returncode == 2 and "quantized" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -142,11 +151,9 @@ class _Payload:
 
 
 @pytest.mark.parametrize("attack", ["pickle", "foreign_class"])
-def test_a_malicious_weights_file_is_refused_in_one_line(trained, attack):
-    tmp, run = trained
-    out = tmp / f"bad_{attack}"
-    done = run_cli("quantize", str(run), f"--out={out}", "--llm=int4", "--frames=2", "--no-progress", fresh=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_a_malicious_weights_file_is_refused_in_one_line(quantized, tmp_path, attack):
+    out = tmp_path / "q"
+    shutil.copytree(quantized, out)  # a quantized checkpoint, its weights file replaced below
     weights = out / "model.safetensors"
     if attack == "pickle":
         weights.write_bytes(pickle.dumps({"llm": _Payload()}))
@@ -159,22 +166,23 @@ def test_a_malicious_weights_file_is_refused_in_one_line(trained, attack):
         name = next(k for k, v in meta.items() if "IntxUnpackedToInt8Tensor" in v)
         meta[name] = meta[name].replace("IntxUnpackedToInt8Tensor", "os.system")
         save_file(tensors, str(weights), metadata=meta)
-    proc = run_cli("eval", str(out), "--episodes=1", "--no-progress", cwd=tmp)
+    proc = run_cli("eval", str(out), "--episodes=1", "--no-progress", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert "re-run `vlaforge quantize`" in proc.stderr
-    assert not (tmp / "pwned").exists()
+    assert not (tmp_path / "pwned").exists()
 
 
 @pytest.mark.slow
-def test_qat_trains_resumes_and_converts_to_the_forward_it_trained(trained):
-    """QAT prepare -> train 3 steps (grad accumulation) -> convert -> predict; a resumed run equals a straight
-    one; the converted checkpoint's actions equal the fake-quantized model's."""
-    tmp, _ = trained
+def test_qat_trains_resumes_and_converts_to_the_forward_it_trained(trained, tmp_path):
+    """QAT prepare -> train 3 steps (grad accumulation) -> convert -> predict; a run resumed from the straight run's
+    step-2 checkpoint (into an empty folder) equals it at step 3; the converted checkpoint's actions equal the
+    fake-quantized model's."""
+    tmp = link_dataset(tmp_path, trained)
     qat = ("--components.llm.qat=int2", "--components.vision.qat=int4", "--train.grad_accum=2")
-    straight = train_on_dataset(tmp, "qat", *qat, steps=3)
-    resumed = train_on_dataset(tmp, "qat_resumed", *qat, steps=2)
-    train_on_dataset(tmp, "qat_resumed", *qat, "--train.resume=latest", steps=3)
+    straight = train_on_dataset(tmp, "qat", *qat, "--train.checkpoint_every=2", steps=3)
+    resumed = train_on_dataset(tmp, "qat_resumed", *qat,
+                               f"--train.resume={straight / 'checkpoints' / 'step_00000002'}", steps=3)
     from safetensors.torch import load_file
 
     a = load_file(str(straight / "checkpoints" / "step_00000003" / "model.safetensors"))

@@ -5,11 +5,13 @@ before its first checkpoint does not block its retry, and errors name the cause.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -135,7 +137,12 @@ def test_causes_are_named_not_symptoms(tmp_path, run, dataset):
     assert "weights_only" not in line and not (tmp_path / "MARKER").exists()
 
 
-SAVER = """
+class _Saver:
+    """A process that saves step 2 of a one-layer model seeded with `seed` into `run` and stops (sleeps) at `stage`
+    of the replacement, where the test kills it. Forked from the test process (a save needs none of a fresh
+    interpreter's ~2 s of imports; tests/forked.py), or a new interpreter where this process cannot fork."""
+
+    CODE = """
 import sys, time, torch
 from pathlib import Path
 from vlaforge.checkpoints import layout, save
@@ -151,6 +158,57 @@ save.save_checkpoint(Path(sys.argv[1]), 2, torch.nn.Linear(3, 3), {"step": 2}, "
 print("done", flush=True)
 """
 
+    def __init__(self, run: Path, seed: int, stage: str):
+        from forked import can_fork
+
+        if not can_fork():
+            self.proc = subprocess.Popen([sys.executable, "-c", self.CODE, str(run), stage, str(seed)], cwd=ROOT,
+                                         stdout=subprocess.PIPE, text=True)
+            self.lines = self.proc.stdout
+            return
+        self.proc = None
+        read, write = os.pipe()
+        sys.stdout.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: save, saying where it stopped; never back into pytest
+            code = 1
+            try:
+                os.close(read)
+                from vlaforge.checkpoints import layout, save
+
+                def pause(where):
+                    if where == stage:
+                        os.write(write, f"{where}\n".encode())
+                        time.sleep(120)
+
+                layout._pause = pause
+                torch.manual_seed(seed)
+                save.save_checkpoint(run, 2, torch.nn.Linear(3, 3), {"step": 2}, "", keep=3)
+                os.write(write, b"done\n")
+                code = 0
+            except BaseException:  # noqa: BLE001 - what a process's uncaught exception prints
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(write)
+        self.lines = os.fdopen(read)
+
+    def line(self) -> str:
+        return self.lines.readline().strip()
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
+        else:
+            os.kill(self.pid, signal.SIGKILL)
+        self.wait()
+
+    def wait(self) -> int:
+        self.lines.close()
+        if self.proc is not None:
+            return self.proc.wait()
+        return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+
 
 @pytest.mark.parametrize("stage", ["aside", "removed", "renamed"])
 def test_a_kill_while_a_checkpoint_is_replaced_leaves_a_loadable_latest(tmp_path, stage):
@@ -161,16 +219,11 @@ def test_a_kill_while_a_checkpoint_is_replaced_leaves_a_loadable_latest(tmp_path
 
     from vlaforge.checkpoints import layout as ck
 
-    def save(seed: int, wait: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path), wait, str(seed)], cwd=ROOT,
-                                stdout=subprocess.PIPE, text=True)
-
-    first = save(0, "never")
-    assert first.stdout.readline().strip() == "done" and first.wait() == 0
-    second = save(1, stage)
-    assert second.stdout.readline().strip() == stage
-    second.send_signal(signal.SIGKILL)
-    second.wait()
+    first = _Saver(tmp_path, 0, "never")
+    assert first.line() == "done" and first.wait() == 0
+    second = _Saver(tmp_path, 1, stage)
+    assert second.line() == stage
+    second.kill()
     torch.manual_seed(0)
     old = torch.nn.Linear(3, 3).weight.detach()
     torch.manual_seed(1)
@@ -182,23 +235,41 @@ def test_a_kill_while_a_checkpoint_is_replaced_leaves_a_loadable_latest(tmp_path
     assert resumed.name == "step_00000002"
     assert torch.equal(load_file(str(resumed / "model.safetensors"))["weight"], new)  # the save it was making
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000002"]
-    fourth = save(2, stage)  # killed again; this time the next save, not a resume, puts it right
-    assert fourth.stdout.readline().strip() == stage
-    fourth.send_signal(signal.SIGKILL)
-    fourth.wait()
-    third = save(3, "never")
-    assert third.stdout.readline().strip() == "done" and third.wait() == 0
+    fourth = _Saver(tmp_path, 2, stage)  # killed again; this time the next save, not a resume, puts it right
+    assert fourth.line() == stage
+    fourth.kill()
+    third = _Saver(tmp_path, 3, "never")
+    assert third.line() == "done" and third.wait() == 0
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000002"]
 
 
 def test_sigterm_during_generate_leaves_no_partial_folder(tmp_path):
+    from forked import _child, can_fork
+
     out = tmp_path / "ds"
-    proc = subprocess.Popen([sys.executable, "-m", "vlaforge", "data", "generate", f"--out={out}",
-                             "--tasks=reach-v3", "--episodes=40", "--image-size=32", "--workers=1", "--no-progress"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(12)  # past the imports, inside the rollouts
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "interrupted" in err, err[-2000:]
+    args = ("data", "generate", f"--out={out}", "--tasks=reach-v3", "--episodes=40", "--image-size=32", "--workers=1",
+            "--no-progress")
+    with open(tmp_path.parent / f"{tmp_path.name}.err", "w+") as err:
+        if can_fork():  # `vlaforge data generate` forked from this process (tests/forked.py): no 8 s of imports
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(args, ROOT, {"PYTHONWARNINGS": "ignore"}, os.open(os.devnull, os.O_WRONLY), err.fileno())
+            proc = None
+        else:
+            proc = subprocess.Popen([sys.executable, "-m", "vlaforge", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                    stderr=err, text=True)
+            pid = proc.pid
+        spool = tmp_path / ".ds.episodes"
+        deadline = time.monotonic() + 120
+        # inside the rollouts: the first attempt is in the spool (past the imports and the simulator's start)
+        while not any(p.suffix in (".npz", ".fail") for p in spool.glob("*")) and time.monotonic() < deadline:
+            assert os.waitpid(pid, os.WNOHANG) == (0, 0), "generate ended before its first attempt"
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGTERM)
+        status = proc.wait(timeout=60) if proc else os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        err.seek(0)
+        text = err.read()
+    assert status == 130 and "interrupted" in text, text[-2000:]
     # no dataset and no partial folder; the finished attempts stay in the spool the same command resumes from
     assert sorted(p.name for p in tmp_path.iterdir()) in ([], [".ds.episodes"])

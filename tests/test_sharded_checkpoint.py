@@ -1,8 +1,11 @@
 """Sharded checkpoints (torch.distributed.checkpoint): resume bit for bit, export to one safetensors file equal to the
 full-format run's, load for inference, refuse damaged shards with one line; saved at 4 ranks and resumed at 2."""
 
+import shutil
+
 import pytest
 import torch
+from shared_runs import shared_folder
 
 from conftest import run_cli
 from launch import OFF, assert_same_weights, train_distributed, train_single, weights
@@ -12,25 +15,32 @@ SHARDED = "--train.checkpoint_format=sharded"
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-    return train_single(tmp_path_factory.mktemp("full"))
+    """3 steps in the full format, once per session (tests/shared_runs.py)."""
+    return shared_folder(tmp_path_factory, "full_format", train_single)
 
 
-@pytest.fixture(scope="module")
-def resumed_sharded(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded")
+def _sharded_then_resumed(out):
     train_single(out, SHARDED, "--train.steps=2")
     step2 = out / "checkpoints" / "step_00000002"
     assert (step2 / "dcp" / ".metadata").is_file() and not (step2 / "model.safetensors").exists()
     assert "optimizer" not in torch.load(step2 / "trainer_state.pt", weights_only=True)  # it is in the shards
     train_single(out, SHARDED, "--train.resume=latest")
-    return out
 
 
-def test_sharded_resume_then_export_equals_the_full_format_run(resumed_sharded, full_run):
-    done = run_cli("export", str(resumed_sharded))
+@pytest.fixture(scope="module")
+def resumed_sharded(tmp_path_factory):
+    """2 sharded steps, then resumed from its sharded checkpoint for step 3, once per session; tests that write
+    (export, damage) work on a copy."""
+    return shared_folder(tmp_path_factory, "sharded_resumed", _sharded_then_resumed)
+
+
+def test_sharded_resume_then_export_equals_the_full_format_run(resumed_sharded, full_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(resumed_sharded, run)
+    done = run_cli("export", str(run))
     assert done.returncode == 0, done.stderr
     assert "step_00000003/model.safetensors" in done.stdout
-    a, b = weights(resumed_sharded), weights(full_run)
+    a, b = weights(run), weights(full_run)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -51,16 +61,18 @@ def test_sharded_checkpoint_loads_for_inference_without_export(resumed_sharded, 
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
 
 
-def test_damaged_shards_are_one_line_and_exit_2(tmp_path):
-    train_single(tmp_path, SHARDED, "--train.steps=1")
-    shard = next((tmp_path / "checkpoints" / "step_00000001" / "dcp").glob("*.distcp"))
+def test_damaged_shards_are_one_line_and_exit_2(resumed_sharded, tmp_path):
+    """A copy of the sharded run with its latest checkpoint's shard truncated."""
+    run = tmp_path / "run"
+    shutil.copytree(resumed_sharded, run)
+    shard = next((run / "checkpoints" / "step_00000003" / "dcp").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])
-    for args in (["train", "--resume", str(tmp_path)], ["export", str(tmp_path)]):
+    for args in (["train", "--resume", str(run)], ["export", str(run)]):
         done = run_cli(*args)
         assert done.returncode == 2, done.stderr
         line = done.stderr.strip()
         assert "\n" not in line and "cannot be read" in line and "Traceback" not in line
-    assert not (tmp_path / "checkpoints" / "step_00000001" / "model.safetensors").exists()
+    assert not (run / "checkpoints" / "step_00000003" / "model.safetensors").exists()
 
 
 def test_export_of_a_full_checkpoint_needs_out(full_run, tmp_path):

@@ -92,13 +92,13 @@ def test_truncated_checkpoint_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_cli_train_and_resume_from_run_dir(tmp_path):
     out = tmp_path / "cli"
-    proc = run_cli("train", "recipes/tiny_synthetic.toml", "--train.steps=4", f"--train.output_dir={out}",
+    proc = run_cli("train", "recipes/tiny_synthetic.toml", "--train.steps=2", f"--train.output_dir={out}",
                    "--train.progress=false", "--data.num_samples=64", fresh=True)  # the entry point, once per verb
     assert proc.returncode == 0, proc.stderr
-    assert "done: 4 steps" in proc.stdout
-    proc = run_cli("train", "--resume", str(out), "--train.steps=6")
+    assert "done: 2 steps" in proc.stdout
+    proc = run_cli("train", "--resume", str(out), "--train.steps=3")
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in (out / "checkpoints").glob("step_*"))[-1] == "step_00000006"
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*"))[-1] == "step_00000003"
     proc = run_cli("train", "--resume", str(tmp_path / "missing"))
     assert proc.returncode == 2 and "no checkpoint at" in proc.stderr and "Traceback" not in proc.stderr
 

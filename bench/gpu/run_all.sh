@@ -97,14 +97,19 @@ if [ "$dry" = 1 ]; then
     check planner_validation 120 0 "$py" bench/planner_validation.py --device cpu --flavor tiny --steps 1
     check policies 240 60 "$py" bench/policies_gpu.py --dry-run --steps 1 --runs 2 --budget-s @BUDGET@ \
         --out "$out/policies.partial.json"
-    check activation_memory 240 0 "$py" bench/activation_memory.py --device cpu --seq 256 --repeats 1 --rounds 1
+    # tiny's bytes (small's 36 blocks under fake tensors took ~20 s of the check) and the timed strategies that
+    # targets() reads; the CPU-only branches (the device counts and times one real run of small)
+    check activation_memory 240 0 "$py" bench/activation_memory.py --device cpu --seq 256 --repeats 1 --rounds 1 \
+        --bytes-flavor tiny --time-strategies full selective
     check ring_kernel 60 0 "$py" bench/ring_kernel.py --device cpu --tokens 256 --repeats 1
     # one process, as on the GPU (uncompiled here: the MFU point checks compilation, at ~100 s per compile)
-    check precision 180 60 "$py" bench/precision.py --device cpu --flavors tiny --steps 2 --batch 2 \
+    # one step: CPU fp8 matmuls are an emulation (~3 s a step on tiny); the final losses still compare
+    check precision 180 60 "$py" bench/precision.py --device cpu --flavors tiny --steps 1 --batch 2 \
         --configs bf16 fp8 fp16 --processes one --budget-s @BUDGET@
+    # one thread: the dry run shares the CPU (the test suite's other worker); two threads there ran 10x slower
     check inference 180 60 "$py" bench/inference.py --models tiny --histories 1 --steps 2 --warm 1 --batches 1 2 \
-        --quantize vision=int8,projector=fp16,llm=int4 llm=int8_dynamic --quantize-max-s 2 --budget-s @BUDGET@ \
-        --out "$out/inference.partial.json"
+        --threads 1 --quantize vision=int8,projector=fp16,llm=int4 llm=int8_dynamic --quantize-max-s 2 \
+        --budget-s @BUDGET@ --out "$out/inference.partial.json"
 else
     check mfu 145 50 "$py" bench/mfu.py --gpu "$gpu" --budget-s @BUDGET@ --out "$out/mfu.partial.json"
     check planner_validation 70 0 "$py" bench/planner_validation.py --device cuda --flavor small --gpu "$gpu" \

@@ -6,17 +6,19 @@ execute the first K, predict again; or asynchronous, with simulated latency, ens
 option is judged by closed-loop success next to its speed. Meta-World's initial positions come from the evaluation
 seed range, disjoint from the generation seeds; LIBERO's are the benchmark's fixed initial states (episode i starts
 from state i, after LIBERO's settle steps; `libero_protocol`). Episodes run in parallel worker processes (rendering
-dominates).
+dominates); with one worker, in the evaluating process itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing as mp
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -211,11 +213,14 @@ def libero_protocol(benchmark: str, tasks: str | None, episodes: int | None,
 def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, options: InferenceOptions, max_steps: int,
              workers: int, seed: int = 0, out: str | Path | None = None, video: bool = True,
              progress: bool = True, hide_distractors: bool | None = None,
-             protocol: dict[str, Any] | None = None) -> dict[str, Any]:
+             protocol: dict[str, Any] | None = None, isolated: bool = False) -> dict[str, Any]:
     """Evaluate a checkpoint; writes `report.json` (and `videos/<task>.mp4`) to `out` (default CKPT/eval).
     `hide_distractors`: render the tasks' distractors invisible; None: as the checkpoint's training dataset was
     rendered (`recorded_scene`). `protocol`: a LIBERO benchmark's record (`libero_protocol`; `tasks` are then its
-    task ids), copied into the report."""
+    task ids), copied into the report. One worker runs the episodes in this process with the runtime the checks
+    loaded (a spawned worker would import torch and the simulator again, ~8 s, and hold a second copy of the model)
+    unless `isolated`: the trainer's evaluations keep the simulator, its GL context and the runtime out of the
+    training process."""
     ckpt = Path(ckpt)
     tasks = list(tasks) if protocol else parse_tasks(tasks)
     # fail fast, in this process, with a clear message (a bad checkpoint, execute, merge or cache option)
@@ -237,8 +242,7 @@ def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, options: Infe
     results: list[dict] = []
     succeeded = 0
     t0 = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(ckpt), options, 1)) as pool, \
+    with _episode_pool(workers, isolated, ckpt, options, runtime) as pool, \
             progress_bar(progress, "eval", len(jobs)) as advance:
         for res in pool.imap_unordered(run_episode, jobs):
             results.append(res)
@@ -256,6 +260,25 @@ def evaluate(ckpt: str | Path, tasks: list[str], episodes: int, *, options: Infe
     write_atomic(out / "report.json", json.dumps(report, indent=1) + "\n")
     report["report"] = str(out / "report.json")
     return report
+
+
+@contextlib.contextmanager
+def _episode_pool(workers: int, isolated: bool, ckpt: Path, options: InferenceOptions, runtime):
+    """Where the episodes run: spawned workers (fresh processes: no inherited GL context or torch threads), or, for
+    one worker not `isolated`, this process with `runtime` (a server's client again: the checks closed theirs)."""
+    if workers > 1 or isolated:
+        with mp.get_context("spawn").Pool(workers, initializer=_init_worker,
+                                          initargs=(str(ckpt), options, 1)) as pool:
+            yield pool
+        return
+    _WORKER["runtime"] = options.runtime(ckpt) if isinstance(runtime, RemoteRuntime) else runtime
+    _WORKER["options"] = options
+    try:
+        yield SimpleNamespace(imap_unordered=map)
+    finally:
+        if isinstance(_WORKER["runtime"], RemoteRuntime):
+            _WORKER["runtime"].client.close()
+        _WORKER.clear()
 
 
 def check_simulator(runtime: PolicyRuntime | RemoteRuntime, tasks: list[str], max_steps: int) -> None:
@@ -373,7 +396,8 @@ def during_training(cfg) -> Callable[[Path], dict[str, float]]:
 
     def score(path: Path) -> dict[str, float]:
         report = evaluate(path, tasks, episodes, options=InferenceOptions(execute=e.execute), max_steps=max_steps,
-                          workers=e.workers, seed=e.seed, video=False, progress=False, protocol=protocol)
+                          workers=e.workers, seed=e.seed, video=False, progress=False, protocol=protocol,
+                          isolated=True)
         out = {f"eval/success/{t}": v["success_rate"] for t, v in report["tasks"].items()}
         out["eval/success"] = report["mean_success_rate"]
         return out

@@ -260,8 +260,6 @@ def _store_base(linear: nn.Linear, base: str, report: LoraReport, component: str
         if weight.numel() % NF4_BLOCK:
             report.float_kept.append(f"{component}: {tuple(weight.shape)}")
         else:
-            from torchao.quantization import to_nf4
-
             # NOTE: the scales are themselves quantized in groups of `group` (256 for any layer of a real model,
             # fewer for tiny ones), chosen from the shape alone so that every layout (and the merge at inference)
             # quantizes alike; their count stays a multiple of gcd(blocks, 64), so FSDP2 splits it evenly
@@ -270,13 +268,34 @@ def _store_base(linear: nn.Linear, base: str, report: LoraReport, component: str
                 raise VlaforgeError(f"components.{component}.lora.base = 'nf4': a {tuple(weight.shape)} weight does "
                                     f"not split into {shards} equal NF4 shards; use a shard degree that divides "
                                     f"{math.gcd(weight.shape[0], blocks // group)}, or lora.base = 'bf16'")
-            linear.weight = nn.Parameter(to_nf4(weight, NF4_BLOCK, group), requires_grad=False)
+            linear.weight = nn.Parameter(_to_nf4(weight, group), requires_grad=False)
     elif base == "int8":
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
         quantize_(linear, Int8WeightOnlyConfig())
         linear.weight.requires_grad_(False)
     report.base_bytes += stored_bytes(linear.weight)
+
+
+def _to_nf4(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """torchao's NF4 form of `weight` (blocks of NF4_BLOCK, their scales quantized in groups of `group`). In a fake
+    build (planning, `plan --measure`, `profile --fake`) it is assembled from inner tensors of the shapes and dtypes
+    `to_nf4` gives - two 4-bit codes a byte, an int8 scale a block, a factor a group, the scales' mean, the 16-entry
+    table - without running the quantization kernels on values fake tensors do not hold (~370 ops a linear: 20 s of
+    a vla-7b QLoRA build on a CPU)."""
+    from torchao.quantization import to_nf4
+
+    from vlaforge.models.fake import fake_mode_active
+
+    if not fake_mode_active():
+        return to_nf4(weight, NF4_BLOCK, group)
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
+
+    n, blocks, dt, dev = weight.numel(), weight.numel() // NF4_BLOCK, weight.dtype, weight.device
+    meta = SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), dt, dev, False)
+    return NF4Tensor(meta, NF4_BLOCK, blocks, group, torch.empty(blocks, dtype=torch.int8, device=dev),
+                     torch.empty(blocks // group, dtype=dt, device=dev), torch.empty((), dtype=dt, device=dev),
+                     torch.empty(n // 2, dtype=torch.uint8, device=dev), torch.empty(16, dtype=dt, device=dev))
 
 
 def stored_bytes(tensor: torch.Tensor) -> int:
