@@ -157,6 +157,10 @@ class TrainConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1)")
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+    step_in_backward: bool = Field(False, description="step each parameter and free its gradient during backward, "
+                                   "as soon as its gradient is complete (the last micro-batch's): the whole "
+                                   "gradient is never held at once (with grad_accum = 1). Exact; needs grad_clip = "
+                                   "0 and no fp16 loss scaling, one process or FSDP2 (docs/precision.md)")
     lr_ratio_warning: float = Field(50.0, gt=1, description="warn when max/min component lr exceeds this")
     seed: int = Field(0, ge=0, le=MAX_SEED)
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -67,6 +67,8 @@ class VLAConfig(Section):
             raise ValueError("lerobot.layout writes LeRobot's checkpoint layout of a LeRobot policy fine-tune, and "
                              "model.lerobot.pretrained names no policy; drop lerobot.layout or give the policy")
         self._lora_composes()
+        if self.train.step_in_backward:
+            self._steps_in_backward()
         self.distill.check(self)
         if self.model.shapes_known():  # else checked again once the dataset has resolved them
             self._tokens_fit()
@@ -128,6 +130,33 @@ class VLAConfig(Section):
                 raise ValueError(f"components.{lora[0]}.lora with {what} is not supported yet (the adapters are "
                                  "carried through FSDP2 / HSDP / DDP, checkpointing, offload and accumulation); drop "
                                  f"{what.split(' ')[0]} or the lora")
+
+    def _steps_in_backward(self) -> None:
+        """What `train.step_in_backward` cannot do exactly (techniques/step_in_backward.py): every rule the plain
+        step applies to all gradients at once, after the last one, and layouts whose gradients are complete only
+        after backward."""
+        t, p, why = self.train, self.parallel, "train.step_in_backward steps each parameter during backward"
+        if t.grad_clip > 0:
+            raise ValueError(f"{why}, before the global gradient norm that train.grad_clip = {t.grad_clip:g} clips "
+                             "by is known; set train.grad_clip = 0 (lerobot-train: --policy.optimizer_grad_clip_norm"
+                             "=0), or drop step_in_backward")
+        fp16 = [c for c, comp in self.components.items() if comp.precision == "fp16"
+                and (comp.trainable or comp.unfreeze_at_step is not None)]
+        if self.loss_scale.mode == "always" or (self.loss_scale.mode == "auto" and fp16):
+            what = f"components.{fp16[0]}.precision = 'fp16'" if fp16 else "loss_scale.mode = 'always'"
+            raise ValueError(f"{what} scales the loss and skips a step whose gradients overflow, and {why} (a "
+                             "parameter that stepped cannot be taken back); use 'bf16', or loss_scale.mode = 'off'")
+        layouts = {"parallel.backend = 'deepspeed'": (p.backend == "deepspeed", "its engine reduces, clips and "
+                                                      "steps after backward"),
+                   "parallel.pp > 1": (p.pp > 1, "the tied embeddings' gradients are summed across stages after the "
+                                                 "schedule's backward"),
+                   "parallel.tp > 1": (p.tp > 1, "the q/k norms' partial gradients are summed over the TP group "
+                                                 "after backward"),
+                   "parallel.cp > 1": (p.cp > 1, "it is not verified with context parallel yet")}
+        for what, (hit, because) in layouts.items():
+            if hit:
+                raise ValueError(f"{what} with train.step_in_backward is refused: {because}; drop "
+                                 f"{what.split(' ')[0]} or step_in_backward (one process and FSDP2 run it)")
 
     def _tokens_fit(self) -> None:
         """The LLM sequence of one sample within the flavor's positions (a pretrained LLM is checked on load)."""

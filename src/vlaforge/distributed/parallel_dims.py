@@ -179,6 +179,10 @@ def check_layout(cfg, world: World) -> ParallelDims:
             check_ulysses_heads(dims.cp, facts.llm_heads // dims.tp)
     if dims.distributed:
         check_lora_storage(cfg, dims)
+        if cfg.train.step_in_backward and dims.backend == "ddp":
+            raise VlaforgeError("parallel.backend = 'ddp' with train.step_in_backward is refused: DDP all-reduces "
+                                "gradients in buckets after the hooks that would step them have run; use backend = "
+                                "'fsdp2' (its hooks run after the reduce-scatter), or one process")
         if any(p.unfreeze_at_step is not None for _, p in cfg.components.items()):
             raise VlaforgeError("unfreeze_at_step is not available with more than one process yet (FSDP2 fixes "
                                 "which parameters train when it shards); train the component from the start or "

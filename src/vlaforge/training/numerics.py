@@ -35,10 +35,23 @@ def trainable_grads(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, torc
 
 
 @torch.no_grad()
-def component_stats(module: nn.Module, scale: float = 1.0, reducer=None) -> dict[str, float] | None:
+def grad_counts(grad: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """[numel, zeros, tiny, inf, nan, sum of squares] of one (local) gradient, float64 on its device."""
+    absolute = grad.detach().abs().float()
+    finite = torch.isfinite(absolute)
+    row = torch.stack([torch.tensor(absolute.numel(), device=absolute.device), (absolute == 0).sum(),
+                       ((absolute > 0) & (absolute * scale < FP16_TINY)).sum(), torch.isinf(absolute).sum(),
+                       torch.isnan(absolute).sum()]).double()
+    return torch.cat([row, torch.where(finite, absolute, 0.0).double().square().sum()[None]])
+
+
+@torch.no_grad()
+def component_stats(module: nn.Module, scale: float = 1.0, reducer=None,
+                    counted: dict[nn.Parameter, torch.Tensor] | None = None) -> dict[str, float] | None:
     """Gradient statistics of one component's trainable parameters (None when nothing in it trains).
 
-    With `reducer` (sharded gradients), counts are summed over the shards.
+    With `reducer` (sharded gradients), counts are summed over the shards. `counted`: rows `grad_counts` took of
+    gradients that are gone (the step inside backward), by parameter.
     zero_frac: exactly-zero elements (a parameter without a gradient counts as all zeros);
     fp16_underflow_frac: nonzero elements with |g * scale| < 2^-24, i.e. lost if computed in fp16 at this scale;
     inf, nan: counts; grad_norm: L2 in fp32.
@@ -49,15 +62,13 @@ def component_stats(module: nn.Module, scale: float = 1.0, reducer=None) -> dict
     for _, p, g in trainable_grads(module):
         local = reducer.local(p) if reducer is not None else p
         row_of = int(reducer is not None and reducer.tp_sharded(p))
-        if g is None:
+        if counted is not None and p in counted:
+            row = counted[p]
+        elif g is None:
             counts[row_of, :2] += local.numel()
             continue
-        absolute = (reducer.local(g) if reducer is not None else g).detach().abs().float()
-        finite = torch.isfinite(absolute)
-        row = torch.stack([torch.tensor(absolute.numel(), device=absolute.device), (absolute == 0).sum(),
-                           ((absolute > 0) & (absolute * scale < FP16_TINY)).sum(), torch.isinf(absolute).sum(),
-                           torch.isnan(absolute).sum()]).double()
-        row = torch.cat([row, torch.where(finite, absolute, 0.0).double().square().sum()[None]])
+        else:
+            row = grad_counts(reducer.local(g) if reducer is not None else g, scale)
         counts = counts.to(row.device)
         counts[row_of] += row
     counts = reducer.combine(counts[0].contiguous(), counts[1].contiguous()) if reducer is not None else counts.sum(0)
@@ -105,9 +116,11 @@ class NumericsMonitor:
     def due(self, step: int) -> bool:
         return self.cfg.every > 0 and step % self.cfg.every == 0
 
-    def measure(self, model: nn.Module, scale: float, step: int, reducer=None) -> dict[str, float]:
-        """Metrics `numerics/<component>/<stat>` for the gradients now on `model`; warns on underflow."""
-        stats = {c: s for c in COMPONENTS if (s := component_stats(getattr(model, c), scale, reducer)) is not None}
+    def measure(self, model: nn.Module, scale: float, step: int, reducer=None, counted=None) -> dict[str, float]:
+        """Metrics `numerics/<component>/<stat>` for the gradients now on `model` (and those `counted` before they
+        were freed, `component_stats`); warns on underflow."""
+        stats = {c: s for c in COMPONENTS
+                 if (s := component_stats(getattr(model, c), scale, reducer, counted)) is not None}
         out = {f"numerics/{c}/{k}": v for c, s in stats.items() for k, v in s.items() if k != "grad_norm"}
         for c, s in stats.items():
             self.check_underflow(c, s, stats.get("llm"), step)

@@ -15,10 +15,11 @@ from torch import nn
 
 from vlaforge import COMPONENTS
 from vlaforge.data.batch import Batch
+from vlaforge.errors import VlaforgeError
 from vlaforge.models.losses import valid_counts
 from vlaforge.training.loss_scale import LossScaler
 from vlaforge.training.metrics import add_mean
-from vlaforge.training.numerics import NumericsMonitor, nonfinite_error
+from vlaforge.training.numerics import NumericsMonitor, grad_counts, nonfinite_error
 from vlaforge.training.optim import StepSchedule
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
     from vlaforge.distributed.parallelize import GradReducer
     from vlaforge.distributed.pipeline import Pipeline
+    from vlaforge.techniques.step_in_backward import InBackwardOptimizer
 
 
 def local_grads(optimizer: torch.optim.Optimizer, reducer=None) -> list[torch.Tensor]:
@@ -34,22 +36,32 @@ def local_grads(optimizer: torch.optim.Optimizer, reducer=None) -> list[torch.Te
     return [reducer.local(g) for g in grads] if reducer is not None else grads
 
 
-def grad_norms(optimizer: torch.optim.Optimizer, reducer=None) -> dict[str, torch.Tensor]:
+def grad_norms(optimizer: torch.optim.Optimizer, reducer=None,
+               taken: dict[nn.Parameter, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """L2 norm of the gradients of each component (from the optimizer's per-component groups; learned loss
     weights excluded), and of all of them ('total'). One fused norm kernel for all gradients; with sharded
     gradients, one all-reduce of the per-component sums of squares. Which gradient belongs to which component is
     known on the host: no device value is read (with ranks, which components any rank holds is asked once per
-    layout, `_present_anywhere`)."""
-    owners, grads, tp = [], [], []
+    layout, `_present_anywhere`). `taken`: each gradient's norm where the step inside backward took it (the
+    gradients are gone), combined in the same order."""
+    owners, grads, tp, norms = [], [], [], []
     for group in optimizer.param_groups:
         if group["component"] in COMPONENTS:
             for p in group["params"]:
-                if p.grad is not None and (reducer is None or id(p) not in reducer.norm_skip):
-                    owners.append(group["component"])
+                if reducer is not None and id(p) in reducer.norm_skip:
+                    continue
+                if taken is not None and p in taken:
+                    norms.append(taken[p])
+                elif taken is not None or p.grad is None:
+                    continue
+                else:
                     grads.append(reducer.local(p.grad) if reducer is not None else p.grad)
-                    tp.append(reducer is not None and reducer.tp_sharded(p.grad))
+                owners.append(group["component"])
+                tp.append(reducer is not None and reducer.tp_sharded(p.grad if taken is None else p))
+    if grads:
+        norms = torch._foreach_norm(grads)
     device = optimizer.param_groups[0]["params"][0].device
-    squares = torch.stack(torch._foreach_norm(grads)).square().float() if grads else torch.zeros(0, device=device)
+    squares = torch.stack(norms).square().float() if norms else torch.zeros(0, device=device)
     # row 0: weights replicated over tensor parallel, row 1: TP-sharded ones (summed over the TP group too)
     c = len(COMPONENTS)
     slots = tuple(2 * COMPONENTS.index(o) + t for o, t in zip(owners, tp))
@@ -182,6 +194,14 @@ class LocalExecutor:
 
 
 @dataclass
+class InBackwardExecutor:
+    """train.step_in_backward: each parameter steps inside the last micro-batch's backward (`in_backward_step`)."""
+
+    def step(self, model, micro_batches, optimizer, scheduler, weighting, grad_clip, guards):
+        return in_backward_step(model, micro_batches, optimizer, scheduler, weighting, guards)
+
+
+@dataclass
 class DeepSpeedExecutor:
     """parallel.backend = "deepspeed": the engine reduces, clips and steps (`deepspeed_step`)."""
 
@@ -260,16 +280,59 @@ def local_step(model: nn.Module, micro_batches: list[Batch], optimizer: torch.op
 
 
 def forward_backward(model: nn.Module, micro_batches: list[Batch], weighting, scaler: LossScaler,
-                     denominators: dict[str, torch.Tensor], sync_every: int) -> dict[str, torch.Tensor]:
-    """Forward and backward of every micro-batch in this process; returns their metrics' mean."""
+                     denominators: dict[str, torch.Tensor], sync_every: int, arm=None) -> dict[str, torch.Tensor]:
+    """Forward and backward of every micro-batch in this process; returns their metrics' mean. `arm(last)`: told
+    before each backward whether it is the step's last (the step inside backward steps in that one)."""
     sums: dict[str, torch.Tensor] = {}
     n = len(micro_batches)
     for i, batch in enumerate(micro_batches):
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce on the last micro-step (or every k-th)
             model.set_requires_gradient_sync(i == n - 1 or (sync_every > 0 and (i + 1) % sync_every == 0))
+        if arm is not None:
+            arm(i == n - 1)
         loss, metrics = model.compute_loss(batch, weighting, denominators)
         scaler.scale_loss(loss / n).backward()
         add_mean(sums, metrics, n)
+    return sums
+
+
+def in_backward_step(model: nn.Module, micro_batches: list[Batch], optimizer: "InBackwardOptimizer", scheduler,
+                     weighting, guards: StepGuards) -> dict[str, torch.Tensor]:
+    """One optimizer step whose parameters step inside the last micro-batch's backward, each as its gradient is
+    complete (techniques/step_in_backward.py); the rest - learned loss weights, after their average over ranks -
+    after it. The gradient norms and the numerics monitor's statistics are the plain step's, taken in the hooks; a
+    non-finite gradient's parameter does not step, the schedule does not advance, and the run stops as the plain
+    step's does. No clipping and no loss scaling (refused in the config)."""
+    reducer = guards.reducer
+    if guards.scaler.enabled:
+        raise VlaforgeError("train.step_in_backward cannot undo a step skipped by fp16 loss scaling; use bf16 or "
+                            "loss_scale.mode = 'off'")
+    optimizer.zero_grad(set_to_none=True)
+    counted: dict[nn.Parameter, torch.Tensor] = {}
+    observe = (lambda comp, p, g: counted.__setitem__(p, grad_counts(g))) if guards.measure else None
+    optimizer.begin(guards.check_finite, observe)
+    begin_step(model)
+    denominators = loss_denominators(model, micro_batches, reducer)
+    sums = forward_backward(model, micro_batches, weighting, guards.scaler, denominators, guards.sync_every,
+                            optimizer.arm)
+    if reducer is not None:  # learned loss weights live outside the sharded model: averaged before they step
+        reducer.mean_grads([p for g in optimizer.param_groups if g["component"] not in COMPONENTS
+                            for p in g["params"]])
+    norms = grad_norms(optimizer, reducer, optimizer.finish())
+    if guards.measure:
+        sums.update(guards.monitor.measure(model, 1.0, guards.step, reducer, counted))
+    skip = None
+    if guards.check_finite:
+        skip = (~torch.isfinite(norms["total"])).float()
+        guards.note_stop(skip > 0, 0, norms)
+    if isinstance(scheduler, StepSchedule):
+        scheduler.step(skip)
+    elif skip is None or not bool(skip):  # (a host read: torch's LambdaLR cannot skip on the device)
+        scheduler.step()
+    if not guards.defer:
+        guards.raise_pending(model)
+    weighting.end_step(reducer)
+    sums.update({f"grad_norm/{k}": v for k, v in norms.items()})
     return sums
 
 

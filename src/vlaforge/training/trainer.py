@@ -35,6 +35,7 @@ from vlaforge.seeding import seed_everything
 from vlaforge.techniques.freezing import apply_freezing, ever_trains, schedule_changes
 from vlaforge.techniques.lora import lora_components
 from vlaforge.techniques.precision import PrecisionSetup
+from vlaforge.techniques.step_in_backward import apply_step_in_backward
 from vlaforge.training.distill import Distiller, Teacher, build_teacher, split_parameters
 from vlaforge.training.loss_scale import LossScaler
 from vlaforge.training.memory_check import check_memory, memory_errors
@@ -44,7 +45,14 @@ from vlaforge.training.optim import build_optimizer, build_param_groups, build_s
 from vlaforge.training.recorder import oom_snapshot, recorded_step
 from vlaforge.training.run import Evaluator, Run, global_batch
 from vlaforge.training.saving import restore, save
-from vlaforge.training.step import DeepSpeedExecutor, Executor, LocalExecutor, StepGuards, train_step
+from vlaforge.training.step import (
+    DeepSpeedExecutor,
+    Executor,
+    InBackwardExecutor,
+    LocalExecutor,
+    StepGuards,
+    train_step,
+)
 from vlaforge.training.weighting import build_weighting
 
 SOURCES_FILE = "sources.json"  # in a run folder: the Hub ids it read, each with the commit it resolved to
@@ -180,14 +188,17 @@ def describe_layout(applied: Applied, dims: ParallelDims) -> None:
 
 def build_executor(cfg: VLAConfig, dims: ParallelDims, model: nn.Module, weighting: nn.Module, applied: Applied,
                    mesh, device: torch.device) -> tuple[Executor, torch.optim.Optimizer, Any]:
-    """How each step runs - in this process, through the pipeline schedule, or through a DeepSpeed engine (the
-    data-parallel step of that backend, built here because it wraps the optimizer) - with the optimizer (the
-    per-component AdamW groups) and the schedule."""
+    """How each step runs - in this process, through the pipeline schedule, inside backward
+    (`train.step_in_backward`), or through a DeepSpeed engine (the data-parallel step of that backend, built here
+    because it wraps the optimizer) - with the optimizer (the per-component AdamW groups) and the schedule."""
     if dims.backend == "deepspeed":
         groups = build_param_groups(model, cfg.components, cfg.train.decay_all)
         engine, scheduler = build_engine(model, cfg, dims.dp, groups, lambda o: build_scheduler(o, cfg.train), device)
         return DeepSpeedExecutor(engine), scheduler.optimizer, scheduler  # ZeRO partitions our optimizer's state
     optimizer = build_optimizer(model, cfg, *split_parameters(weighting))
+    if cfg.train.step_in_backward:  # (no pipeline: refused in the config)
+        optimizer = apply_step_in_backward(optimizer)
+        return InBackwardExecutor(), optimizer, build_scheduler(optimizer, cfg.train)
     pipeline = None
     if applied.stage is not None:
         pipeline = Pipeline(model, applied.stage, dims.pp, cfg.train.grad_accum, cfg.parallel.pp_schedule, mesh,
