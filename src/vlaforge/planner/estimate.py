@@ -21,8 +21,10 @@ Memory per GPU (the busiest pipeline stage's GPU, the one that runs out first):
 - **the peak** (`planner/peak.py`): the step holds parameters, optimizer state and buffers throughout, and on top of
   them the most of (a) what backward holds at each of its parts - the activations not yet freed plus the gradients
   made so far plus that part's working set - and (b) every gradient at the optimizer step; with gradient
-  accumulation or several micro-batches in flight, every gradient under the activations. `total` is that peak
-  (`at_peak` what it holds besides the state and buffers); `grads` and `by_component` still count every gradient.
+  accumulation or several micro-batches in flight, every gradient under the activations; with the step inside
+  backward (`train.step_in_backward`, one micro-batch), one gradient at a time and no optimizer step holding them.
+  `total` is that peak (`at_peak` what it holds besides the state and buffers, `grads_held` the most gradient bytes
+  held at once); `grads` and `by_component` still count every gradient.
 A candidate fits when the total is at most (device memory - `reserved_gb`) x (1 - `margin`): `reserved_gb` stands for
 the CUDA context, cuBLAS and NCCL workspaces that torch's allocator does not see, `margin` for fragmentation.
 
@@ -41,7 +43,7 @@ from vlaforge.planner.hardware import GB, no_fp8
 from vlaforge.planner.lora import adapters_of, block_gather_bytes, cast_share
 from vlaforge.planner.measured import refuse_sharded
 from vlaforge.planner.memory import StateBytes, per_gpu
-from vlaforge.planner.peak import backward_peak, stage_parts
+from vlaforge.planner.peak import backward_peak, grads_held, stage_parts
 from vlaforge.planner.throughput import step_time
 from vlaforge.planner.types import Assumptions, Case, Cluster, MemoryBytes, PlanModel, config_fields
 from vlaforge.techniques.freezing import ever_trains
@@ -152,6 +154,7 @@ def estimate(pm: PlanModel, cfg, cluster: Cluster, assume: Assumptions = Assumpt
     t = totals
     memory = {"params": t.params / GB, "grads": t.grads / GB, "optimizer": t.optimizer / GB,
               "activations": t.activations / GB, "buffers": t.buffers / GB, "at_peak": t.at_peak / GB,
+              "grads_held": t.grads_held / GB,
               "total": t.total / GB,
               "cpu": cpu_node / per_node / GB, "nvme": nvme_node / per_node / GB}
     if fits:
@@ -180,9 +183,13 @@ def _stage_memory(pm: PlanModel, case: Case, stage: int) -> tuple[MemoryBytes, d
                          buffers=_buffers(pm, case), cpu=sum(m.cpu for m in parts), nvme=sum(m.nvme for m in parts))
     # the gradients the step holds at its peak (planner/peak.py): those backward has made so far, or all of them
     # where they outlive a backward (accumulation, several micro-batches in flight); the optimizer step holds all
+    # (with the step inside backward each gradient is stepped and freed as it is made, and none is left for a step)
     held = totals.grads if accum > 1 or pp > 1 else 0.0
-    work = backward_peak(stage_parts(pm, case, stage, comp_mem, other, in_flight), activations, held)
-    totals.at_peak = max(work, totals.grads)
+    in_backward = case.cfg.train.step_in_backward
+    parts = stage_parts(pm, case, stage, comp_mem, other, in_flight)
+    work = backward_peak(parts, activations, held, in_backward)
+    totals.at_peak = work if in_backward else max(work, totals.grads)
+    totals.grads_held = grads_held(parts, totals.grads, held, in_backward)
     return totals, comp_mem
 
 

@@ -27,11 +27,17 @@ run without them. CUDA's own launch latency is a few microseconds of it; the res
 
 from __future__ import annotations
 
+from vlaforge.techniques.freezing import ever_trains
+
 # (block kind, compiled) -> (forward, backward) kernel launches of one block
 BLOCK_KERNELS = {("llama", False): (48, 88), ("llama", True): (17, 25), ("siglip", False): (28, 45),
                  ("siglip", True): (14, 22), ("qwen_vit", False): (48, 88), ("qwen_vit", True): (17, 25)}
 OUTSIDE_BLOCKS = 149 + 172  # small's ops outside the blocks, forward + backward
 STEP_OPS = 20  # gradient norms, clipping, fused AdamW: once per optimizer step
+# train.step_in_backward: per trained parameter tensor, its norm, the finiteness check and its own fused AdamW step
+# (the step counter's add and subtract, the kernel) - 11.6 ops per tensor over the plain step's, counted by a
+# dispatch mode on the tiny flavor (bench/step_in_backward.py)
+IN_BACKWARD_OPS = 12
 FP8_EXTRA = {(False, "tensorwise"): 62, (False, "rowwise"): 80, (True, "tensorwise"): 3, (True, "rowwise"): 3}
 LINEARS_PER_BLOCK = 7  # a Llama block's q, k, v, o, gate, up, down (what torchao's fp8 converts in the LLM)
 FSDP_UNIT = 10  # FSDP2's launches per sharded unit (a block, the root)
@@ -74,10 +80,19 @@ def micro_launches(pm, case, stage: int) -> float:
     return n + OUTSIDE_BLOCKS / case.pp
 
 
+def step_launches(case) -> float:
+    """The optimizer step's launches: a few for the whole step, or with the step inside backward
+    (`train.step_in_backward`) `IN_BACKWARD_OPS` for every trained parameter tensor."""
+    if not case.cfg.train.step_in_backward:
+        return STEP_OPS
+    return IN_BACKWARD_OPS * sum(s.tensors for c, s in case.state.by_component.items()
+                                 if ever_trains(case.policies[c]))
+
+
 def host_seconds(pm, case, gpu, stage: int) -> float:
-    """Host seconds of one micro-batch's launches on `stage`'s GPU (the optimizer step's few ops are counted with
-    the first micro-batch: they run against its HBM-bound kernels)."""
-    return (micro_launches(pm, case, stage) + STEP_OPS / case.accum) * gpu.launch_us * 1e-6
+    """Host seconds of one micro-batch's launches on `stage`'s GPU (the optimizer step's ops are counted with the
+    first micro-batch: they run against its HBM-bound kernels, or inside the last one's backward)."""
+    return (micro_launches(pm, case, stage) + step_launches(case) / case.accum) * gpu.launch_us * 1e-6
 
 
 def fp8_linear_seconds(m: float, k: float, n: float, gpu, assume, weight_bytes: int = 4,

@@ -15,6 +15,12 @@ gradients outlive a backward - gradient accumulation (the first micro-batch's gr
 ones' forwards) or a pipeline stage with several micro-batches in flight - every gradient is held under the
 activations, and each part's new gradients are a transient until they are added in.
 
+With the optimizer step inside backward (`train.step_in_backward`) and one micro-batch per step, each parameter
+steps and frees its gradient as soon as it is complete: a part holds one gradient at a time (at most its largest
+parameter's, `Part.largest`), no gradient outlives its part, and there is no optimizer step holding them all - the
+whole gradient (4 of fp32 masters' 16 bytes per parameter) leaves the peak. With accumulation the earlier
+micro-batches' gradients are held as before (`grads_held`).
+
 Working sets (transient, not saved for backward): the LM head's weight gradient in the compute dtype before autocast
 casts it to the master dtype (c x head parameters, when the LLM computes below its master precision); in a block, its
 input and output gradients in fp32 (2 x 4D per token) and the gradients of its widest intermediates (Llama: the
@@ -36,23 +42,36 @@ class Part:
     grads: float
     work: float = 0.0
     count: int = 1
+    largest: float = 0.0  # bytes of the largest single gradient one piece makes
 
 
-def backward_peak(parts: list[Part], activations: float, held: float = 0.0) -> float:
+def backward_peak(parts: list[Part], activations: float, held: float = 0.0, in_backward: bool = False) -> float:
     """The most the GPU holds during backward beyond its state and buffers: `activations` (all kept for backward,
     the parts' included) at its start, `parts` in backward order, `held` gradient bytes from earlier micro-batches
-    (their new gradients are then a transient until added in, not an addition)."""
+    (their new gradients are then a transient until added in, not an addition). `in_backward`: the optimizer step
+    runs inside backward and nothing is held, so each part's gradients are a transient of its largest one."""
     peak, kept, made = 0.0, activations, 0.0
+    consumed = in_backward and not held
     for p in parts:
         if p.count <= 0:
             continue
-        fresh = p.grads if not held else 0.0  # gradients that stay
+        fresh = p.grads if not held and not consumed else 0.0  # gradients that stay
+        transient = p.largest if consumed else p.grads if held else 0.0
         for j in (0, p.count - 1):  # within identical pieces the sum moves linearly: its ends bound it
-            value = kept - j * p.acts + made + (j + 1) * fresh + (p.grads if held else 0.0) + p.work + held
+            value = kept - j * p.acts + made + (j + 1) * fresh + transient + p.work + held
             peak = max(peak, value)
         kept -= p.count * p.acts
         made += p.count * fresh
     return max(peak, activations + held)
+
+
+def grads_held(parts: list[Part], total: float, held: float = 0.0, in_backward: bool = False) -> float:
+    """The most gradient bytes the step holds at once: every gradient (`total`, at the optimizer step or across
+    micro-batches), or with the step inside backward and nothing held across micro-batches, the largest single
+    gradient backward makes."""
+    if in_backward and not held:
+        return max((p.largest for p in parts if p.count > 0), default=0.0)
+    return total
 
 
 def stage_parts(pm, case, stage: int, comp_mem: dict, other: float, in_flight: int) -> list[Part]:
@@ -77,6 +96,9 @@ def stage_parts(pm, case, stage: int, comp_mem: dict, other: float, in_flight: i
         head_numel, embed_numel = (n["tail"] + n["tied_head"]) * last, n["embed"] * first
     llm = comp_mem["llm"]
     per_param = llm.grads / own if own else 0.0
+    big = pm.largest_numel
+    state = case.state.by_component
+    per = {c: comp_mem[c].grads / state[c].numel if state[c].numel else 0.0 for c in comp_mem}  # bytes per element
     # activations outside the blocks: the final norm and head input (last stage), rotary and checkpoint keywords,
     # the LM head's weight cast (the share of the casts outside the blocks)
     tail = case.parts["llm_tail"] * in_flight * last
@@ -89,19 +111,24 @@ def stage_parts(pm, case, stage: int, comp_mem: dict, other: float, in_flight: i
     wide = 3 * c * dims.ffn // case.tp
     llm_work = (8 * dims.hidden + wide) * tokens if through["llm"] else 0.0
     head_work = c * n["tied_head" if tied else "tail"] if last and c < master and llm.grads else 0.0
+    head_largest = max(per["action_head"] * big["action_head"] * last,
+                       per_param * (big["embed"] if tied else big["llm_tail"]) * bool(head_numel))
     parts = [Part(acts=other + comp_mem["action_head"].activations + tail + head_cast,
-                  grads=comp_mem["action_head"].grads + per_param * head_numel, work=head_work),
+                  grads=comp_mem["action_head"].grads + per_param * head_numel, work=head_work, largest=head_largest),
              Part(acts=max(0.0, llm.activations - tail - once - head_cast) / blocks if blocks else 0.0,
-                  grads=per_param * n["block"], work=llm_work, count=blocks),
+                  grads=per_param * n["block"], work=llm_work, count=blocks, largest=per_param * big["llm_block"]),
              Part(acts=once, grads=per_param * embed_numel,
-                  work=per_param * n["embed"] if tied and first and case.pp == 1 else 0.0)]
+                  work=per_param * n["embed"] if tied and first and case.pp == 1 else 0.0,
+                  largest=per_param * big["embed"] * bool(embed_numel))]
     if first:
         layers = pm.model.vision.config.num_hidden_layers
         vision, vs = comp_mem["vision"], vision_shape(pm.model.vision)
         patches = case.micro * case.seq.frames * case.seq.tower_patches
         vis_work = (8 * vs.hidden + 2 * compute_bytes(case.policies["vision"].precision) * vs.ffn) * patches \
             if through["vision"] else 0.0
-        parts += [Part(acts=comp_mem["projector"].activations, grads=comp_mem["projector"].grads),
-                  Part(acts=vision.activations / layers, grads=vision.grads / layers, work=vis_work, count=layers)]
+        parts += [Part(acts=comp_mem["projector"].activations, grads=comp_mem["projector"].grads,
+                       largest=per["projector"] * big["projector"]),
+                  Part(acts=vision.activations / layers, grads=vision.grads / layers, work=vis_work, count=layers,
+                       largest=per["vision"] * big["vision"])]
     return parts
 

@@ -147,6 +147,22 @@ class PlanModel:
                 "tied_head": embed if tied else 0}
 
     @cached_property
+    def largest_numel(self) -> dict[str, int]:
+        """The largest parameter tensor of each place backward makes gradients in, one at a time when the step runs
+        inside backward (`train.step_in_backward`): an LLM block, the LLM's embeddings, its tail (final norm and LM
+        head), and the other components whole."""
+        llm = self.model.llm
+        blocks = llm_blocks(llm)
+        embed = llm.get_input_embeddings().weight
+        inside = {id(p) for b in blocks for p in b.parameters()} | {id(embed)}
+        tail = [p.numel() for p in llm.parameters() if id(p) not in inside]
+        out = {"llm_block": max(p.numel() for p in blocks[0].parameters()), "embed": embed.numel(),
+               "llm_tail": max(tail, default=0)}
+        for comp in ("vision", "projector", "action_head"):
+            out[comp] = max((p.numel() for p in getattr(self.model, comp).parameters()), default=0)
+        return out
+
+    @cached_property
     def matmul_numel(self) -> dict[str, dict[str, int]]:
         """Parameters of the linears and convolutions per component, what autocast casts: 'attn' and 'ffn' of one
         block (vision, llm), 'rest' outside the blocks."""
@@ -265,6 +281,7 @@ class MemoryBytes:
     cpu: float = 0.0
     nvme: float = 0.0
     at_peak: float | None = None  # activations + gradients + working sets at the step's peak (planner/peak.py)
+    grads_held: float | None = None  # the most gradient bytes held at once (`peak.grads_held`)
 
     @property
     def total(self) -> float:
