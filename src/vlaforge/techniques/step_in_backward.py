@@ -38,7 +38,7 @@ def per_parameter(grouped: torch.optim.Optimizer, group: dict, param: nn.Paramet
     """The optimizer of one parameter: `grouped`'s class, with its constructor settings (fused, foreach, ...) and
     `group`'s hyperparameters. The one place per-parameter optimizers are built."""
     accepted = inspect.signature(type(grouped).__init__).parameters
-    settings = {k: v for k, v in grouped.defaults.items() if k in accepted and k not in group}
+    settings = {k: v for k, v in grouped.defaults.items() if k in accepted}  # (the group's own values win)
     return type(grouped)([{**{k: v for k, v in group.items() if k != "params"}, "params": [param]}], **settings)
 
 
@@ -119,7 +119,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 own[key] = value
         if skip is None:
             inner.step()
-        elif inner.defaults.get("fused"):
+        elif own.get("fused"):
             inner.found_inf = skip  # skipped on the device (its step count too)
             try:
                 inner.step()
