@@ -263,6 +263,18 @@ def test_a_lerobot_smolvla_fine_tune_steps_inside_backward_bit_for_bit(session_r
     assert not torch.equal(weights["plain"]["action_head.action_in_proj.weight"],
                            start["model.action_in_proj.weight"])  # it trained
     assert not _same(weights["plain"], weights["inside"])
+    # lerobot-train: the policy's grad clip (10 here) is refused, naming LeRobot's flag that sets it to 0
+    from vlaforge.config import load_config
+    from vlaforge.lerobot_train import translate
+
+    folder = f"--policy.path={ref061.policy_folder('smolvla', session_root) / 'policy'}"
+    for extra, refused in (([], True), (["--policy.optimizer_grad_clip_norm=0"], False)):
+        t = translate([folder, "--dataset.repo_id=a/b", *extra, "--train.step_in_backward=true"])
+        if refused:
+            with pytest.raises(ConfigError, match="--policy.optimizer_grad_clip_norm=0"):
+                load_config(t.recipe, t.overrides)
+        else:
+            assert load_config(t.recipe, t.overrides).train.step_in_backward
 
 
 def test_another_optimizer_class_steps_per_parameter_as_its_group(tmp_path):
