@@ -4,6 +4,8 @@ of the same (`grads_held`) and of the step's peak, the allocator's peak on CUDA,
 parameter, and the step time (the two runs interleaved step by step). Prints JSON.
 
     python bench/step_in_backward.py [--flavor tiny] [--batch 4] [--steps 10] [--device cpu] [--grad-accum 1]
+
+Gradient bytes are sampled on step 0 only (the sampling hook is off while steps are timed).
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ class GradientBytes:
     completes (hooks registered before the optimizer's run first: they see each gradient before it is freed)."""
 
     def __init__(self, params):
-        self.params, self.peak = list(params), 0
+        self.params, self.peak, self.on = list(params), 0, True
         for p in self.params:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._sample)
 
     def _sample(self, _param) -> None:
+        if not self.on:  # (off while steps are timed)
+            return
         held = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
         self.peak = max(self.peak, held)
 
@@ -109,7 +113,8 @@ def main() -> None:
         times = {name: [] for name in runs}
         peaks = {}
         for step in range(args.steps + 1):
-            for name, (_, run, _, batches) in runs.items():
+            for name, (_, run, grads, batches) in runs.items():
+                grads.on = step == 0
                 if run.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(run.device)
                 seconds = one_step(run, batches, step)

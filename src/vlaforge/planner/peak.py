@@ -17,7 +17,8 @@ activations, and each part's new gradients are a transient until they are added 
 
 With the optimizer step inside backward (`train.step_in_backward`) and one micro-batch per step, each parameter
 steps and frees its gradient as soon as it is complete: a part holds one gradient at a time (at most its largest
-parameter's, `Part.largest`), no gradient outlives its part, and there is no optimizer step holding them all - the
+parameter's, `Part.largest`; under FSDP2 one unit's sharded gradients, which share the reduce-scatter's output), no
+gradient outlives its part, and there is no optimizer step holding them all - the
 whole gradient (4 of fp32 masters' 16 bytes per parameter) leaves the peak. With accumulation the earlier
 micro-batches' gradients are held as before (`grads_held`).
 
@@ -30,7 +31,7 @@ MLP backward; a tied embedding's dense gradient from the embedding backward (it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -130,5 +131,7 @@ def stage_parts(pm, case, stage: int, comp_mem: dict, other: float, in_flight: i
                        largest=per["projector"] * big["projector"]),
                   Part(acts=vision.activations / layers, grads=vision.grads / layers, work=vis_work, count=layers,
                        largest=per["vision"] * big["vision"])]
+    if case.fsdp:  # FSDP2 reduce-scatters a unit's gradients into one buffer, freed once all its shards stepped
+        parts = [replace(p, largest=p.grads) for p in parts]
     return parts
 
