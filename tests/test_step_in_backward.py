@@ -109,6 +109,26 @@ def test_gradients_are_freed_as_they_complete_as_the_planner_counts(tmp_path):
     assert inside < whole / 5
 
 
+def test_the_planner_holds_one_gradient_at_a_time_and_counts_the_launches():
+    """planner/peak.py: inside backward a part's gradients are a transient of its largest one and none is left for an
+    optimizer step; with accumulation every gradient is held as before. The hooks' launches go to the launch floor."""
+    from vlaforge.planner.estimate import build_case
+    from vlaforge.planner.hardware import get_gpu
+    from vlaforge.planner.launches import STEP_OPS, step_launches
+    from vlaforge.planner.peak import Part, backward_peak, grads_held
+    from vlaforge.planner.types import Cluster, PlanModel
+
+    parts = [Part(acts=4, grads=1, largest=0.5), Part(acts=3, grads=5, largest=2), Part(acts=3, grads=1, largest=1)]
+    assert backward_peak(parts, 10) == 10 - 4 + 1 + 5  # the plain step: gradients made so far
+    assert backward_peak(parts, 10, in_backward=True) == 10 + 0.5  # its start, with one gradient
+    assert grads_held(parts, 7, in_backward=True) == 2 and grads_held(parts, 7) == 7
+    assert backward_peak(parts, 10, held=7, in_backward=True) == backward_peak(parts, 10, held=7)
+    assert grads_held(parts, 7, held=7, in_backward=True) == 7
+    cfg = tiny_config(train={"grad_clip": 0.0, "step_in_backward": True})
+    case = build_case(PlanModel(cfg), cfg, Cluster(get_gpu("h100-80"), 1, 1))
+    assert step_launches(case) == 12 * 72 > STEP_OPS  # the tiny flavor's 72 trained tensors
+
+
 def test_resume_is_exact_with_or_without_the_option(tmp_path):
     """2 steps then a resume to 4 equal 4 straight steps, bit for bit: the per-parameter optimizers' state is saved
     in the grouped optimizer's layout, so a checkpoint written inside backward resumes with the plain step and the
