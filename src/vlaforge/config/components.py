@@ -1,5 +1,6 @@
-"""`[components.*]`: the per-component policy - precision, checkpointing, offload, QAT, optimizer settings,
-freezing and LoRA - of `vision`, `projector`, `llm` and `action_head`."""
+"""`[components.*]`: the per-component policy - precision, checkpointing, offload, QAT, optimizer settings
+(learning rate, weight decay, 8-bit moments, stochastic rounding), freezing and LoRA - of `vision`, `projector`,
+`llm` and `action_head`."""
 
 from __future__ import annotations
 
@@ -43,6 +44,13 @@ class ComponentConfig(Section):
                             "the LLM's token embedding) at this width; `vlaforge quantize` converts the trained "
                             "weights to exactly that forward")
     qat_group_size: int = Field(32, ge=2, description="qat: weights per scale (a power of two)")
+    optim_state: Literal["master", "8bit"] = Field(
+        "master", description="AdamW moments: master (in the weights' master dtype, fused torch AdamW) | 8bit "
+                              "(torchao's blockwise 8-bit moments, blocks of 256; tensors under 4096 values or not a "
+                              "multiple of 256 keep master-dtype moments)")
+    stochastic_rounding: bool = Field(False, description="update the bf16 master weights with stochastic rounding "
+                                                         "(torchao; unbiased small updates): needs precision other "
+                                                         "than fp32 and train.precision_master = 'bf16'")
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     trainable: bool = True

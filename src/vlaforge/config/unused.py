@@ -191,6 +191,24 @@ def _master(cfg, _c):
     return None
 
 
+def _bf16_weights(cfg, c):
+    p, master = getattr(cfg.components, c).precision, cfg.train.precision_master
+    if p == "fp32":
+        return (f"components.{c}.precision = 'fp32' keeps fp32 weights, which need no rounding; drop it or set "
+                f"components.{c}.precision = 'bf16' with train.precision_master = 'bf16'")
+    if master != "bf16":
+        return (f"train.precision_master = {master!r} keeps components.{c}'s weights in fp32, which need no rounding; "
+                "drop it or set train.precision_master = 'bf16'")
+    return None
+
+
+def _own_optimizer(cfg, _c):
+    if cfg.parallel.backend == "deepspeed":
+        return ("parallel.backend = 'deepspeed' steps its own optimizer over the ZeRO partitions; drop it or use "
+                "parallel.backend = 'fsdp2' or 'ddp'")
+    return None
+
+
 def _random_base(cfg, _c):
     if not random_bases(cfg):
         return ("no LoRA component trains over a random base (each has train.init_from or its pretrained folder, or "
@@ -277,6 +295,10 @@ RULES = (
     Rule(("components.<c>.offload_fraction", "components.<c>.unfreeze_last_blocks"), (), _blocks),
     Rule(("components.<c>.offload_path",), ("components.<c>.offload",), _nvme_files),
     Rule(("components.<c>.qat_group_size",), ("components.<c>.qat",), _qat),
+    Rule(("components.<c>.stochastic_rounding",), ("components.<c>.precision", "train.precision_master"),
+         _bf16_weights),
+    Rule(("components.<c>.optim_state", "components.<c>.stochastic_rounding"), ("parallel.backend",),
+         _own_optimizer),
     Rule(("components.allow_fp8_vision",), ("components.vision.precision",), _fp8_vision),
     Rule(("loss.huber_delta",), ("loss.action",), _huber),
     Rule(("loss.dwa_temperature",), ("loss.weighting",), _weighting("dwa")),
