@@ -12,6 +12,7 @@ from torch import nn
 from vlaforge import COMPONENTS
 from vlaforge.techniques.freezing import ever_trains
 from vlaforge.techniques.lora import full_parameters, lora_trains
+from vlaforge.techniques.optimizer_state import apply_optimizer_state, uses_optimizer_state
 
 
 class LRSpreadWarning(UserWarning):
@@ -73,9 +74,11 @@ def check_lr_spread(components, limit: float) -> str | None:
 
 
 def build_optimizer(model: nn.Module, cfg, extra_params: list[nn.Parameter] = (),
-                    projections: list[nn.Parameter] = ()) -> torch.optim.AdamW:
+                    projections: list[nn.Parameter] = ()) -> torch.optim.Optimizer:
     """AdamW over per-component groups; `extra_params` (learned loss weights) get a 'loss_weighting' group, and
-    `projections` (distillation's feature maps) a 'distill_projections' group at the llm's lr."""
+    `projections` (distillation's feature maps) a 'distill_projections' group at the llm's lr. Components that set
+    `optim_state` / `stochastic_rounding` are stepped by torchao's optimizers, all behind one optimizer
+    (techniques/optimizer_state.py); without them, one fused torch AdamW."""
     message = check_lr_spread(cfg.components, cfg.train.lr_ratio_warning)
     if message:
         warnings.warn(message, LRSpreadWarning, stacklevel=2)
@@ -87,11 +90,15 @@ def build_optimizer(model: nn.Module, cfg, extra_params: list[nn.Parameter] = ()
     if projections:
         groups.append({"params": list(projections), "lr": cfg.components.llm.lr, "weight_decay": 0.0,
                        "name": "distill_projections", "component": "distill"})
-    if not fused_supported(groups):  # NOTE: foreach (multi-tensor) kernels; torch picks them on CUDA only
+    components = dict(cfg.components.items())
+    if uses_optimizer_state(components):
+        optimizer = apply_optimizer_state(groups, components, cfg.train.betas, cfg.train.eps)
+    elif not fused_supported(groups):  # NOTE: foreach (multi-tensor) kernels; torch picks them on CUDA only
         return torch.optim.AdamW(groups, betas=cfg.train.betas, eps=cfg.train.eps, foreach=True)
-    optimizer = torch.optim.AdamW(groups, betas=cfg.train.betas, eps=cfg.train.eps, fused=True)
+    else:
+        optimizer = torch.optim.AdamW(groups, betas=cfg.train.betas, eps=cfg.train.eps, fused=True)
     for group in optimizer.param_groups:  # the schedule sets them on the device (`StepSchedule`)
-        group["initial_lr"] = float(group["lr"])  # the schedule's base (torch's LRScheduler key), unrounded
+        group.setdefault("initial_lr", float(group["lr"]))  # the schedule's base (torch's LRScheduler key), unrounded
         group["lr"] = torch.tensor(group["initial_lr"], dtype=torch.float32, device=group["params"][0].device)
     return optimizer
 

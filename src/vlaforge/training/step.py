@@ -339,7 +339,9 @@ def in_backward_step(model: nn.Module, micro_batches: list[Batch], optimizer: "I
 def optimizer_step(optimizer: torch.optim.Optimizer, scheduler, skip: torch.Tensor | None) -> None:
     """The optimizer and schedule step, skipped where `skip` (0-d, 1.0 or 0.0, on the device) is set: on the device
     for fused AdamW (its `found_inf`, as torch.amp.GradScaler hands it; `StepSchedule` does not advance), else
-    decided on the host (one read: a foreach optimizer cannot take it)."""
+    decided on the host (one read: a foreach optimizer, or torchao's 8-bit / stochastically rounding ones behind
+    `ComponentOptimizer`, cannot take it); a skipped step then steps nothing, so weights and every moment - 8-bit
+    codes and scales too - and step counter stay as they were."""
     if skip is None:
         optimizer.step()
         scheduler.step()
