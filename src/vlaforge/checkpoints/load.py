@@ -4,6 +4,7 @@ policy runtime; the trainer state beside the weights, checked before use."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from vlaforge.checkpoints.lora import (
 from vlaforge.errors import VlaforgeError, first_line, load_refusal
 from vlaforge.seeding import seed_everything
 from vlaforge.techniques.lora import apply_lora, base_digest, lora_components, merge_lora
+from vlaforge.techniques.optimizer_state import packed_problem
 from vlaforge.techniques.precision import master_dtype
 
 
@@ -72,7 +74,8 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
     if not (ckpt / STATE_FILE).is_file():
         raise VlaforgeError(f"checkpoint {ckpt} has no {STATE_FILE}; resume from another checkpoint")
     try:
-        state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+        with _torch_globals_only():
+            state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch.load raises many types for damaged files (and refuses foreign objects)
         why = load_refusal(exc)
         what = "is refused" if why.startswith("it holds") else "is truncated or corrupt"
@@ -83,6 +86,19 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
         raise VlaforgeError(f"checkpoint file {ckpt / STATE_FILE} is not a vlaforge trainer state ({problem}); "
                             "resume from another checkpoint")
     return state
+
+
+@contextlib.contextmanager
+def _torch_globals_only():
+    """`weights_only` loads admit torch's own allowlist only: what a library adds with `add_safe_globals` (torchao
+    adds its 8-bit optimizer state class) never lets a trainer state unpickle a class. A trainer state holds
+    8-bit moments as plain tensors (techniques/optimizer_state.py:pack_moments)."""
+    added = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        yield
+    finally:
+        torch.serialization.add_safe_globals(added)
 
 
 # trainer_state.pt's keys and the types their values must have (optimizer: full checkpoints only)
@@ -105,9 +121,15 @@ def _state_problem(state: Any) -> str:
         return "'rng' lacks the torch and python generator states"
     if not {"last_epoch", "_step_count"} <= state["scheduler"].keys():
         return "'scheduler' lacks its position"
-    if "optimizer" in state and not (isinstance(state["optimizer"], dict)
-                                     and {"state", "param_groups"} <= state["optimizer"].keys()):
-        return "'optimizer' is not an optimizer state"
+    if "optimizer" in state:
+        optimizer = state["optimizer"]
+        if not (isinstance(optimizer, dict) and {"state", "param_groups"} <= optimizer.keys()
+                and isinstance(optimizer["state"], dict)):
+            return "'optimizer' is not an optimizer state"
+        for entry in optimizer["state"].values():
+            for value in entry.values() if isinstance(entry, dict) else ():
+                if isinstance(value, dict) and (why := packed_problem(value)):
+                    return f"'optimizer': {why}"
     return ""
 
 

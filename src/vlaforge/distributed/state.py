@@ -19,6 +19,15 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
+from vlaforge.techniques.optimizer_state import (
+    check_flat_kinds,
+    check_moment_kinds,
+    flat_pack,
+    flat_unpack,
+    pack_moments,
+    unpack_moments,
+)
+
 
 @contextlib.contextmanager
 def _quiet_dcp():
@@ -97,12 +106,14 @@ def _owner(model: nn.Module, weighting: nn.Module) -> nn.Module:
 
 def full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer: torch.optim.Optimizer,
                          pp: int = 1) -> dict[str, Any]:
+    """The full optimizer state by parameter name, 8-bit moments as plain tensors (`pack_moments`)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.utils._pytree import tree_map_only
 
     if pp == 1:
-        return get_optimizer_state_dict(_owner(model, weighting), optimizer, options=_options(cpu_offload=True))
-    state = get_optimizer_state_dict(_owner(model, weighting), optimizer, options=_options())
+        return pack_moments(get_optimizer_state_dict(_owner(model, weighting), optimizer,
+                                                     options=_options(cpu_offload=True)))
+    state = pack_moments(get_optimizer_state_dict(_owner(model, weighting), optimizer, options=_options()))
     return _merge_stages(tree_map_only(torch.Tensor, lambda t: t.cpu(), state), _merge_optimizer, pp)
 
 
@@ -130,11 +141,12 @@ def load_full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer:
     # NOTE: strict=False: a parameter that never had a gradient (e.g. the contrastive temperature with that term
     # off) has no optimizer state to restore, exactly as in the run that saved it.
     owner = _owner(model, weighting)
-    names = {n for n, _ in owner.named_parameters()}
-    state = {"state": {k: v for k, v in state["state"].items() if k in names},  # this pipeline stage's share
-             "param_groups": [{**g, "params": [n for n in g["params"] if n in names]} for g in state["param_groups"]
-                              if any(n in names for n in g["params"])]}
-    set_optimizer_state_dict(owner, optimizer, state, options=_options(strict=False))
+    params = dict(owner.named_parameters())
+    check_moment_kinds(optimizer, params, state["state"])
+    state = {"state": {k: v for k, v in state["state"].items() if k in params},  # this pipeline stage's share
+             "param_groups": [{**g, "params": [n for n in g["params"] if n in params]} for g in state["param_groups"]
+                              if any(n in params for n in g["params"])]}
+    set_optimizer_state_dict(owner, optimizer, unpack_moments(state), options=_options(strict=False))
 
 
 # ---- reading DCP files without running code from them -------------------------------------------------------------
@@ -207,8 +219,8 @@ def _sharded_state(model: nn.Module, weighting: nn.Module, optimizer: torch.opti
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     state = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(_owner(model, weighting), optimizer, options=_flat())
+    if optimizer is not None:  # 8-bit moments as their plain tensors (`flat_pack`)
+        state["optimizer"] = flat_pack(get_optimizer_state_dict(_owner(model, weighting), optimizer, options=_flat()))
     return state
 
 
@@ -234,7 +246,12 @@ def load_sharded(folder, model: nn.Module, weighting: nn.Module | None = None,
     state = _sharded_state(model, weighting, optimizer)
     try:
         saved = SafeReader(str(folder)).read_metadata().state_dict_metadata
-        missing = sorted(f"model.{k}" for k in state["model"] if f"model.{k}" not in saved)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - as below
+        raise _unreadable(folder, exc, "resume from another checkpoint") from None
+    missing = sorted(f"model.{k}" for k in state["model"] if f"model.{k}" not in saved)
+    if optimizer is not None:  # NOTE: before the partial load below, which would leave a moment of another kind out
+        check_flat_kinds(state["optimizer"], (k[len("optimizer."):] for k in saved if k.startswith("optimizer.")))
+    try:
         # Partial load, for the optimizer only: a parameter that never had a gradient (the contrastive temperature
         # with that term off) has no optimizer state in the checkpoint, exactly as in the run that saved it.
         with _quiet_dcp():
@@ -249,7 +266,8 @@ def load_sharded(folder, model: nn.Module, weighting: nn.Module | None = None,
                             f"e.g. {missing[0][len('model.'):]}); use the config saved in that checkpoint")
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(_owner(model, weighting), optimizer, state["optimizer"], options=_flat())
+        set_optimizer_state_dict(_owner(model, weighting), optimizer, flat_unpack(state["optimizer"]),
+                                 options=_flat())
 
 
 def consolidate_sharded(folder) -> dict[str, torch.Tensor]:
