@@ -183,6 +183,7 @@ def check_layout(cfg, world: World) -> ParallelDims:
             raise VlaforgeError("parallel.backend = 'ddp' with train.step_in_backward is refused: DDP all-reduces "
                                 "gradients in buckets after the hooks that would step them have run; use backend = "
                                 "'fsdp2' (its hooks run after the reduce-scatter), or one process")
+        check_optimizer_state(cfg, dims)
         if any(p.unfreeze_at_step is not None for _, p in cfg.components.items()):
             raise VlaforgeError("unfreeze_at_step is not available with more than one process yet (FSDP2 fixes "
                                 "which parameters train when it shards); train the component from the start or "
@@ -203,6 +204,22 @@ def check_lora_storage(cfg, dims: ParallelDims) -> None:
             raise VlaforgeError(f"components.{name}.lora.base = 'nf4' with parallel.dp_replicate = "
                                 f"{dims.dp_replicate}: torchao's NF4 tensor shards under FSDP2 but does not "
                                 "replicate (HSDP, DDP); set dp_replicate = 1, or lora.base = 'bf16'")
+
+
+def check_optimizer_state(cfg, dims: ParallelDims) -> None:
+    """torchao's optimizers (8-bit moments, stochastic rounding) over more than one process: DDP's replicas, whose
+    parameters are plain tensors. Refused where parameters are DTensors (FSDP2 / HSDP shards, tensor and pipeline
+    parallel): on 2 gloo ranks torchao's compiled step crashed (SIGSEGV) on a rank's empty shard of a parameter
+    with fewer rows than ranks (projector.logit_scale), and a gathered 8-bit moment came back as an
+    AsyncCollectiveTensor, which a checkpoint cannot hold."""
+    from vlaforge.techniques.optimizer_state import option
+
+    chosen = [c for c, p in cfg.components.items() if option(p) != ("master", False)]
+    if chosen and (dims.backend != "ddp" or dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
+        raise VlaforgeError(f"components.{chosen[0]}.optim_state / stochastic_rounding step plain tensors and "
+                            f"parallel.backend = '{dims.backend}' on {dims.world_size} processes shards them "
+                            "(torchao's 8-bit state does not shard here); use parallel.backend = 'ddp' with "
+                            "dp_replicate = the world size and dp_shard = 1, or run in one process")
 
 
 def check_family(folder: str, dims: ParallelDims) -> None:
