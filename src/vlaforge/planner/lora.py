@@ -149,10 +149,15 @@ def frozen_param_bytes(a: Adapted, p, master_bytes: int) -> int:
     return master_bytes * p.numel()
 
 
-def adapter_state(a: Adapted, master_bytes: int) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes of the adapters: A and B per linear, AdamW's two moments and step each."""
+def adapter_state(a: Adapted, master_bytes: int, eight_bit: bool = False) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes of the adapters: A and B per linear, AdamW's two moments (8-bit where
+    `eight_bit` and torchao quantizes that shape) and step each."""
+    from vlaforge.techniques.optimizer_state import moment_bytes
+
     n, size = a.numel, adapter_bytes(a, master_bytes)
-    return n * size, n * size, 2 * n * size + 4 * 2 * len(a.linears)
+    moments = sum(2 * (moment_bytes(a.rank * i, size, eight_bit) + moment_bytes(o * a.rank, size, eight_bit))
+                  for i, o, _ in a.linears)
+    return n * size, n * size, moments + 4 * 2 * len(a.linears)
 
 
 def adapters_of(model: nn.Module, policies) -> dict[str, Adapted]:

@@ -4,8 +4,12 @@ Counted from the model's real parameter shapes (a fake-tensor build for the larg
 vlaforge's precision design: every component keeps master weights in fp32, or in `train.precision_master` when
 it computes in bf16 / fp16 / fp8 (fp8 linears keep bf16/fp32 masters; their per-tensor scales are bytes, not
 counted). Gradients are in the master dtype. AdamW keeps two moments in the master dtype and a fp32 step scalar
-per parameter tensor. A frozen component has parameters only (one that unfreezes later is planned as trainable:
-its state is allocated when it starts to train). Tied weights belong to the first component that owns them.
+per parameter tensor; a component with `optim_state = "8bit"` keeps torchao's 8-bit moments where torchao quantizes
+(a tensor of at least 4096 values, a multiple of 256: 1 byte a value, an fp32 scale per 256 values and a 1 KiB code
+map per moment; techniques/optimizer_state.py), master-dtype ones elsewhere. Stochastic rounding adds nothing: the
+bf16 weights are the only copy (no fp32 master). A frozen component has parameters only (one that unfreezes later
+is planned as trainable: its state is allocated when it starts to train). Tied weights belong to the first component
+that owns them.
 
 Per GPU: FSDP2 / ZeRO-3 divide everything by the shard degree; tensor parallel divides the LLM blocks' attention
 and MLP weights by tp (norms, embeddings, heads and the other components stay replicated); a pipeline stage holds
@@ -13,7 +17,8 @@ only its own parameters.
 
 The mixed-precision rule of thumb "16 bytes per parameter" is right for fp32 masters + AdamW (4 weight + 4 grad +
 8 moments) whatever the compute dtype: bf16 autocast does not store a second weight copy; the transient bf16
-casts of the weights are activation memory. With `precision_master = "bf16"` it is 8 bytes.
+casts of the weights are activation memory. With `precision_master = "bf16"` it is 8 bytes; with 8-bit moments as
+well (and stochastic rounding to keep bf16 updates unbiased) ~6.03 bytes (2 + 2 + 2 x 1.016).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch import nn
 
 from vlaforge.models.llm import llm_blocks
 from vlaforge.techniques.freezing import ever_trains
+from vlaforge.techniques.optimizer_state import moment_bytes
 from vlaforge.techniques.precision import MASTER_DTYPES
 
 ADAM_STEP_BYTES = 4  # the fp32 `step` tensor AdamW keeps per parameter tensor
@@ -96,8 +102,9 @@ def model_state(model: nn.Module, policies: Mapping[str, Any], master: str = "fp
         trains = ever_trains(policy)
         lora = adapted(model, name, policy)
         s = StateBytes()
+        eight_bit = getattr(policy, "optim_state", "master") == "8bit"
         if lora is not None:
-            s.params, s.grads, s.optimizer = adapter_state(lora, size)
+            s.params, s.grads, s.optimizer = adapter_state(lora, size, eight_bit)
             s.numel, s.tensors = lora.numel, 2 * len(lora.linears)
         for p in params:
             n = p.numel()
@@ -111,7 +118,7 @@ def model_state(model: nn.Module, policies: Mapping[str, Any], master: str = "fp
                 s.tp_sharded_params += n * size
             if trains:
                 s.grads += n * size
-                s.optimizer += 2 * n * size + ADAM_STEP_BYTES
+                s.optimizer += 2 * moment_bytes(n, size, eight_bit) + ADAM_STEP_BYTES
         out.by_component[name] = s
     return out
 
