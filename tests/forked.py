@@ -64,6 +64,10 @@ def _become_fresh(cwd: Path, env: dict[str, str]) -> None:
     multiprocessing.process._children.clear()  # the test process's Manager and ranks are not our children
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    inductor = sys.modules.get("torch._inductor.async_compile")
+    if inductor is not None:  # NOTE: torch resets its compile process pool at a fork, not the thread pool a compile
+        inductor.AsyncCompile.pool.cache_clear()  # waits on: the parent's has no threads here (measured: a child
+        # compiling torchao's optimizer step after the test process had compiled hung forever)
     warnings.resetwarnings()
     warnings.simplefilter("ignore")
     torch.manual_seed(TORCH_DEFAULT_SEED)
