@@ -204,8 +204,8 @@ def _bf16_weights(cfg, c):
 
 def _own_optimizer(cfg, _c):
     if cfg.parallel.backend == "deepspeed":
-        return ("parallel.backend = 'deepspeed' steps its own optimizer over the ZeRO partitions; drop it or use "
-                "parallel.backend = 'fsdp2' or 'ddp'")
+        return ("parallel.backend = 'deepspeed' steps its own optimizer over the ZeRO partitions; drop it, or train "
+                "in one process or with parallel.backend = 'ddp'")
     return None
 
 
