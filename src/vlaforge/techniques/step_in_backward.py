@@ -37,9 +37,15 @@ MakeOptimizer = Callable[[torch.optim.Optimizer, dict, nn.Parameter], torch.opti
 def per_parameter(grouped: torch.optim.Optimizer, group: dict, param: nn.Parameter) -> torch.optim.Optimizer:
     """The optimizer of one parameter: `grouped`'s class, with its constructor settings (fused, foreach, ...) and
     `group`'s hyperparameters. The one place per-parameter optimizers are built."""
-    accepted = inspect.signature(type(grouped).__init__).parameters
-    settings = {k: v for k, v in grouped.defaults.items() if k in accepted}  # (the group's own values win)
-    return type(grouped)([{**{k: v for k, v in group.items() if k != "params"}, "params": [param]}], **settings)
+    source = grouped
+    if hasattr(grouped, "parts"):  # a ComponentOptimizer (techniques/optimizer_state.py): the part stepping `group`
+        index = next(i for i, g in enumerate(grouped.param_groups) if g["name"] == group["name"])
+        source = grouped.parts[grouped.owner[index]]
+    accepted = inspect.signature(type(source).__init__).parameters
+    settings = {k: v for k, v in source.defaults.items() if k in accepted}  # (the group's own values win)
+    # torchao's settings live on the optimizer, not in its defaults (block_size, bf16_stochastic_round)
+    settings |= {k: getattr(source, k) for k in accepted if k not in settings and k != "params" and hasattr(source, k)}
+    return type(source)([{**{k: v for k, v in group.items() if k != "params"}, "params": [param]}], **settings)
 
 
 class InBackwardOptimizer(torch.optim.Optimizer):
@@ -60,6 +66,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self.check_finite = False  # a non-finite gradient's parameter does not step
         self.observe: Callable[[str, nn.Parameter, torch.Tensor], None] | None = None  # (component, param, grad)
         self.norms: dict[nn.Parameter, torch.Tensor] = {}  # this step's gradient norms (local shards), 0-d
+
+    def eight_bit(self, param: torch.Tensor) -> bool:
+        """Whether `param`'s AdamW moments are 8-bit (the grouped optimizer's answer: techniques/optimizer_state.py)."""
+        return getattr(self._grouped, "eight_bit", lambda p: False)(param)
 
     # ---- the hooks ---------------------------------------------------------------------------------------------
 
