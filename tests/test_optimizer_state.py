@@ -243,6 +243,8 @@ def test_refusals_are_one_line(tmp_path):
                                                           f"--components.{C}.precision=bf16")
     assert "steps its own optimizer" in refused("--parallel.backend=deepspeed",
                                                             f"--components.{C}.optim_state=8bit")
+    assert "no optimizer state to keep" in refused(f"--components.{C}.trainable=false",
+                                                   f"--components.{C}.optim_state=8bit")
 
 
 def test_fsdp2_sharding_is_refused_and_ddp_is_not(tmp_path):

@@ -88,6 +88,11 @@ class ComponentConfig(Section):
         if self.lora is not None and not self.trainable and self.unfreeze_at_step is None:
             raise ValueError("lora on a component with trainable = false: its adapters would never train; drop "
                              "lora, or set unfreeze_at_step for when the adapters start training")
+        chosen = [f for f, on in (("optim_state = '8bit'", self.optim_state != "master"),
+                                  ("stochastic_rounding", self.stochastic_rounding)) if on]
+        if chosen and not self.trainable and self.unfreeze_at_step is None:
+            raise ValueError(f"{' and '.join(chosen)} on a component with trainable = false: it never steps, so "
+                             "it has no optimizer state to keep; drop it, or set unfreeze_at_step")
         return self
 
 

@@ -78,6 +78,10 @@ def run(base, cl: Cluster, global_batch: int, fix: list[str], micro_batch: int |
                  f"vlaforge {ref['vlaforge_llm_blocks_gb']:.2f} GB (the formula assumes MHA, a 4h GELU FFN, "
                  "half-precision residuals and materialized attention scores)")
     best = plan.best
+    if best is None and plan.fallback is not None:  # nothing fits as searched: the fastest alternative that does
+        name, best = plan.fallback
+        text += f"\nchosen: {name} (the fastest alternative that fits)"
+        out["chosen_alternative"] = name
     if best is None and (write_to or plot_to or measure):
         text += "\nnothing fits: no recipe, chart or measurement written"
     if best is not None:

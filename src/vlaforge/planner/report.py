@@ -10,7 +10,7 @@ from typing import Any
 
 from vlaforge import COMPONENTS
 from vlaforge.planner.estimate import GB, Estimate
-from vlaforge.planner.search import Plan
+from vlaforge.planner.search import GPU_OPTIMIZER, Plan
 from vlaforge.planner.types import Assumptions, Cluster, PlanModel, config_fields
 
 KINDS = ("params", "grads", "optimizer", "activations")
@@ -248,6 +248,8 @@ def _fit_row(lead: str, cluster: Cluster, plan, why: bool, fallback: str | None 
     with the plan's first two explanations (nothing fits: its alternatives). `fallback`: the alternative
     (`search.ALTERNATIVES`) shown, marked in the layout, when nothing else fits; it adds a CPU GB column."""
     b = plan.best or (plan.alternatives.get(fallback) if fallback else None)
+    if plan.best is None and fallback and plan.fallback is not None:  # the fastest alternative that fits
+        fallback, b = plan.fallback
     cpu = [] if fallback is None else ["—"]
     if b is None or not b.fits:
         m = plan.best_misfit or b
@@ -256,7 +258,7 @@ def _fit_row(lead: str, cluster: Cluster, plan, why: bool, fallback: str | None 
         alts = "; ".join(x for x in plan.explanations if x.startswith("alternative"))
         cells += [alts or "no alternative fits"] if why else []
     else:
-        layout = _short(b) + (" zero3 cpu" if b is not plan.best else "")
+        layout = _short(b) + (f" {ALTERNATIVE_TAGS.get(fallback, fallback)}" if b is not plan.best else "")
         cpu = [] if fallback is None else [f"{b.memory.get('cpu', 0.0):.1f}"]
         cells = [lead, cluster.describe(), "yes", layout, _policy(b, plan.with_blocks),
                  f"{b.config.train.batch_size} × {b.config.train.grad_accum}", f"{b.memory['total']:.1f}", *cpu,
@@ -276,6 +278,8 @@ POLICY_SETUPS = {
 }
 POLICY_GLOBAL_BATCH = 32  # LeRobot's pi0.5 fine-tuning batch
 OFFLOAD = "DeepSpeed ZeRO-3 with optimizer and parameter offload to CPU"  # search.ALTERNATIVES' name
+# the layout column's mark of an alternative (else its name)
+ALTERNATIVE_TAGS = {OFFLOAD: "zero3 cpu", GPU_OPTIMIZER: "8-bit in backward"}
 
 
 def policy_section(assume: Assumptions, flavor: str = "pi05") -> list[str]:

@@ -37,7 +37,14 @@ DEGREES = (1, 2, 4, 8)  # tp, pp and cp where --fix leaves them free
 LORA = "components.lora"  # the search's LoRA choice: adapters on planner.lora.LORA_COUNTED (or none)
 RECIPE_HEADER = "# vlaforge plan:"  # a recipe's first line when plan wrote it: plan replaces only such a file
 LORA_REFUSED = "lora: "  # marks, among the search's refusals, LoRA's own
+GPU_OPTIMIZER = ("the optimizer on the GPU in ~4 bytes per parameter: bf16 weights with stochastic rounding, 8-bit "
+                 "AdamW moments, each parameter stepped inside backward (no gradient clipping)")
+# NOTE: the per-component options are set on the components that train (`_alternative_pins`); the first that fits,
+# fastest, is the plan's `fallback`
 ALTERNATIVES = {
+    GPU_OPTIMIZER: {"train.precision_master": "bf16", "train.step_in_backward": True, "train.grad_clip": 0.0,
+                    **{f"components.{c}.{k}": v for c in COMPONENTS
+                       for k, v in (("optim_state", "8bit"), ("stochastic_rounding", True))}},
     "DeepSpeed ZeRO-3 with optimizer and parameter offload to CPU": {
         "parallel.backend": "deepspeed", "parallel.zero_stage": 3, "parallel.offload_optimizer": "cpu",
         "parallel.offload_param": "cpu"},
@@ -87,6 +94,12 @@ class Plan:
     explanations: list[str] = field(default_factory=list)
     alternatives: dict[str, Estimate] = field(default_factory=dict)  # when nothing fits: what would, and how fast
     with_blocks: tuple[str, ...] = ()  # the model's components with transformer blocks (the table's policy column)
+
+    @property
+    def fallback(self) -> tuple[str, Estimate] | None:
+        """When nothing fits: the fastest alternative that fits, (its name, its estimate); else None."""
+        fits = [(name, e) for name, e in self.alternatives.items() if e.fits]
+        return max(fits, key=lambda x: x[1].tokens_per_s, default=None) if not self.ranked else None
 
     @property
     def best(self) -> Estimate | None:
@@ -151,6 +164,7 @@ def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, 
         validate(e.config.model_dump(mode="json"))
     if not plan.ranked and alternatives:
         for name, extra in ALTERNATIVES.items():
+            extra = _alternative_pins(pm.cfg, extra)
             if any(k in fixed for k in extra):
                 continue
             try:
@@ -165,6 +179,18 @@ def search(pm: PlanModel, cluster: Cluster, global_batch: int, fixed: dict[str, 
         plan.explanations.append(f"no LoRA / QLoRA candidate of rank {lora_rank}: "
                                  + (why[len(LORA_REFUSED):] if why else "no layout here takes LoRA"))
     return plan
+
+
+def _alternative_pins(cfg, extra: dict[str, Any]) -> dict[str, Any]:
+    """An alternative's pins for `cfg`: its per-component optimizer options only on the components that ever train
+    (a frozen component has no optimizer state: the config refuses them there)."""
+    from vlaforge.techniques.freezing import ever_trains
+
+    def kept(key: str) -> bool:
+        parts = key.split(".")
+        return parts[0] != "components" or ever_trains(getattr(cfg.components, parts[1]))
+
+    return {k: v for k, v in extra.items() if kept(k)}
 
 
 def refuse_fp8(cluster: Cluster, fixed: dict[str, Any]) -> None:
