@@ -38,6 +38,11 @@ VARIANTS = {
     "fp32+checkpointing": {"checkpointing": "full"},
     "bf16+checkpointing": {"checkpointing": "full", "precision": "bf16"},
     "bf16-master+checkpointing": {"checkpointing": "full", "precision": "bf16", "master": "bf16"},
+    # the optimizer on the GPU (recipes/pi05_24gb.toml): bf16 weights with stochastic rounding, 8-bit moments (on the
+    # components that train), each parameter stepped inside backward; no gradient clipping (it needs none)
+    "bf16-sr-8bit-inbackward+checkpointing": {"checkpointing": "full", "precision": "bf16", "master": "bf16",
+                                              "optim_state": "8bit", "stochastic_rounding": True,
+                                              "step_in_backward": True},
 }
 PREDICT_DTYPES = ("fp32", "bf16")
 
@@ -63,6 +68,16 @@ def variant_config(kind: str, folder: Path, variant: str):
                  "components": {c: p for c, p in components.items() if p}}
     if "master" in v:
         overrides["train"] = {"precision_master": v["master"]}
+    if v.get("step_in_backward"):
+        overrides["train"] |= {"step_in_backward": True, "grad_clip": 0.0}
+    if "optim_state" in v:  # on the components that train (a frozen one has no optimizer state: refused there)
+        from vlaforge.techniques.freezing import ever_trains
+
+        trains = [c for c, p in load_config(ROOT / "recipes" / f"{kind}.toml", overrides).components.items()
+                  if ever_trains(p)]
+        for c in trains:
+            overrides["components"].setdefault(c, {}).update(
+                optim_state=v["optim_state"], stochastic_rounding=v["stochastic_rounding"])
     return load_config(ROOT / "recipes" / f"{kind}.toml", overrides)
 
 
@@ -97,6 +112,12 @@ def train(args) -> dict:
     start = settle()
     model, precision = frozen_model(cfg)
     optimizer = build_optimizer(model, cfg)
+    if cfg.train.step_in_backward:  # each parameter steps in its hook; the loop's optimizer.step() finds no gradient
+        from vlaforge.techniques.step_in_backward import apply_step_in_backward
+
+        optimizer = apply_step_in_backward(optimizer)
+        optimizer.begin()
+        optimizer.arm(True)
     loss_of, _ = pinned_loss(model, args.inputs)
     trained = [p for p in model.parameters() if p.requires_grad]
     model.train()

@@ -69,13 +69,16 @@ CATALOG: dict[str, GPU] = {g.name: g for g in (
     # Ada (PCIe only, no NVLink): L40S 48 GB GDDR6; RTX 4090 24 GB, fp16/bf16 with fp32 accumulate
     GPU("l40s", 48, 362, 362, 733, 864, 32, 25, 32),
     GPU("rtx-4090", 24, 165, 165, 330, 1008, 32, 12.5, 32),
+    # RTX 4070 12 GB GDDR6X at 504 GB/s; dense fp16/bf16 with fp32 accumulate 58.3 TFLOPS (Ada's GeForce half rate)
+    GPU("rtx-4070", 12, 58.3, 58.3, 116.6, 504, 32, 12.5, 32),
     # The 2-core CPU machine this project is built on (AMD EPYC Zen 4 class, AVX-512 with bf16 dot products): peak
     # ~2 cores x 3 GHz x 64 bf16 FLOP/cycle; fp16 has no vector unit here (measured 5x slower than fp32); DRAM and
     # gloo's shared-memory links are rough figures. It is the entry `vlaforge plan --calibrate` is tested against:
     # what a CPU run reaches of this "peak" comes from calibration, not from these numbers.
     GPU("cpu", 24, 0.38, 0.04, 0, 30, 5, 1, 10, launch_us=0.0),
 )}
-ALIASES = {"h100": "h100-80", "h100-sxm": "h100-80", "h200": "h200-141", "a100": "a100-80", "4090": "rtx-4090"}
+ALIASES = {"h100": "h100-80", "h100-sxm": "h100-80", "h200": "h200-141", "a100": "a100-80", "4090": "rtx-4090",
+           "4070": "rtx-4070"}
 
 
 def load_catalog(path: Path | None = None) -> dict[str, GPU]:
