@@ -285,7 +285,7 @@ ALTERNATIVE_TAGS = {OFFLOAD: "zero3 cpu", GPU_OPTIMIZER: "8-bit in backward"}
 def policy_section(assume: Assumptions, flavor: str = "pi05") -> list[str]:
     """Fine-tuning LeRobot's pi0.5 (its `pi05` flavor, LeRobot's default sizes): full, `train_expert_only`, LoRA on
     LeRobot's targets and QLoRA, on the LoRA table's clusters (1 x 24 / 48 / 80, 8 x 80 GB); where nothing fits on
-    the GPUs, DeepSpeed ZeRO-3 with the optimizer and the parameters on the CPU."""
+    the GPUs as searched, the plan's fastest fitting alternative (`Plan.fallback`)."""
     from vlaforge.config.loading import load_config
     from vlaforge.planner.search import search
 
@@ -293,8 +293,10 @@ def policy_section(assume: Assumptions, flavor: str = "pi05") -> list[str]:
              f"Global batch {POLICY_GLOBAL_BATCH} (LeRobot's), 3 cameras at 224 px, a 200-token prompt, chunk 50. "
              "Searched as vlaforge trains a LeRobot policy (docs/lerobot_policies.md): bf16 compute over fp32 master "
              "weights, the joint layers (VLM block + expert block) and the tower checkpointed or not, FSDP2 with each "
-             "joint layer one unit, or DDP; where nothing fits, DeepSpeed ZeRO-3 with the AdamW state, its step and "
-             "the parameters on the CPU (`zero3 cpu` below). Every part's activations are measured under fake "
+             "joint layer one unit, or DDP; where nothing fits, the fastest alternative that fits: bf16 weights with "
+             "stochastic rounding, 8-bit AdamW moments and each parameter stepped inside backward, no gradient "
+             "clipping (`8-bit in backward` below), or DeepSpeed ZeRO-3 with the AdamW state, its step and the "
+             "parameters on the CPU (`zero3 cpu`). Every part's activations are measured under fake "
              "tensors (docs/planner.md, \"Measured rows\"). LoRA: rank 32, alpha 32 on LeRobot's default targets "
              "(the expert's q / v projections, the action projections), the VLM frozen; QLoRA: every linear of the "
              "VLM and the expert adapted over an NF4 base, the tower frozen. The full fine-tune on one 24 GB GPU is "
