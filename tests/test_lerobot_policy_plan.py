@@ -117,33 +117,18 @@ def test_the_24gb_recipe_is_the_planners_choice(pi05_plan):
 @pytest.mark.over_budget("torchao compiles its 8-bit / stochastic-rounding step once per parameter shape")
 def test_the_24gb_recipe_trains_a_pi05_folder(session_root, tmp_path):
     """recipes/pi05_24gb.toml (bf16 weights with stochastic rounding, 8-bit moments, the step inside backward, the
-    joint layers checkpointed) trains a tiny pi0.5 folder LeRobot wrote for two steps, and resumes from its step-1
-    checkpoint to the same step-2 weights and optimizer state, bit for bit."""
-    import shutil
-
+    joint layers checkpointed) trains a tiny pi0.5 folder LeRobot wrote for two steps: every weight bf16, the second
+    step (from the saved moments) moves most of them, the moments of its large tensors saved as 8-bit codes
+    (bit-exact resume of these optimizers: tests/test_optimizer_state.py)."""
     import torch
 
     args = ref061.train_args("pi05", session_root, tmp_path / "ds", recipe="recipes/pi05_24gb.toml")
-    common = (*args, "--train.batch_size=2", "--train.steps=2")
-    done = run_cli(*common, "--train.checkpoint_every=1", f"--train.output_dir={tmp_path / 'run'}", timeout=300)
+    done = run_cli(*args, "--train.batch_size=2", "--train.steps=2", "--train.checkpoint_every=1",
+                   f"--train.output_dir={tmp_path / 'run'}", timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    shutil.copytree(tmp_path / "run" / "checkpoints" / "step_00000001", tmp_path / "part" / "ckpt")
-    done = run_cli(*common, f"--train.resume={tmp_path / 'part' / 'ckpt'}", f"--train.output_dir={tmp_path / 'part'}",
-                   timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    a, b = (ref061.trained(tmp_path / r, 2) for r in ("run", "part"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert {t.dtype for t in a.values()} == {torch.bfloat16}
-    sa, sb = (torch.load(tmp_path / r / "checkpoints" / "step_00000002" / "trainer_state.pt", weights_only=True)
-              for r in ("run", "part"))
-    sa, sb = sa["optimizer"]["state"], sb["optimizer"]["state"]
-    assert any(isinstance(v.get("exp_avg"), dict) for v in sa.values())  # 8-bit moments, saved as plain tensors
-    # every state of the straight run, bit for bit (the resumed one also holds zero moments for the parameters the
-    # joint layer never uses - the last VLM layer's MLP: torch's state-dict loading initialises every parameter's)
-    assert sa.keys() <= sb.keys() and all(_equal(sa[k], sb[k]) for k in sa)
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    return bool((a == b).all()) and a.dtype == b.dtype
+    start, trained = ref061.trained(tmp_path / "run", 1), ref061.trained(tmp_path / "run", 2)
+    assert {t.dtype for t in trained.values()} == {torch.bfloat16}
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_00000002" / "trainer_state.pt", weights_only=True)
+    assert any(isinstance(v.get("exp_avg"), dict) for v in state["optimizer"]["state"].values())  # 8-bit codes
+    moved = [k for k, v in trained.items() if not torch.equal(v, start[k])]  # the second step moved them
+    assert len(moved) > len(trained) // 2, (len(moved), len(trained))
