@@ -262,6 +262,25 @@ def trained_run(kind: str, args: list[str] | tuple[str, ...], root: Path, recipe
     return out / "run"
 
 
+def worst_grad(model, theirs: dict[str, torch.Tensor]) -> tuple[int, float]:
+    """(tensors compared, the largest relative difference) of a policy model's gradients against LeRobot's (the
+    "grad.<LeRobot name>" tensors of `reference`), relative per tensor. A gradient that is zero in exact arithmetic (an
+    attention key bias: softmax ignores a per-row constant) is round-off in both (1e-11 .. 4e-9): a tensor whose
+    largest gradient is under 1e-3 of the model's largest is measured against that floor."""
+    from vlaforge.models.policies.families import family_of
+
+    fam, params = family_of(model.spec.family, "test"), dict(model.named_parameters())
+    grads = {k[5:]: v for k, v in theirs.items() if k.startswith("grad.")}
+    floor = 1e-3 * max(float(g.abs().max()) for g in grads.values())
+    worst = 0.0
+    for name, grad in grads.items():
+        comp, inner = fam.key(name)
+        mine = params[f"{comp}.{inner}"].grad
+        assert mine is not None, name
+        worst = max(worst, float((mine - grad).abs().max() / max(float(grad.abs().max()), floor)))
+    return len(grads), worst
+
+
 def trained(run: Path, step: int) -> dict[str, torch.Tensor]:
     """A run's weights at `step` (its checkpoints/step_* model.safetensors)."""
     from safetensors.torch import load_file

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from vlaforge.data.batch import Batch
-from vlaforge.models.policies.families import family_of
 
 pytestmark = pytest.mark.xdist_group("lerobot061")
 
@@ -41,21 +40,6 @@ def _inputs():
     return inputs, tasks, frames
 
 
-def _worst_grad(model, theirs: dict) -> tuple[int, float]:
-    """(tensors compared, the largest relative difference) of the model's gradients against LeRobot's, as
-    tests/test_lerobot_policies.py measures them (a floor of 1e-3 of the largest gradient)."""
-    fam, params = family_of("pi05", "test"), dict(model.named_parameters())
-    grads = {k[5:]: v for k, v in theirs.items() if k.startswith("grad.")}
-    floor = 1e-3 * max(float(g.abs().max()) for g in grads.values())
-    worst = 0.0
-    for name, grad in grads.items():
-        comp, inner = fam.key(name)
-        mine = params[f"{comp}.{inner}"].grad
-        assert mine is not None, name
-        worst = max(worst, float((mine - grad).abs().max() / max(float(grad.abs().max()), floor)))
-    return len(grads), worst
-
-
 def test_empty_camera_slots_match_lerobot(session_root):
     out = ref061.policy_folder(KIND, session_root)
     inputs, tasks, frames = _inputs()
@@ -73,7 +57,7 @@ def test_empty_camera_slots_match_lerobot(session_root):
     loss = model.loss(x, inputs["noise"], inputs["time"])
     assert abs(loss.item() - meta["loss"]) <= TOL
     loss.backward()
-    count, worst = _worst_grad(model, theirs)
+    count, worst = ref061.worst_grad(model, theirs)
     assert count > 20 and worst <= TOL, (count, worst)
     model.eval()
     sample = model.sample_actions(model.prepare(batch, with_actions=False), inputs["noise"])

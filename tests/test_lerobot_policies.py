@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from vlaforge.errors import VlaforgeError
-from vlaforge.models.policies.families import family_of
 from vlaforge.models.policies.model import PolicyVLA
 
 pytestmark = pytest.mark.xdist_group("lerobot061")
@@ -70,20 +69,8 @@ def test_losses_gradients_and_samples_match_lerobot(kind, session_root):
     loss = model.loss(x, inputs["noise"], inputs["time"])
     assert abs(loss.item() - meta["loss"]) <= TOL
     loss.backward()
-    fam = family_of(model.spec.family, "test")
-    params = dict(model.named_parameters())
-    grads = {k[5:]: v for k, v in theirs.items() if k.startswith("grad.")}
-    # relative per tensor; a gradient that is zero in exact arithmetic (an attention key bias: softmax ignores a
-    # per-row constant) is round-off in both (1e-11 .. 4e-9): a tensor whose largest gradient is under 1e-3 of the
-    # model's largest is measured against that floor
-    floor = 1e-3 * max(float(g.abs().max()) for g in grads.values())
-    worst = 0.0
-    for name, grad in grads.items():
-        comp, inner = fam.key(name)
-        mine = params[f"{comp}.{inner}"].grad
-        assert mine is not None, name
-        worst = max(worst, float((mine - grad).abs().max() / max(float(grad.abs().max()), floor)))
-    assert len(grads) > 20 and worst <= TOL, (len(grads), worst)
+    count, worst = ref061.worst_grad(model, theirs)  # relative per tensor, with a floor (its docstring)
+    assert count > 20 and worst <= TOL, (count, worst)
     model.eval()
     sample = model.sample_actions(model.prepare(batch, with_actions=False), inputs["noise"])
     assert (sample - theirs["sample"]).abs().max() <= TOL
