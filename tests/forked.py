@@ -24,6 +24,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import Callable, NoReturn
 
 TORCH_DEFAULT_SEED = 67280421310721  # torch.initial_seed() of a fresh interpreter
 
@@ -82,22 +83,24 @@ def _become_fresh(cwd: Path, env: dict[str, str]) -> None:
                 h.setStream(sys.stderr)
 
 
-def _child(args: tuple[str, ...], cwd: Path, env: dict[str, str], out_fd: int, err_fd: int) -> int:
+def own_streams(out_fd: int, err_fd: int) -> None:
+    """File descriptors 1 and 2 of this (forked) process on `out_fd` / `err_fd`, and sys.stdout / sys.stderr (and
+    their `__` originals) line-buffered text streams over them, as a fresh interpreter's."""
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
     sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, encoding="utf-8", closefd=False)
     sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
                                        closefd=False)
+
+
+def exit_like_interpreter(body: Callable[[], object]) -> NoReturn:
+    """Run `body()` in a forked child and end the child as an interpreter ends a script - exit 0; SystemExit's code
+    (a code that is not an int printed to stderr, exit 1); an uncaught exception's traceback and exit 1 - then its
+    atexit handlers and flushed streams, and `os._exit`: the child never returns into its parent's code. (Also
+    tests/lerobot_env061/warm.py's children: this module imports only the standard library.)"""
     code = 1
-    import faulthandler
-
-    faulthandler.enable(file=sys.stderr, all_threads=True)  # a hung child's stacks, when the parent aborts it
     try:
-        _become_fresh(cwd, env)
-        sys.argv = ["vlaforge", *args]
-        from vlaforge.cli import main
-
-        main()
+        body()
         code = 0
     except SystemExit as exc:  # what the interpreter does with it
         if exc.code is None or isinstance(exc.code, int):
@@ -107,11 +110,27 @@ def _child(args: tuple[str, ...], cwd: Path, env: dict[str, str], out_fd: int, e
     except BaseException:  # noqa: BLE001 - an uncaught exception: the traceback a real process prints, exit 1
         traceback.print_exc()
     try:
-        atexit._run_exitfuncs()
+        atexit._run_exitfuncs()  # (the ones the imports registered: what a fresh process runs at its end)
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def _child(args: tuple[str, ...], cwd: Path, env: dict[str, str], out_fd: int, err_fd: int) -> NoReturn:
+    own_streams(out_fd, err_fd)
+    import faulthandler
+
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a hung child's stacks, when the parent aborts it
+
+    def cli() -> None:
+        _become_fresh(cwd, env)
+        sys.argv = ["vlaforge", *args]
+        from vlaforge.cli import main
+
+        main()
+
+    exit_like_interpreter(cli)
 
 
 def run_forked(args: tuple[str, ...], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
+from typing import NoReturn
 
 TORCH_DEFAULT_SEED = 67280421310721  # torch.initial_seed() of a fresh interpreter
 # the environment that modules read once, at import: tests/lerobot061.py sends a request here only where its values
@@ -41,6 +41,15 @@ def preload() -> None:
     import tokenizers  # noqa: F401
     import transformers  # noqa: F401
 
+    # how a child ends (tests/forked.py, standard library only), imported here: a child cannot fail to find it. The
+    # folder leaves the path again, so that a script resolves its imports as in a fresh interpreter
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.append(tests)
+    try:
+        import forked  # noqa: F401
+    finally:
+        sys.path.remove(tests)
+
 
 def _reread() -> None:
     """REREAD as a fresh import reads it: huggingface_hub's and LeRobot's constants recomputed from this child's
@@ -57,18 +66,15 @@ def _reread() -> None:
     lerobot.processor.pipeline.HF_LEROBOT_HOME = lerobot.utils.constants.HF_LEROBOT_HOME
 
 
-def _child(job: dict) -> None:
-    code = 1
-    try:
+def _child(job: dict) -> NoReturn:
+    """SCRIPT of `job` in this forked child, ended as `python SCRIPT` ends (tests/forked.py)."""
+    from forked import exit_like_interpreter, own_streams
+
+    def script() -> None:
         out = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         err = os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(out, 1)
-        os.dup2(err, 2)
-        sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, encoding="utf-8", closefd=False)
-        sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
-                                           closefd=False)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        own_streams(out, err)
         import runpy
 
         import torch
@@ -79,26 +85,11 @@ def _child(job: dict) -> None:
         _reread()
         torch.manual_seed(TORCH_DEFAULT_SEED)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), job["script"])
-        sys.argv = [script, *job["args"]]
-        runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as exc:  # what the interpreter does with it
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - an uncaught exception: the traceback a real process prints, exit 1
-        traceback.print_exc()
-    finally:
-        try:
-            import atexit
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), job["script"])
+        sys.argv = [path, *job["args"]]
+        runpy.run_path(path, run_name="__main__")
 
-            atexit._run_exitfuncs()  # (the ones the imports registered: what a fresh process runs at its end)
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+    exit_like_interpreter(script)
 
 
 def main() -> None:
