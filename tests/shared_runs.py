@@ -102,3 +102,35 @@ def two_rank_run(tmp_path_factory, name: str, *args: str, fresh: bool = False) -
 def ddp_run(tmp_path_factory) -> Path:
     """DDP on 2 ranks: test_data_parallel's DDP cell and test_deepspeed's reference for ZeRO."""
     return two_rank_run(tmp_path_factory, "ddp", *DDP)
+
+
+
+_WARM_STEPS: set = set()
+
+
+def warm_optimizer_steps(component: str, **policy) -> None:
+    """One training step of the tiny recipe with `components.COMPONENT = POLICY` in THIS process, once per process:
+    torchao compiles its AdamW step once per parameter shape (techniques/optimizer_state.py), and the runs a test
+    forks from this process afterwards (run_cli, the ranks of tests/launch.py:torchrun) inherit those graphs instead
+    of each compiling them again."""
+    key = (component, tuple(sorted(policy.items())))
+    if key in _WARM_STEPS:
+        return
+    import torch
+
+    from vlaforge import COMPONENTS
+    from vlaforge.training.loss_scale import LossScaler
+    from vlaforge.training.optim import build_optimizer, build_scheduler
+    from vlaforge.training.step import StepGuards, train_step
+    from vlaforge.training.trainer import build_loss_weighting, build_model
+
+    from conftest import make_batch, tiny_config
+
+    cpu = torch.device("cpu")
+    cfg = tiny_config(components={component: policy})
+    model, setup = build_model(cfg, cpu)
+    weighting = build_loss_weighting(cfg, model, cpu)
+    opt = build_optimizer(model, cfg, list(weighting.parameters()))
+    guards = StepGuards(LossScaler.from_config(cfg.loss_scale, setup.used, COMPONENTS))
+    train_step(model, [make_batch(cfg, model)], opt, build_scheduler(opt, cfg.train), weighting, 1.0, guards)
+    _WARM_STEPS.add(key)
