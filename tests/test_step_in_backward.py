@@ -270,21 +270,24 @@ def session_root(tmp_path_factory) -> Path:
 
 def test_a_lerobot_smolvla_fine_tune_steps_inside_backward_bit_for_bit(session_root, tmp_path):
     """Two steps of a LeRobot SmolVLA folder (its VLM and action expert training, fp32, LeRobot's grad clip of 10
-    set to 0) through `vlaforge train` end on the plain step's weights, bit for bit."""
+    set to 0) through `vlaforge train` end on the plain step's weights, bit for bit, and so do they with both
+    components' AdamW on the host (`optim_state = "cpu"`, techniques/host_optimizer.py) inside backward."""
     import lerobot061 as ref061
 
     args = ref061.train_args("smolvla", session_root, tmp_path / "ds") + [
         "--train.batch_size=2", "--components.llm.trainable=true", "--train.steps=2", "--train.checkpoint_every=2",
         "--train.grad_clip=0"]
     weights = {}
-    for name, extra in (("plain", []), ("inside", ["--train.step_in_backward=true"])):
+    host = ["--components.llm.optim_state=cpu", "--components.action_head.optim_state=cpu"]
+    for name, extra in (("plain", []), ("inside", ["--train.step_in_backward=true"]),
+                        ("host", ["--train.step_in_backward=true", *host])):
         r = run_cli(*args, *extra, f"--train.output_dir={tmp_path / name}", timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         weights[name] = ref061.trained(tmp_path / name, 2)
     start = load_file(str(ref061.policy_folder("smolvla", session_root) / "policy" / "model.safetensors"))
     assert not torch.equal(weights["plain"]["action_head.action_in_proj.weight"],
                            start["model.action_in_proj.weight"])  # it trained
-    assert not _same(weights["plain"], weights["inside"])
+    assert not _same(weights["plain"], weights["inside"]) and not _same(weights["plain"], weights["host"])
     # lerobot-train: the policy's grad clip (10 here) is refused, naming LeRobot's flag that sets it to 0
     from vlaforge.config import load_config
     from vlaforge.lerobot_train import translate

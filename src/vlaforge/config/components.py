@@ -44,10 +44,11 @@ class ComponentConfig(Section):
                             "the LLM's token embedding) at this width; `vlaforge quantize` converts the trained "
                             "weights to exactly that forward")
     qat_group_size: int = Field(32, ge=2, description="qat: weights per scale (a power of two)")
-    optim_state: Literal["master", "8bit"] = Field(
+    optim_state: Literal["master", "8bit", "cpu"] = Field(
         "master", description="AdamW moments: master (in the weights' master dtype, fused torch AdamW) | 8bit "
                               "(torchao's blockwise 8-bit moments, blocks of 256; tensors under 4096 values or not a "
-                              "multiple of 256 keep master-dtype moments)")
+                              "multiple of 256 keep master-dtype moments) | cpu (fp32 master weights, both moments "
+                              "and the step on the host, the device keeping its weights and gradients; one process)")
     stochastic_rounding: bool = Field(False, description="update the bf16 master weights with stochastic rounding "
                                                          "(torchao; unbiased small updates): needs precision other "
                                                          "than fp32 and train.precision_master = 'bf16'")
@@ -88,8 +89,11 @@ class ComponentConfig(Section):
         if self.lora is not None and not self.trainable and self.unfreeze_at_step is None:
             raise ValueError("lora on a component with trainable = false: its adapters would never train; drop "
                              "lora, or set unfreeze_at_step for when the adapters start training")
-        chosen = [f for f, on in (("optim_state = '8bit'", self.optim_state != "master"),
+        chosen = [f for f, on in ((f"optim_state = '{self.optim_state}'", self.optim_state != "master"),
                                   ("stochastic_rounding", self.stochastic_rounding)) if on]
+        if self.optim_state == "cpu" and self.stochastic_rounding:
+            raise ValueError("stochastic_rounding with optim_state = 'cpu': the host keeps fp32 master weights, so "
+                             "nothing rounds stochastically; drop one of them")
         if chosen and not self.trainable and self.unfreeze_at_step is None:
             raise ValueError(f"{' and '.join(chosen)} on a component with trainable = false: it never steps, so "
                              "it has no optimizer state to keep; drop it, or set unfreeze_at_step")

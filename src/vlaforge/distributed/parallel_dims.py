@@ -214,6 +214,12 @@ def check_optimizer_state(cfg, dims: ParallelDims) -> None:
     AsyncCollectiveTensor, which a checkpoint cannot hold."""
     from vlaforge.techniques.optimizer_state import option
 
+    hosted = [c for c, p in cfg.components.items() if option(p)[0] == "cpu"]
+    if hosted and dims.world_size > 1:
+        raise VlaforgeError(f"components.{hosted[0]}.optim_state = 'cpu' steps plain tensors on the host, one "
+                            f"process; this run has {dims.world_size} ({dims.backend}, whose parameters are "
+                            "DTensors); run in one process, or offload with parallel.backend = 'deepspeed' and "
+                            "offload_optimizer = 'cpu'")
     chosen = [c for c, p in cfg.components.items() if option(p) != ("master", False)]
     if chosen and (dims.backend != "ddp" or dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
         raise VlaforgeError(f"components.{chosen[0]}.optim_state / stochastic_rounding step plain tensors and "

@@ -180,7 +180,8 @@ def _stage_memory(pm: PlanModel, case: Case, stage: int) -> tuple[MemoryBytes, d
     activations = sum(m.activations for m in parts) + other
     totals = MemoryBytes(params=sum(m.params for m in parts), grads=sum(m.grads for m in parts),
                          optimizer=sum(m.optimizer for m in parts), activations=activations,
-                         buffers=_buffers(pm, case), cpu=sum(m.cpu for m in parts), nvme=sum(m.nvme for m in parts))
+                         buffers=_buffers(pm, case), cpu=sum(m.cpu for m in parts), nvme=sum(m.nvme for m in parts),
+                         host_optimizer=sum(m.host_optimizer for m in parts))
     # the gradients the step holds at its peak (planner/peak.py): those backward has made so far, or all of them
     # where they outlive a backward (accumulation, several micro-batches in flight); the optimizer step holds all
     # (with the step inside backward each gradient is stepped and freed as it is made, and none is left for a step)
@@ -224,6 +225,10 @@ def _component_memory(pm: PlanModel, case: Case, comp: str, stage: int, in_fligh
     st = _state_share(pm, case, comp, stage)
     params, grads, opt = float(st.params), float(st.grads), float(st.optimizer)
     host = {"cpu": off if pol.offload == "cpu" else 0.0, "nvme": off if pol.offload == "nvme" else 0.0}
+    hosted = 0.0
+    if getattr(pol, "optim_state", "master") == "cpu":  # vlaforge's host AdamW: master and moments on the host
+        host["cpu"] += opt
+        hosted, opt = opt, 0.0
     if par.backend == "deepspeed" and par.offload_optimizer != "none":
         host[par.offload_optimizer] += opt
         opt = 0.0
@@ -231,7 +236,7 @@ def _component_memory(pm: PlanModel, case: Case, comp: str, stage: int, in_fligh
         host[par.offload_param] += params
         params = 0.0
     return MemoryBytes(params=params, grads=grads, optimizer=opt, activations=act + casts, weight_casts=casts,
-                       offloaded=off, cpu=host["cpu"], nvme=host["nvme"])
+                       offloaded=off, cpu=host["cpu"], nvme=host["nvme"], host_optimizer=hosted)
 
 
 def _state_share(pm: PlanModel, case: Case, comp: str, stage: int) -> StateBytes:

@@ -425,8 +425,8 @@ def _model_parallel_comm(pm: "PlanModel", case: "Case", cluster: "Cluster", assu
 
 def _host_traffic(case: "Case", cluster: "Cluster", assume: "Assumptions", stages: list, compute: float
                   ) -> dict[str, float]:
-    """Seconds per step of activation offload (overlapped with compute), the optimizer, and DeepSpeed's offloaded
-    optimizer state and parameters."""
+    """Seconds per step of activation offload (overlapped with compute), the optimizer (vlaforge's host AdamW
+    included), and DeepSpeed's offloaded optimizer state and parameters."""
     par, accum = case.par, case.accum
     totals, comp_mem = stages[0]
     pcie = cluster.gpu.pcie_gbps * GB
@@ -440,8 +440,12 @@ def _host_traffic(case: "Case", cluster: "Cluster", assume: "Assumptions", stage
         times["offload_exposed"] = max(0.0, accum * 2 * act_off / link - compute)
     opt_gpu = totals.optimizer + totals.params + totals.grads
     times["optimizer"] = 2 * opt_gpu / (cluster.gpu.hbm_gbps * GB)
-    if moved - act_off > 0:  # DeepSpeed's offloaded optimizer / parameters: gradients out, parameters back
-        times["optimizer"] += 2 * (moved - act_off) / pcie
+    hosted = sum(m.host_optimizer for m in comp_mem.values())
+    if hosted:  # vlaforge's host AdamW: each gradient out and its weights back over PCIe, the node's CPU Adam
+        trips = sum(2 * m.params for m in comp_mem.values() if m.host_optimizer)
+        times["optimizer"] += trips / pcie + hosted * cluster.gpus_per_node / (assume.cpu_adam_gbps * GB)
+    if moved - act_off - hosted > 0:  # DeepSpeed's offloaded optimizer / parameters: gradients out, parameters back
+        times["optimizer"] += 2 * (moved - act_off - hosted) / pcie
         if par.offload_optimizer != "none":  # CPU Adam on the node's cores, shared by its GPUs
             times["optimizer"] += totals.cpu * cluster.gpus_per_node / (assume.cpu_adam_gbps * GB)
         if par.offload_param != "none":  # ZeRO-3 fetches the parameters for every forward and backward

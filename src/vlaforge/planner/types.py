@@ -280,6 +280,7 @@ class MemoryBytes:
     offloaded: float = 0.0  # activations moved off the GPU
     cpu: float = 0.0
     nvme: float = 0.0
+    host_optimizer: float = 0.0  # of `cpu`: the state vlaforge's host AdamW keeps and steps (optim_state = "cpu")
     at_peak: float | None = None  # activations + gradients + working sets at the step's peak (planner/peak.py)
     grads_held: float | None = None  # the most gradient bytes held at once (`peak.grads_held`)
 

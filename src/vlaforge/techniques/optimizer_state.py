@@ -35,6 +35,7 @@ from typing import Any, Mapping
 import torch
 
 from vlaforge.errors import VlaforgeError
+from vlaforge.techniques.host_optimizer import HostAdamW, host_params, restore_host_state
 
 BLOCK = 256  # values per 8-bit scale (torchao's AdamW8bit default)
 MIN_QUANTIZED = 4096  # torchao quantizes a moment of at least this many values that blocks evenly
@@ -48,7 +49,8 @@ def option(policy) -> tuple[str, bool]:
 
 
 def uses_optimizer_state(components: Mapping[str, Any]) -> bool:
-    """Whether any component asks for 8-bit moments or stochastic rounding (else: today's fused AdamW)."""
+    """Whether any component asks for 8-bit moments, stochastic rounding or the host's AdamW (else: today's fused
+    AdamW)."""
     return any(option(p) != ("master", False) for p in components.values())
 
 
@@ -99,6 +101,7 @@ class ComponentOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         self._share()  # NOTE: torch replaced the group dicts and the state dict
+        restore_host_state(self, state_dict, host_params(self))  # (torch cast the host's fp32 state)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -115,8 +118,6 @@ def apply_optimizer_state(groups: list[dict], components: Mapping[str, Any], bet
         VlaforgeError: a parameter is not a floating tensor on the CPU or a CUDA device (fused AdamW's and
             torchao's devices), or a stochastically rounded component holds weights that are not bf16.
     """
-    from torchao.optim import AdamW8bit, _AdamW
-
     kinds: dict[tuple[str, bool], list[int]] = {}
     for i, group in enumerate(groups):
         policy = components.get(group["component"])
@@ -128,9 +129,15 @@ def apply_optimizer_state(groups: list[dict], components: Mapping[str, Any], bet
     owner, parts = [0] * len(groups), []
     for n, ((state, rounding), members) in enumerate(kinds.items()):
         mine = [groups[i] for i in members]
-        if state == "8bit":
+        if state == "cpu":
+            parts.append(HostAdamW(mine, betas=betas, eps=eps))
+        elif state == "8bit":
+            from torchao.optim import AdamW8bit
+
             parts.append(AdamW8bit(mine, betas=betas, eps=eps, block_size=BLOCK, bf16_stochastic_round=rounding))
         elif rounding:
+            from torchao.optim import _AdamW
+
             parts.append(_AdamW(mine, betas=betas, eps=eps, bf16_stochastic_round=True))
         else:
             parts.append(torch.optim.AdamW(mine, betas=betas, eps=eps, fused=True))

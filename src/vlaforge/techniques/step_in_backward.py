@@ -159,6 +159,12 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self.observe = None
         return self.norms
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        from vlaforge.techniques.host_optimizer import host_params, restore_host_state
+
+        super().load_state_dict(state_dict)
+        restore_host_state(self, state_dict, host_params(self._grouped))  # (torch cast the host's fp32 state)
+
     def __setstate__(self, state: dict) -> None:
         # NOTE: `load_state_dict` replaces `state` and the group dicts: the per-parameter optimizers follow
         super().__setstate__(state)

@@ -34,6 +34,60 @@ def check_memory(cfg: VLAConfig, model: nn.Module, device: torch.device, tps: in
                             f"{lay.frames} images at {lay.image_size} px and {tps} LLM tokens) but the {device.type} "
                             f"has {have / 2**30:.1f} GiB; lower train.batch_size (raise train.grad_accum to keep the "
                             "global batch), model.image_size or the token counts")
+    check_host_optimizer(cfg, model)
+
+
+def host_optimizer_bytes(cfg: VLAConfig, model: nn.Module) -> tuple[int, list[str]]:
+    """Bytes of optimizer state this node's host keeps, as the planner counts them (`planner.memory.model_state`),
+    and what keeps them: the components with `optim_state = "cpu"` (techniques/host_optimizer.py: fp32 master and
+    moments), or with DeepSpeed's `offload_optimizer = "cpu"` every training component (ZeRO partitions it over
+    the ranks, all on this host on one node)."""
+    from vlaforge.planner.memory import model_state
+
+    policies = dict(cfg.components.items())
+    state = model_state(model, policies, cfg.train.precision_master)
+    par = cfg.parallel
+    if par.backend == "deepspeed" and par.offload_optimizer == "cpu":
+        nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        return sum(s.optimizer for s in state.by_component.values()) // nodes, ["parallel.offload_optimizer = 'cpu'"]
+    hosted = [c for c, p in policies.items() if p.optim_state == "cpu"]
+    return (sum(state.by_component[c].optimizer for c in hosted),
+            [f"components.{c}.optim_state = 'cpu'" for c in hosted])
+
+
+def host_available_bytes() -> int:
+    """Memory this process can still take on the host: /proc/meminfo's MemAvailable, and no more than its cgroup's
+    limit less what the cgroup uses (a container sees the whole machine in /proc/meminfo)."""
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                have = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            have = min(have, int(limit) - int(open("/sys/fs/cgroup/memory.current").read()))
+    except (OSError, ValueError):
+        pass
+    return have
+
+
+def check_host_optimizer(cfg: VLAConfig, model: nn.Module) -> None:
+    """Refuse an optimizer kept on the host (vlaforge's `optim_state = "cpu"`, DeepSpeed's CPU offload) when the
+    host lacks the memory the planner counts for it, before the optimizer allocates any of it.
+
+    Raises:
+        VlaforgeError: naming the need, what the host has and the ways out."""
+    need, why = host_optimizer_bytes(cfg, model)
+    if not need:
+        return
+    have = host_available_bytes()
+    if need > have:
+        raise VlaforgeError(f"{' and '.join(why)} keep {need / 2**30:.1f} GiB of optimizer state on the host, which "
+                            f"has {have / 2**30:.1f} GiB available; free host memory, keep fewer components' state "
+                            "there, or keep it on the device (optim_state = '8bit' holds 2 bytes a parameter)")
 
 
 @contextlib.contextmanager
