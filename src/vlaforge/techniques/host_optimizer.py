@@ -59,10 +59,7 @@ class HostAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -83,6 +80,14 @@ class HostAdamW(torch.optim.Optimizer):
                 if master is not p:
                     p.copy_(master, non_blocking=True)  # (to the nearest bf16: the master keeps every bit)
         return loss
+
+
+def run_closure(closure) -> Any:
+    """An optimizer step's `closure` (the loss recomputed with gradients), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def host_params(optimizer: torch.optim.Optimizer) -> set[int]:

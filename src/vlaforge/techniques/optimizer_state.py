@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import torch
 
 from vlaforge.errors import VlaforgeError
-from vlaforge.techniques.host_optimizer import HostAdamW, host_params, restore_host_state
+from vlaforge.techniques.host_optimizer import HostAdamW, host_params, restore_host_state, run_closure
 
 BLOCK = 256  # values per 8-bit scale (torchao's AdamW8bit default)
 MIN_QUANTIZED = 4096  # torchao quantizes a moment of at least this many values that blocks evenly
@@ -90,10 +90,7 @@ class ComponentOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for part in self.parts:
             part.step()
         return loss
