@@ -169,3 +169,25 @@ def test_a_host_without_the_memory_the_planner_counts_is_refused_before_the_step
     assert 0 < have <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     monkeypatch.setattr(memory_check, "host_available_bytes", lambda: need)
     memory_check.check_host_optimizer(cfg, model)  # enough: no refusal
+
+
+def test_the_planner_offers_it_where_nothing_fits_on_one_gpu():
+    """When nothing fits, the search's alternatives include the host's AdamW on one GPU (its state in host memory,
+    less on the GPU than the plain candidates), and not on two (one process only: `check_layout` refuses it there)."""
+    import dataclasses
+
+    from vlaforge.planner.hardware import get_gpu
+    from vlaforge.planner.search import HOST_OPTIMIZER, search
+    from vlaforge.planner.types import Cluster, PlanModel
+
+    cfg = tiny_config()
+    pm = PlanModel(cfg)
+    plain = search(pm, Cluster(get_gpu("h100-80"), 1, 1), 8)
+    need = plain.best.memory["total"]
+    small = dataclasses.replace(get_gpu("h100-80"), memory_gb=need * 0.5)
+    plan = search(pm, Cluster(small, 1, 1), 8)
+    assert plan.best is None and HOST_OPTIMIZER in plan.alternatives
+    host = plan.alternatives[HOST_OPTIMIZER]
+    assert host.memory["cpu"] > 0 and host.memory["optimizer"] == 0
+    assert {p.optim_state for _, p in host.config.components.items() if p.trainable} == {"cpu"}
+    assert HOST_OPTIMIZER not in search(pm, Cluster(small, 2, 1), 8).alternatives

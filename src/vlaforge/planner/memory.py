@@ -31,10 +31,8 @@ from torch import nn
 
 from vlaforge.models.llm import llm_blocks
 from vlaforge.techniques.freezing import ever_trains
-from vlaforge.techniques.optimizer_state import moment_bytes
+from vlaforge.techniques.optimizer_state import adam_state_bytes
 from vlaforge.techniques.precision import MASTER_DTYPES
-
-ADAM_STEP_BYTES = 4  # the fp32 `step` tensor AdamW keeps per parameter tensor
 
 
 @dataclass
@@ -103,7 +101,6 @@ def model_state(model: nn.Module, policies: Mapping[str, Any], master: str = "fp
         lora = adapted(model, name, policy)
         s = StateBytes()
         eight_bit = getattr(policy, "optim_state", "master") == "8bit"
-        hosted = getattr(policy, "optim_state", "master") == "cpu"  # techniques/host_optimizer.py
         if lora is not None:
             s.params, s.grads, s.optimizer = adapter_state(lora, size, eight_bit)
             s.numel, s.tensors = lora.numel, 2 * len(lora.linears)
@@ -119,10 +116,7 @@ def model_state(model: nn.Module, policies: Mapping[str, Any], master: str = "fp
                 s.tp_sharded_params += n * size
             if trains:
                 s.grads += n * size
-                if hosted:  # fp32 moments on the host, and an fp32 master unless the weights are fp32 already
-                    s.optimizer += 2 * 4 * n + (4 * n if size != 4 else 0) + ADAM_STEP_BYTES
-                else:
-                    s.optimizer += 2 * moment_bytes(n, size, eight_bit) + ADAM_STEP_BYTES
+                s.optimizer += adam_state_bytes(n, size, getattr(policy, "optim_state", "master"))
         out.by_component[name] = s
     return out
 

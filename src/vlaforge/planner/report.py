@@ -10,7 +10,7 @@ from typing import Any
 
 from vlaforge import COMPONENTS
 from vlaforge.planner.estimate import GB, Estimate
-from vlaforge.planner.search import GPU_OPTIMIZER, Plan
+from vlaforge.planner.search import GPU_OPTIMIZER, HOST_OPTIMIZER, Plan
 from vlaforge.planner.types import Assumptions, Cluster, PlanModel, config_fields
 
 KINDS = ("params", "grads", "optimizer", "activations")
@@ -279,7 +279,7 @@ POLICY_SETUPS = {
 POLICY_GLOBAL_BATCH = 32  # LeRobot's pi0.5 fine-tuning batch
 OFFLOAD = "DeepSpeed ZeRO-3 with optimizer and parameter offload to CPU"  # search.ALTERNATIVES' name
 # the layout column's mark of an alternative (else its name)
-ALTERNATIVE_TAGS = {OFFLOAD: "zero3 cpu", GPU_OPTIMIZER: "8-bit in backward"}
+ALTERNATIVE_TAGS = {OFFLOAD: "zero3 cpu", GPU_OPTIMIZER: "8-bit in backward", HOST_OPTIMIZER: "host adamw"}
 
 
 def policy_section(assume: Assumptions, flavor: str = "pi05") -> list[str]:

@@ -39,12 +39,16 @@ RECIPE_HEADER = "# vlaforge plan:"  # a recipe's first line when plan wrote it: 
 LORA_REFUSED = "lora: "  # marks, among the search's refusals, LoRA's own
 GPU_OPTIMIZER = ("the optimizer on the GPU in ~4 bytes per parameter: bf16 weights with stochastic rounding, 8-bit "
                  "AdamW moments, each parameter stepped inside backward (no gradient clipping)")
+HOST_OPTIMIZER = ("AdamW on the host without DeepSpeed: fp32 master weights and moments in host memory, bf16 "
+                  "weights on the GPU, each parameter stepped inside backward (one GPU)")
 # NOTE: the per-component options are set on the components that train (`_alternative_pins`); the first that fits,
 # fastest, is the plan's `fallback`
 ALTERNATIVES = {
     GPU_OPTIMIZER: {"train.precision_master": "bf16", "train.step_in_backward": True, "train.grad_clip": 0.0,
                     **{f"components.{c}.{k}": v for c in COMPONENTS
                        for k, v in (("optim_state", "8bit"), ("stochastic_rounding", True))}},
+    HOST_OPTIMIZER: {"train.precision_master": "bf16", "train.step_in_backward": True, "train.grad_clip": 0.0,
+                     **{f"components.{c}.optim_state": "cpu" for c in COMPONENTS}},
     "DeepSpeed ZeRO-3 with optimizer and parameter offload to CPU": {
         "parallel.backend": "deepspeed", "parallel.zero_stage": 3, "parallel.offload_optimizer": "cpu",
         "parallel.offload_param": "cpu"},

@@ -66,6 +66,19 @@ def moment_bytes(numel: int, master_size: int, eight_bit: bool) -> int:
     return numel * master_size
 
 
+ADAM_STEP_BYTES = 4  # the fp32 `step` tensor AdamW keeps per parameter tensor
+
+
+def adam_state_bytes(numel: int, master_size: int, optim_state: str = "master") -> int:
+    """Bytes AdamW keeps for one trained `numel`-value tensor whose weights are `master_size` bytes each, by
+    `optim_state`: both moments (`moment_bytes`) and the step; with "cpu" (techniques/host_optimizer.py) fp32 moments
+    and an fp32 master unless the weights are fp32 already - on the host. The planner's count and the host-memory
+    check's."""
+    if optim_state == "cpu":
+        return 2 * 4 * numel + (4 * numel if master_size != 4 else 0) + ADAM_STEP_BYTES
+    return 2 * moment_bytes(numel, master_size, optim_state == "8bit") + ADAM_STEP_BYTES
+
+
 class ComponentOptimizer(torch.optim.Optimizer):
     """Several optimizers as one: `param_groups` are the parts' own group dicts (in the order given), `state` one
     dict the parts share. `step` steps every part; `load_state_dict` hands the loaded groups back to the parts."""

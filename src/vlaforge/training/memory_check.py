@@ -38,21 +38,30 @@ def check_memory(cfg: VLAConfig, model: nn.Module, device: torch.device, tps: in
 
 
 def host_optimizer_bytes(cfg: VLAConfig, model: nn.Module) -> tuple[int, list[str]]:
-    """Bytes of optimizer state this node's host keeps, as the planner counts them (`planner.memory.model_state`),
-    and what keeps them: the components with `optim_state = "cpu"` (techniques/host_optimizer.py: fp32 master and
-    moments), or with DeepSpeed's `offload_optimizer = "cpu"` every training component (ZeRO partitions it over
-    the ranks, all on this host on one node)."""
-    from vlaforge.planner.memory import model_state
+    """Bytes of optimizer state this node's host keeps, counted as the planner counts them
+    (`optimizer_state.adam_state_bytes` over the trained tensors, as `planner.memory.model_state`), and what keeps
+    them: the components with `optim_state = "cpu"` (techniques/host_optimizer.py: fp32 master and moments), or with
+    DeepSpeed's `offload_optimizer = "cpu"` every training component (ZeRO partitions it over the ranks, all on this
+    host on one node). A LoRA component's adapters (built later, a few per cent of it) are not counted."""
+    from vlaforge.techniques.freezing import ever_trains
+    from vlaforge.techniques.optimizer_state import adam_state_bytes
+    from vlaforge.techniques.precision import master_dtype
+    from vlaforge.training.optim import owned_parameters
 
-    policies = dict(cfg.components.items())
-    state = model_state(model, policies, cfg.train.precision_master)
     par = cfg.parallel
-    if par.backend == "deepspeed" and par.offload_optimizer == "cpu":
+    offloaded = par.backend == "deepspeed" and par.offload_optimizer == "cpu"
+    need, why = 0, []
+    for name, params in owned_parameters(model).items():
+        policy = getattr(cfg.components, name)
+        if not ever_trains(policy) or policy.lora is not None or not (offloaded or policy.optim_state == "cpu"):
+            continue
+        size = torch.empty((), dtype=master_dtype(policy.precision, cfg.train.precision_master)).element_size()
+        need += sum(adam_state_bytes(p.numel(), size, policy.optim_state) for p in params)
+        why += [] if offloaded else [f"components.{name}.optim_state = 'cpu'"]
+    if offloaded:
         nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        return sum(s.optimizer for s in state.by_component.values()) // nodes, ["parallel.offload_optimizer = 'cpu'"]
-    hosted = [c for c, p in policies.items() if p.optim_state == "cpu"]
-    return (sum(state.by_component[c].optimizer for c in hosted),
-            [f"components.{c}.optim_state = 'cpu'" for c in hosted])
+        return need // nodes, ["parallel.offload_optimizer = 'cpu'"]
+    return need, why
 
 
 def host_available_bytes() -> int:
