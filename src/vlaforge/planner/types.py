@@ -118,7 +118,7 @@ class PlanModel:
         return self.seq.llm_tokens
 
     def state(self, policies, master: str):
-        key = (master, tuple((c, policies[c].precision, ever_trains(policies[c]),
+        key = (master, tuple((c, policies[c].precision, ever_trains(policies[c]), policies[c].optim_state,
                               policies[c].lora.model_dump_json() if policies[c].lora else None) for c in COMPONENTS))
         if key not in self._states:
             self._states[key] = model_state(self.model, policies, master)
