@@ -177,6 +177,29 @@ def test_a_pickled_tensor_is_rebuilt_without_typed_storage_warnings(monkeypatch)
         assert got[k].storage_offset() == v.storage_offset(), k
 
 
+def ask_together(address, frames: dict[str, np.ndarray], tasks: list[str]) -> list:
+    """One robot per task, all ready, each sending its observation (`_observation(frames, i)`) at once from its own
+    thread: per robot the decoded action chunk, or the grpc.RpcError its call raised."""
+    import concurrent.futures as cf
+
+    import grpc
+
+    host, port, _ = address
+    robots = [Robot(f"{host}:{port}") for _ in tasks]
+    for r in robots:
+        r.ready()
+
+    def ask(i):
+        robots[i].send(_observation(frames, i, step=0, task=tasks[i]))
+        try:
+            return np.stack([a.action.numpy() for a in lp.decode(robots[i].actions(), list)])
+        except grpc.RpcError as exc:
+            return exc
+
+    with cf.ThreadPoolExecutor(len(tasks)) as pool:
+        return list(pool.map(ask, range(len(tasks))))
+
+
 class Robot:
     """A robot speaking LeRobot's gRPC protocol from this process (stubs from serving.lerobot_grpc), sending
     whatever bytes a test gives it. Closed at the end of the test (`robots` fixture): gRPC's threads live while a
@@ -373,22 +396,11 @@ def test_the_cli_serves_a_trained_run_over_grpc(tmp_path):
 def test_robots_are_batched_together_each_getting_its_own_actions():
     """Three robots asking at once: one batched forward (the batcher waits for every open session), each chunk
     its own observation's."""
-    import concurrent.futures as cf
 
     live = Live(_runtime(), protocol="lerobot", max_wait_ms=2000)
     try:
-        host, port, _ = live.server.address
         frames = _frames(3, seed=2)
-        robots = [Robot(f"{host}:{port}") for _ in range(3)]
-        for r in robots:
-            r.ready()
-
-        def ask(i):
-            robots[i].send(_observation(frames, i, step=0))
-            return np.stack([a.action.numpy() for a in lp.decode(robots[i].actions(), list)])
-
-        with cf.ThreadPoolExecutor(3) as pool:
-            chunks = list(pool.map(ask, range(3)))
+        chunks = ask_together(live.server.address, frames, [TASK] * 3)
         for i, chunk in enumerate(chunks):
             np.testing.assert_allclose(chunk, _predict(frames, i), atol=1e-6)
         assert 'vlaforge_batch_size_bucket{le="2.0"} 0.0' in live.server.metrics.text()  # one batch of three

@@ -4,7 +4,6 @@ of the same session is answered; in a batch of several robots only the poisoned 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import urllib.error
 import urllib.request
@@ -16,7 +15,7 @@ import pytest
 from vlaforge.serving import lerobot_pickle as lp
 from vlaforge.serving.client import PolicyClient, ServerError, wire_observation
 
-from test_lerobot_serving import TASK, Robot, _close_robots, _frames, _observation, _predict  # noqa: F401
+from test_lerobot_serving import TASK, Robot, _close_robots, _frames, _observation, _predict, ask_together  # noqa: F401
 from test_serving import Live, _obs, _runtime
 
 # (_close_robots, imported, is autouse here too: it closes each test's robot channels)
@@ -119,21 +118,8 @@ def test_grpc_get_actions_fails_and_the_robot_goes_on(live):
 def test_a_batch_of_robots_refuses_only_the_poisoned_one(live):
     """Three robots in one forward, the second asking with the poisoned instruction: it alone gets the error."""
     server = live(protocol="lerobot", max_wait_ms=2000)  # the batcher waits for all three open sessions
-    host, port, _ = server.server.address
     frames = _frames(3, seed=5)
-    robots = [Robot(f"{host}:{port}") for _ in range(3)]
-    for r in robots:
-        r.ready()
-
-    def ask(i):
-        robots[i].send(_observation(frames, i, step=0, task=POISON if i == 1 else TASK))
-        try:
-            return np.stack([a.action.numpy() for a in lp.decode(robots[i].actions(), list)])
-        except grpc.RpcError as exc:
-            return exc
-
-    with cf.ThreadPoolExecutor(3) as pool:
-        got = list(pool.map(ask, range(3)))
+    got = ask_together(server.server.address, frames, [TASK, POISON, TASK])
     assert isinstance(got[1], grpc.RpcError) and SAYS in got[1].details()
     for i in (0, 2):
         np.testing.assert_allclose(got[i], _predict(frames, i), atol=1e-6)
