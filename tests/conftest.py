@@ -63,6 +63,24 @@ def make_batch(cfg, model, size: int = 4, start: int = 0):
     return Batch.collate([ds[i] for i in range(start, start + size)])
 
 
+def step_setup(cfg, scaler=None):
+    """What the trainer's step takes for `cfg`, built in this process on the CPU from seed 0: (model, loss weighting,
+    optimizer, schedule, guards), the guards' loss scaler `scaler` or the config's."""
+    from vlaforge import COMPONENTS
+    from vlaforge.training.loss_scale import LossScaler
+    from vlaforge.training.optim import build_optimizer, build_scheduler
+    from vlaforge.training.step import StepGuards
+    from vlaforge.training.trainer import build_loss_weighting, build_model
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    model, setup = build_model(cfg, cpu)
+    weighting = build_loss_weighting(cfg, model, cpu)
+    opt = build_optimizer(model, cfg, list(weighting.parameters()))
+    guards = StepGuards(scaler or LossScaler.from_config(cfg.loss_scale, setup.used, COMPONENTS))
+    return model, weighting, opt, build_scheduler(opt, cfg.train), guards
+
+
 def policy_grads(cfg) -> dict:
     """Parameter name -> gradient of one loss on a 2-sample batch of the model `cfg` describes, its components'
     policies applied (checkpointing, precision): what a policy must leave unchanged."""

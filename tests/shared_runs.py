@@ -104,7 +104,6 @@ def ddp_run(tmp_path_factory) -> Path:
     return two_rank_run(tmp_path_factory, "ddp", *DDP)
 
 
-
 _WARM_STEPS: set = set()
 
 
@@ -116,21 +115,11 @@ def warm_optimizer_steps(component: str, **policy) -> None:
     key = (component, tuple(sorted(policy.items())))
     if key in _WARM_STEPS:
         return
-    import torch
+    from vlaforge.training.step import train_step
 
-    from vlaforge import COMPONENTS
-    from vlaforge.training.loss_scale import LossScaler
-    from vlaforge.training.optim import build_optimizer, build_scheduler
-    from vlaforge.training.step import StepGuards, train_step
-    from vlaforge.training.trainer import build_loss_weighting, build_model
+    from conftest import make_batch, step_setup, tiny_config
 
-    from conftest import make_batch, tiny_config
-
-    cpu = torch.device("cpu")
     cfg = tiny_config(components={component: policy})
-    model, setup = build_model(cfg, cpu)
-    weighting = build_loss_weighting(cfg, model, cpu)
-    opt = build_optimizer(model, cfg, list(weighting.parameters()))
-    guards = StepGuards(LossScaler.from_config(cfg.loss_scale, setup.used, COMPONENTS))
-    train_step(model, [make_batch(cfg, model)], opt, build_scheduler(opt, cfg.train), weighting, 1.0, guards)
+    model, weighting, opt, sched, guards = step_setup(cfg)
+    train_step(model, [make_batch(cfg, model)], opt, sched, weighting, 1.0, guards)
     _WARM_STEPS.add(key)

@@ -16,12 +16,11 @@ from vlaforge.config.components import ComponentConfig
 from vlaforge.errors import VlaforgeError
 from vlaforge.techniques.accounting import inner_tensors
 from vlaforge.techniques.optimizer_state import apply_optimizer_state, quantized
-from vlaforge.training.loss_scale import LossScaler
-from vlaforge.training.optim import build_optimizer, build_scheduler
-from vlaforge.training.step import StepGuards, train_step
-from vlaforge.training.trainer import build_loss_weighting, build_model
+from vlaforge.training.optim import build_optimizer
+from vlaforge.training.step import train_step
+from vlaforge.training.trainer import build_model
 
-from conftest import TINY_RECIPE, make_batch, run_cli, tiny_config
+from conftest import TINY_RECIPE, make_batch, run_cli, step_setup, tiny_config
 
 pytestmark = pytest.mark.xdist_group("test_optimizer_state")  # one worker: torchao's compiled steps are shared
 CPU = torch.device("cpu")
@@ -31,15 +30,6 @@ SR_8BIT = {"precision": "bf16", "optim_state": "8bit", "stochastic_rounding": Tr
 
 def _cfg(tmp_path, master="fp32", **policy):
     return tiny_config(tmp_path, components={C: policy}, train={"precision_master": master})
-
-
-def _setup(cfg, scaler: LossScaler | None = None):
-    torch.manual_seed(0)
-    model, setup = build_model(cfg, CPU)
-    weighting = build_loss_weighting(cfg, model, CPU)
-    opt = build_optimizer(model, cfg, list(weighting.parameters()))
-    guards = StepGuards(scaler or LossScaler.from_config(cfg.loss_scale, setup.used, COMPONENTS))
-    return model, weighting, opt, build_scheduler(opt, cfg.train), guards
 
 
 def _steps(run, batches):
@@ -69,7 +59,7 @@ def test_no_option_keeps_one_fused_adamw(tmp_path):
 
 def test_8bit_moments_track_fp32_adamw_on_the_chosen_component_only(tmp_path):
     ref_cfg, cfg = _cfg(tmp_path), _cfg(tmp_path, optim_state="8bit")
-    ref, run = _setup(ref_cfg), _setup(cfg)
+    ref, run = step_setup(ref_cfg), step_setup(cfg)
     batches = [make_batch(cfg, ref[0], start=4 * i) for i in range(6)]
     start = [p.detach().clone() for p in ref[0].projector.parameters()]
     _steps(ref, batches[:1])
@@ -121,7 +111,7 @@ def test_planner_counts_the_bytes_the_optimizer_holds(tmp_path):
 
     for master, policy in (("fp32", {}), ("fp32", {"optim_state": "8bit"}), ("bf16", SR_8BIT)):
         cfg = _cfg(tmp_path, master, **policy)
-        run = _setup(cfg)
+        run = step_setup(cfg)
         _steps(run, [make_batch(cfg, run[0])])
         held = _state_bytes(run[2], list(run[0].projector.parameters()))
         planned = model_state(run[0], dict(cfg.components.items()), master).by_component[C]
@@ -134,7 +124,7 @@ def test_fp16_skipped_step_leaves_weights_and_8bit_state_alone(tmp_path):
     from test_precision import InjectInf
 
     cfg = _cfg(tmp_path, precision="fp16", optim_state="8bit")
-    run = _setup(cfg)
+    run = step_setup(cfg)
     model, opt, guards = run[0], run[2], run[4]
     assert guards.scaler.enabled
     batch = make_batch(cfg, model)
