@@ -32,7 +32,7 @@ from torch import nn
 from vlaforge.models.llm import llm_blocks
 from vlaforge.techniques.freezing import ever_trains
 from vlaforge.techniques.optimizer_state import adam_state_bytes
-from vlaforge.techniques.precision import MASTER_DTYPES
+from vlaforge.techniques.precision import master_dtype
 
 
 @dataclass
@@ -95,8 +95,7 @@ def model_state(model: nn.Module, policies: Mapping[str, Any], master: str = "fp
     out = ModelState()
     for name, params in owned_parameters(model).items():
         policy = policies[name]
-        dtype = torch.float32 if policy.precision == "fp32" else MASTER_DTYPES[master]
-        size = torch.empty((), dtype=dtype).element_size()
+        size = torch.empty((), dtype=master_dtype(policy.precision, master)).element_size()
         trains = ever_trains(policy)
         lora = adapted(model, name, policy)
         s = StateBytes()

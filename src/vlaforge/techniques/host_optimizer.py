@@ -65,7 +65,7 @@ class HostAdamW(torch.optim.Optimizer):
             if not params:
                 continue
             states = [self._state(p) for p in params]
-            grads = [_host(p.grad, copy=False) for p in params]
+            grads = [_host(p.grad) for p in params]
             if any(p.is_cuda for p in params):
                 torch.cuda.current_stream().synchronize()  # the gradients' copies into pinned memory are done
             masters = [p if own_master(p) else s["master"] for p, s in zip(params, states)]
@@ -110,14 +110,12 @@ def restore_host_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any], 
             continue
         for name in STATE_KEYS:
             if name in entry:
-                optimizer.state[p][name] = _host(entry[name], copy=False)
+                optimizer.state[p][name] = _host(entry[name])
 
 
-def _host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
-    """`t` as fp32 on the host (pinned when CUDA runs, copied without blocking); a host fp32 tensor is returned as
-    it is unless `copy`."""
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """`t` as fp32 on the host (pinned when CUDA runs, copied without blocking); a host fp32 tensor as it is."""
     if t.device.type == "cpu":
-        out = t.to(torch.float32)
-        return out.clone() if copy and out is t else out
+        return t.to(torch.float32)
     out = torch.empty(t.shape, dtype=torch.float32, device=HOST, pin_memory=torch.cuda.is_available())
     return out.copy_(t, non_blocking=True)

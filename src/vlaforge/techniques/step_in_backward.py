@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from vlaforge import COMPONENTS
+from vlaforge.techniques.host_optimizer import host_params, restore_host_state
 
 MakeOptimizer = Callable[[torch.optim.Optimizer, dict, nn.Parameter], torch.optim.Optimizer]
 
@@ -160,8 +161,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         return self.norms
 
     def load_state_dict(self, state_dict: dict) -> None:
-        from vlaforge.techniques.host_optimizer import host_params, restore_host_state
-
         super().load_state_dict(state_dict)
         restore_host_state(self, state_dict, host_params(self._grouped))  # (torch cast the host's fp32 state)
 

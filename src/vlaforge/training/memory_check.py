@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -12,6 +13,10 @@ from torch import nn
 from vlaforge.config.schema import VLAConfig
 from vlaforge.errors import VlaforgeError, first_line
 from vlaforge.models.vision import tower_width, vision_blocks
+from vlaforge.techniques.freezing import ever_trains
+from vlaforge.techniques.optimizer_state import adam_state_bytes
+from vlaforge.techniques.precision import master_dtype
+from vlaforge.training.optim import owned_parameters
 
 
 def check_memory(cfg: VLAConfig, model: nn.Module, device: torch.device, tps: int) -> None:
@@ -43,11 +48,6 @@ def host_optimizer_bytes(cfg: VLAConfig, model: nn.Module) -> tuple[int, list[st
     them: the components with `optim_state = "cpu"` (techniques/host_optimizer.py: fp32 master and moments), or with
     DeepSpeed's `offload_optimizer = "cpu"` every training component (ZeRO partitions it over the ranks, all on this
     host on one node). A LoRA component's adapters (built later, a few per cent of it) are not counted."""
-    from vlaforge.techniques.freezing import ever_trains
-    from vlaforge.techniques.optimizer_state import adam_state_bytes
-    from vlaforge.techniques.precision import master_dtype
-    from vlaforge.training.optim import owned_parameters
-
     par = cfg.parallel
     offloaded = par.backend == "deepspeed" and par.offload_optimizer == "cpu"
     need, why = 0, []
@@ -69,15 +69,16 @@ def host_available_bytes() -> int:
     limit less what the cgroup uses (a container sees the whole machine in /proc/meminfo)."""
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     try:
-        for line in open("/proc/meminfo"):
+        for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 have = int(line.split()[1]) * 1024
     except OSError:
         pass
+    cgroup = Path("/sys/fs/cgroup")
     try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        limit = (cgroup / "memory.max").read_text().strip()
         if limit != "max":
-            have = min(have, int(limit) - int(open("/sys/fs/cgroup/memory.current").read()))
+            have = min(have, int(limit) - int((cgroup / "memory.current").read_text()))
     except (OSError, ValueError):
         pass
     return have
