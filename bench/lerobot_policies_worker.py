@@ -27,7 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "lerobot_env061"), str(ROOT / "tests")]
-from bench_policy import peaks, read_inputs, settle, train_steps
+from bench_policy import read_inputs, settle, step_of, train_steps
 from lerobot061 import folder_options as options
 
 KINDS = ("smolvla", "pi0", "pi05")
@@ -122,10 +122,10 @@ def train(args) -> dict:
     trained = [p for p in model.parameters() if p.requires_grad]
     model.train()
     loaded = settle()
-    times, losses = train_steps(loss_of, trained, cfg.train.grad_clip, optimizer, args.steps)
+    run = train_steps(step_of(loss_of, trained, cfg.train.grad_clip, optimizer), args.steps)
     setup = precision.to_json()
-    return {"variant": args.variant, "rss_start_mib": start, "rss_loaded_mib": loaded, **peaks(),
-            "step_s": times, "loss": losses[0], "losses": losses, "compute": setup["compute"],
+    return {"variant": args.variant, "rss_start_mib": start, "rss_loaded_mib": loaded, **run,
+            "compute": setup["compute"],
             "master": setup["master"], "trainable_parameters": sum(p.numel() for p in trained),
             "parameters": sum(p.numel() for p in model.parameters())}
 

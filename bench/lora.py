@@ -217,6 +217,56 @@ def forward_backward_bytes(params: list, loss_of) -> dict:
             "loss": loss.item()}
 
 
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct storage a Python-visible tensor holds now (a torchao subclass through its inner tensors):
+    weights, gradients, optimizer state, batch."""
+    import gc
+
+    import torch
+
+    from vlaforge.techniques.accounting import inner_tensors
+
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":
+            for x in inner_tensors(obj):
+                try:
+                    st = x.untyped_storage()
+                    seen.setdefault(st.data_ptr(), st.nbytes())
+                except (NotImplementedError, RuntimeError):  # sparse, storage-less, or a compiler's fake tensors
+                    continue
+    return sum(seen.values())
+
+
+def step_tensor_peak(step, warm: int = 1) -> dict:
+    """Peak live tensor bytes of one call of `step()` on the CPU - what `torch.cuda.max_memory_allocated` reports on a
+    GPU, and what the resident set mixes with the allocator's loose pages, the interpreter and compilers: the live
+    bytes as the step starts (`live_tensor_bytes`) plus the most the CPU allocator's count rises above them during it,
+    read from the profiler's memory events (so compiled kernels' buffers count too). `warm` calls run first under the
+    profiler: the allocator reports a free only of what it saw allocated while profiling, and tensors a step leaves
+    to the next (gradients, replaced optimizer state) are then seen freed. Both sides of bench/lerobot_policies.py."""
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(warm):
+            step()
+        gc.collect()
+        start = live_tensor_bytes()
+        with record_function("measured_step"):
+            step()
+    events = prof.profiler.kineto_results.events()
+    mark = next(e for e in events if e.name() == "measured_step")
+    lo, hi = mark.start_ns(), mark.start_ns() + mark.duration_ns()
+    now = rise = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events
+                            if e.name() == "[memory]" and lo <= e.start_ns() <= hi):
+        now += nbytes
+        rise = max(rise, now)
+    return {"step_start_mib": round(start / 2**20, 1), "step_peak_mib": round((start + rise) / 2**20, 1)}
+
+
 def peak_memory(run: Path, data: Path) -> dict:
     """Peak tensor bytes of one optimizer step of `run`'s config on real tensors (`PeakBytes`), after a warm step
     (so AdamW's state exists), and the model's parameter counts."""

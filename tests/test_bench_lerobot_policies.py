@@ -1,6 +1,7 @@
 """bench/lerobot_policies.py's two sides on the tiny pi0 folder: LeRobot 0.6.1's training step (its site, with its
 gradient checkpointing) and vlaforge's (a fresh worker process, its joint layers checkpointed) each report memory
-and step time, and their losses at the same pinned noise and flow times agree in fp32."""
+and step time, a step's peak live tensor bytes, and their losses at the same pinned noise and flow times agree in
+fp32."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def test_both_sides_step_once_and_agree_on_the_loss(tmp_path_factory, tmp_path, 
     for row in (theirs, mine):
         assert "failed" not in row, row
         assert len(row["step_s"]) == 2 and row["peak_rss_mib"] >= row["rss_loaded_mib"] > row["rss_start_mib"] > 0
+        # a step's live tensors: at least the fp32 weights as it starts, and the gradients (and more) at its peak
+        assert row["step_start_mib"] * 2**20 >= 4 * row["parameters"], row
+        assert row["step_peak_mib"] * 2**20 >= row["step_start_mib"] * 2**20 + 4 * row["trainable_parameters"], row
     assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * abs(theirs["loss"]), (mine["loss"], theirs["loss"])
     assert mine["trainable_parameters"] > 0 and mine["compute"]["llm"] == "fp32"
 

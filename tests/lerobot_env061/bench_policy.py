@@ -187,20 +187,33 @@ def load(policy_dir: Path, setting: str):
     return policy, pre, start
 
 
-def train_steps(loss_of, trained: list, clip: float, optimizer, steps: int) -> tuple[list[float], list[float]]:
-    """`steps` training steps, each `loss_of()`, backward, the gradient norm clipped, the optimizer stepped and the
-    gradients set to None: (seconds per step, losses). Both sides' step (bench/lerobot_policies_worker.py too)."""
-    times, losses = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
+def step_of(loss_of, trained: list, clip: float, optimizer):
+    """One training step as a call returning its loss: `loss_of()`, backward, the gradient norm clipped, the
+    optimizer stepped and the gradients set to None. Both sides' step (bench/lerobot_policies_worker.py too)."""
+    def step() -> float:
         loss = loss_of()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        return loss.item()
+    return step
+
+
+def train_steps(step, steps: int) -> dict:
+    """`steps` calls of `step` (`step_of`), timed: {"step_s": seconds per step, "loss": step 1's, "losses", the
+    resident-set `peaks` (read now)}; then, untimed, two more under the profiler for the second's peak live tensor
+    bytes (bench/lora.py's `step_tensor_peak`)."""
+    sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
+    from lora import step_tensor_peak
+
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        losses.append(step())
         times.append(time.perf_counter() - t0)
-    return times, losses
+    rss = peaks()
+    return {"step_s": times, "loss": losses[0], "losses": losses, **rss, **step_tensor_peak(step, warm=1)}
 
 
 def read_inputs(path: Path) -> tuple[dict, list[str]]:
@@ -237,9 +250,8 @@ def train(policy_dir: Path, inputs_path: Path, setting: str, steps: int) -> dict
     optimizer = policy.config.get_optimizer_preset().build(policy.get_optim_params())
     trained = [p for p in policy.parameters() if p.requires_grad]
     loaded = settle()
-    times, losses = train_steps(loss_of, trained, policy.config.optimizer_grad_clip_norm, optimizer, steps)
-    return {"setting": setting, "rss_start_mib": start, "rss_loaded_mib": loaded, **peaks(),
-            "step_s": times, "loss": losses[0], "losses": losses,
+    run = train_steps(step_of(loss_of, trained, policy.config.optimizer_grad_clip_norm, optimizer), steps)
+    return {"setting": setting, "rss_start_mib": start, "rss_loaded_mib": loaded, **run,
             "trainable_parameters": sum(p.numel() for p in trained),
             "parameters": sum(p.numel() for p in policy.parameters())}
 
