@@ -79,6 +79,37 @@ def test_losses_gradients_and_samples_match_lerobot(kind, session_root):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_frozen_vlm_side_runs_the_prefix_context_without_autograd(kind, session_root):
+    """With the tower, projector and LLM frozen (SmolVLA's default, `train_expert_only`), the prefix's context runs
+    once without autograd and only SmolVLA's state token crosses the VLM's blocks with it (pi0 / pi0.5: nothing): the
+    loss and the action expert's gradients are still LeRobot's."""
+    from vlaforge.models.policies.families import family_of
+
+    folder, options = _folder(kind, session_root)
+    inputs, tasks = ref061.sample_inputs(kind=kind)
+    theirs, meta = ref061.reference(kind, session_root, inputs, tasks)
+    model = _model(folder, options)
+    for module in (model.vision, model.projector, model.llm):
+        module.requires_grad_(False)
+    calls = []  # (tokens, autograd on) of each call of the VLM's first MLP
+    model.llm.get_decoder().layers[0].mlp.register_forward_hook(
+        lambda _m, args, _out: calls.append((args[0].shape[1], torch.is_grad_enabled())))
+    model.train()
+    loss = model.loss(model.prepare({k[4:]: v for k, v in theirs.items() if k.startswith("pre.")}),
+                      inputs["noise"], inputs["time"])
+    assert abs(loss.item() - meta["loss"]) <= TOL
+    loss.backward()
+    fam = family_of(model.spec.family, "test")
+    head = {k: v for k, v in theirs.items() if not k.startswith("grad.") or fam.key(k[5:])[0] == "action_head"}
+    count, worst = ref061.worst_grad(model, head)
+    assert count > 10 and worst <= TOL, (count, worst)
+    assert all(p.grad is None for p in model.llm.parameters())
+    (context, autograd), *rest = calls
+    assert not autograd and [g for _, g in rest] == ([True] if kind == "smolvla" else []), calls
+    assert all(tokens < context for tokens, _ in rest), calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_runtime_predict_matches_lerobot_from_raw_observations(kind, session_root):
     from vlaforge.inference.runtime import Observation, PolicyRuntime
 

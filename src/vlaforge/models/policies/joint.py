@@ -9,7 +9,10 @@ Two streams run through it: the prefix (images, language, and SmolVLA's state to
 - `cross` (SmolVLA's odd layers): the prefix attends to itself, and the suffix's queries attend to the prefix only,
   through the expert's own key / value projections of the VLM's (rotated) keys and values.
 At inference the prefix runs once (`suffix` None) and leaves its keys and values in a `PrefixCache`; every
-denoising step runs the suffix alone (`prefix` None) against them, with no copy or crop of the cache.
+denoising step runs the suffix alone (`prefix` None) against them, with no copy or crop of the cache. In training with
+the VLM side frozen (`PolicyVLA.losses`), the prefix's context (the tokens no trained parameter reaches) fills a cache
+the same way without autograd, and the rest of the prefix (SmolVLA's state token) continues it (`extend`) beside the
+suffix.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ class JointContext:
     # stops after attention. Saves its output projection and MLP, and leaves their parameters without gradients in
     # a compiled graph too (as in eager, where autograd never reaches them)
     last_prefix: int | None = None
+    # the present prefix continues the cached one: its keys and values follow the cache's, which stays as it is
+    extend: bool = False
 
 
 class AdaRMSNorm(nn.Module):
@@ -163,9 +168,9 @@ class JointLayer(nn.Module):
         k = apply_rope(torch.cat([x[1] for x in qkv], dim=1), ctx.angles)
         v = torch.cat([x[2] for x in qkv], dim=1)
         cache = ctx.cache
-        if cache is not None and prefix is not None:  # the prefix pass: keep its keys and values
+        if cache is not None and prefix is not None and not ctx.extend:  # the prefix pass: keep its keys and values
             cache.keys[self.index] = (k, v)
-        elif cache is not None:  # a suffix pass: the prefix's keys and values first
+        elif cache is not None:  # a suffix pass, or the prefix's rest: the cached prefix's keys and values first
             pk, pv = cache.keys[self.index]
             k, v = torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)
         att = attend(q, k, v, ctx.mask, self.scale)
@@ -184,7 +189,10 @@ class JointLayer(nn.Module):
         q, k, v, _ = _qkv(self.vlm, prefix)
         angles = ctx.angles[:, :prefix.shape[1]]
         k = apply_rope(k, angles)
-        if ctx.cache is not None:
+        if ctx.extend:  # the prefix's rest: after the cached prefix's keys and values
+            pk, pv = ctx.cache.keys[self.index]
+            k, v = torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)
+        elif ctx.cache is not None:
             ctx.cache.keys[self.index] = (k, v)
         if joint and self.expert is not None:  # for `_expert_cross` in this pass
             self.__dict__["_prefix_kv"] = (k, v)
@@ -202,7 +210,7 @@ class JointLayer(nn.Module):
             ek, ev = cache.expert[self.index]
         else:
             ek, ev = self._expert_kv(*(self.__dict__.pop("_prefix_kv", None) or cache.keys[self.index]))
-            if cache is not None:
+            if cache is not None and not ctx.extend:
                 cache.expert[self.index] = (ek, ev)
         x, gate = norm(self.expert.input_layernorm, suffix, ctx.cond)
         q = attn.q_proj(x).view(*x.shape[:-1], -1, attn.head_dim)

@@ -227,15 +227,40 @@ class PolicyVLA(nn.Module):
         positions = pad.long().cumsum(1) - 1
         n = prefix.shape[1]
         s_pos = positions[:, n:]
-        ctx = JointContext(mask=self._additive(allowed), angles=self._angles(positions),
-                           prefix_mask=self._additive(allowed[:, :n, :n]),
+        angles, last = self._angles(positions), self.joint_layers[-1].index
+        # the prefix's context: its first c tokens, which no trained parameter reaches when the VLM side is frozen
+        c = self._context_length(p_att) if self._vlm_side_frozen() else 0
+        cache = PrefixCache() if c else None
+        if c:  # they run once without autograd (nothing to save for backward, no backward through the VLM)
+            with torch.no_grad():
+                ctx = JointContext(mask=self._additive(allowed[:, :c, :c]), angles=angles[:, :c], cache=cache,
+                                   last_prefix=last)
+                context = prefix[:, :c].detach()
+                for layer in self.joint_layers:
+                    context, _ = layer(context, None, ctx)
+        ctx = JointContext(mask=self._additive(allowed[:, c:]), angles=angles[:, c:],
+                           prefix_mask=self._additive(allowed[:, c:n, :n]),
                            cross_mask=self._additive(allowed[:, n:, :n]),
                            cross_angles=self._angles(s_pos - s_pos.min(dim=1, keepdim=True).values), cond=cond,
-                           last_prefix=self.joint_layers[-1].index)
+                           last_prefix=last, cache=cache, extend=bool(c))
+        prefix = prefix[:, c:] if c < n else None
         for layer in self.joint_layers:
             prefix, suffix = layer(prefix, suffix, ctx)
         v_t = self.velocity_out(suffix, cond)
         return F.mse_loss(noise - x.actions, v_t, reduction="none")
+
+    def _vlm_side_frozen(self) -> bool:
+        """Whether no parameter before the action expert trains now (SmolVLA's default, `train_expert_only`): then
+        the prefix's context needs no autograd. Read every step: a freezing schedule changes it."""
+        return torch.is_grad_enabled() and not any(
+            p.requires_grad for m in (self.vision, self.projector, self.llm) for p in m.parameters())
+
+    @staticmethod
+    def _context_length(p_att: torch.Tensor) -> int:
+        """The prefix's context: the tokens before its first block start (SmolVLA's state token, which the trained
+        state projection makes and which the context cannot see), or all of it (pi0 / pi0.5: images and text)."""
+        starts = p_att[0].nonzero()
+        return int(starts[0, 0]) if len(starts) else p_att.shape[1]
 
     def velocity_out(self, suffix: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
         """The expert's final norm and output projection over the action tokens (B, T, max_action_dim), in fp32."""
