@@ -110,6 +110,47 @@ def test_a_frozen_vlm_side_runs_the_prefix_context_without_autograd(kind, sessio
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_the_prefix_runs_without_its_padding(kind, session_root, monkeypatch):
+    """Tokens that are padding in every sample (the tokenizer's max-length padding, SmolVLA's zeros up to
+    `prefix_length`) never reach the VLM's blocks, in training or prediction (`drop_padding`), and the loss, its
+    gradients and the actions are those of the whole prefix (the parity test above holds with them dropped too)."""
+    import vlaforge.models.policies.model as policy_model
+
+    model = _model(*_folder(kind, session_root))
+    inputs, tasks = ref061.sample_inputs(kind=kind)
+    theirs, _ = ref061.reference(kind, session_root, inputs, tasks)
+    batch = {k[4:]: v for k, v in theirs.items() if k.startswith("pre.")}
+    _, pad, _ = model.embed_prefix(model.prepare(batch))
+    i = int(pad.sum(1).argmin())  # the sample with the shortest prompt, alone
+    one = lambda v: v[i:i + 1] if isinstance(v, torch.Tensor) and len(v) == len(pad) else v
+    batch, noise, time = {k: one(v) for k, v in batch.items()}, one(inputs["noise"]), one(inputs["time"])
+    x = model.prepare(batch)
+    _, pad, _ = model.embed_prefix(x)
+    real = int(pad.sum())
+    assert real < pad.shape[1], (real, pad.shape)
+    seen = []  # tokens of each call of the VLM's first MLP
+    model.llm.get_decoder().layers[0].mlp.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape[1]))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        model.train()
+        model.zero_grad()
+        loss = model.loss(x, noise, time)
+        loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        model.eval()
+        return loss.detach(), grad, model.sample_actions(model.prepare(batch, with_actions=False), noise)
+
+    dropped = run()
+    assert seen == [real, real], (seen, real)
+    monkeypatch.setattr(policy_model, "drop_padding", lambda *prefix: prefix)
+    whole = run()
+    assert seen[2:] == [pad.shape[1]] * 2, seen
+    assert abs(dropped[0] - whole[0]) <= 1e-6 * abs(whole[0])
+    assert (dropped[1] - whole[1]).abs().max() <= TOL * whole[1].abs().max()
+    assert (dropped[2] - whole[2]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_runtime_predict_matches_lerobot_from_raw_observations(kind, session_root):
     from vlaforge.inference.runtime import Observation, PolicyRuntime
 

@@ -146,6 +146,8 @@ def test_lora_with_lerobots_targets_starts_at_the_policy_and_merges_exactly(kind
         return model.loss(model.prepare(batch), inputs["noise"], inputs["time"])
 
     plain, _, _ = load_policy_model(out / "policy", lerobot=ref061.folder_options(out))
+    for c in ("vision", "projector", "llm"):  # as frozen as below: the same forward (its context without autograd)
+        getattr(plain, c).requires_grad_(False)
     plain_loss, names = loss_of(plain).item(), set(plain.state_dict())
     for base, targets in (("auto", "lerobot"), ("nf4", "all-linear")):
         model, _, _ = load_policy_model(out / "policy", lerobot=ref061.folder_options(out))

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from vlaforge.data.batch import Batch
 from vlaforge.errors import VlaforgeError
@@ -98,6 +99,23 @@ def att_2d(pad: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
     after its own (openpi's `make_att_2d_masks`)."""
     c = att.cumsum(1)
     return (c[:, None, :] <= c[:, :, None]) & (pad[:, None, :] & pad[:, :, None])
+
+
+def drop_padding(emb: torch.Tensor, pad: torch.Tensor,
+                 att: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prefix (embeddings, padding mask, block starts) without the tokens that are padding in every sample: a
+    tokenizer's padding to its maximum length, SmolVLA's zero tokens up to `prefix_length`, empty cameras. No query
+    sees them (`att_2d`) and nothing reads what they compute, and positions count real tokens only, so the losses and
+    actions are the same; LeRobot runs them through every VLM block. A token that starts a block is kept (dropping it
+    would merge blocks). Not while compiling or exporting, nor on fake tensors (the planner's count): their lengths
+    are data-dependent, so there the prefix keeps its full length."""
+    if torch.compiler.is_compiling() or is_fake(pad) or pad.device.type == "meta":
+        return emb, pad, att
+    keep = pad.any(0) | (att != 0).any(0)
+    if bool(keep.all()):
+        return emb, pad, att
+    idx = keep.nonzero().squeeze(1)
+    return emb.index_select(1, idx), pad.index_select(1, idx), att.index_select(1, idx)
 
 
 def sinusoidal(time: torch.Tensor, dim: int, min_period: float, max_period: float) -> torch.Tensor:
@@ -221,7 +239,7 @@ class PolicyVLA(nn.Module):
         """Per-element flow-matching losses (B, T, max_action_dim) at the given noise and flow times (B,)."""
         tt = time[:, None, None]
         x_t = tt * noise + (1 - tt) * x.actions
-        prefix, p_pad, p_att = self.embed_prefix(x)
+        prefix, p_pad, p_att = drop_padding(*self.embed_prefix(x))
         suffix, s_pad, s_att, cond = self.embed_suffix(x.state, x_t, time)
         pad, allowed = torch.cat([p_pad, s_pad], 1), att_2d(torch.cat([p_pad, s_pad], 1), torch.cat([p_att, s_att], 1))
         positions = pad.long().cumsum(1) - 1
@@ -280,7 +298,7 @@ class PolicyVLA(nn.Module):
     def prefix_pass(self, x: PolicyInputs,
                     image_tokens: torch.Tensor | None = None) -> tuple[PrefixCache, torch.Tensor]:
         """Run the prefix once: its keys and values per joint layer, and its padding mask (B, Lp)."""
-        prefix, pad, att = self.embed_prefix(x, image_tokens)
+        prefix, pad, att = drop_padding(*self.embed_prefix(x, image_tokens))
         cache = PrefixCache()
         ctx = JointContext(mask=self._additive(att_2d(pad, att)), angles=self._angles(pad.long().cumsum(1) - 1),
                            cache=cache, last_prefix=self.joint_layers[-1].index)
