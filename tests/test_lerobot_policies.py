@@ -142,6 +142,10 @@ def test_the_prefix_runs_without_its_padding(kind, session_root, monkeypatch):
 
     dropped = run()
     assert seen == [real, real], (seen, real)
+    with torch.no_grad():  # the exported prefix graph's: the whole length, whatever a prompt's padding
+        _, kept = model.prefix_pass(model.prepare(batch, with_actions=False), whole=True)
+    assert kept.shape == pad.shape and seen[2:] == [pad.shape[1]], (kept.shape, seen)
+    del seen[2:]
     monkeypatch.setattr(policy_model, "drop_padding", lambda *prefix: prefix)
     whole = run()
     assert seen[2:] == [pad.shape[1]] * 2, seen

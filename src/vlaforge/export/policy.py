@@ -26,7 +26,8 @@ from vlaforge.models.policies.joint import pack_cache, unpack_cache
 
 
 def _prefix(model, tokens, ids, mask, state):
-    cache, pad = model.prefix_pass(model.token_inputs(tokens, ids, mask.bool(), state), tokens)
+    # the whole prefix, padding included: the graph's length is the instruction's, whatever a prompt's padding
+    cache, pad = model.prefix_pass(model.token_inputs(tokens, ids, mask.bool(), state), tokens, whole=True)
     return pack_cache(model.joint_layers, cache), pad.long()
 
 

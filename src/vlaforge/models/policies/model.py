@@ -295,10 +295,13 @@ class PolicyVLA(nn.Module):
         return (losses * keep[..., None]).sum() / (keep.sum() * losses.shape[-1]).clamp_min(1)
 
     # ---- inference ----------------------------------------------------------------------------------------
-    def prefix_pass(self, x: PolicyInputs,
-                    image_tokens: torch.Tensor | None = None) -> tuple[PrefixCache, torch.Tensor]:
-        """Run the prefix once: its keys and values per joint layer, and its padding mask (B, Lp)."""
-        prefix, pad, att = drop_padding(*self.embed_prefix(x, image_tokens))
+    def prefix_pass(self, x: PolicyInputs, image_tokens: torch.Tensor | None = None,
+                    whole: bool = False) -> tuple[PrefixCache, torch.Tensor]:
+        """Run the prefix once: its keys and values per joint layer, and its padding mask (B, Lp). `whole`: with
+        the tokens that are padding in every sample (an exported graph's fixed length), else without them."""
+        prefix, pad, att = self.embed_prefix(x, image_tokens)
+        if not whole:
+            prefix, pad, att = drop_padding(prefix, pad, att)
         cache = PrefixCache()
         ctx = JointContext(mask=self._additive(att_2d(pad, att)), angles=self._angles(pad.long().cumsum(1) - 1),
                            cache=cache, last_prefix=self.joint_layers[-1].index)
