@@ -26,7 +26,8 @@ def test_the_planner_counts_a_policy_from_its_measured_joint_layers(kind, sessio
     """`vlaforge plan` on a LeRobot folder: every part of the policy measured under fake tensors at 2 and 4 samples
     (its joint layers as the LLM's blocks), planned at 6 samples within 2 % of the fake-tensor count there: fp32 with
     the joint layers checkpointed or not, and bf16 with QLoRA on the VLM and LeRobot's LoRA targets on the expert
-    (the adapters in place when measured; their optimizer state counted from the policy's own linears)."""
+    (the adapters in place when measured; their optimizer state counted from the policy's own linears), and with
+    only the expert trained (SmolVLA's default)."""
     from vlaforge.config.loading import load_config
     from vlaforge.planner.measure import side_by_side
     from vlaforge.planner.types import PlanModel
@@ -37,7 +38,9 @@ def test_the_planner_counts_a_policy_from_its_measured_joint_layers(kind, sessio
     adapted = {"llm": {"checkpointing": "full", "precision": "bf16", "lora": {"rank": 4, "base": "nf4"}},
                "action_head": {"precision": "bf16", "lora": {"rank": 4, "targets": "lerobot"}},
                "vision": frozen, "projector": frozen}
-    for name, comps in (("none", {}), ("full", {"llm": {"checkpointing": "full"}}), ("lora", adapted)):
+    expert_only = {"vision": frozen, "projector": frozen, "llm": frozen}  # the prefix's context without autograd
+    for name, comps in (("none", {}), ("full", {"llm": {"checkpointing": "full"}}), ("expert only", expert_only),
+                        ("lora", adapted)):  # the LoRA plan last: read below
         pm = PlanModel(load_config(None, {"model": {"lerobot": lerobot}, "components": comps}))
         assert pm.measured.policy and pm.seq.chunk == pm.model.spec.chunk
         rows = side_by_side(pm.cfg, 6)

@@ -247,7 +247,9 @@ class PolicyVLA(nn.Module):
         s_pos = positions[:, n:]
         angles, last = self._angles(positions), self.joint_layers[-1].index
         # the prefix's context: its first c tokens, which no trained parameter reaches when the VLM side is frozen
-        c = self._context_length(p_att) if self._vlm_side_frozen() else 0
+        # (not on the planner's fake tensors: the context's length is read from the block starts' values there; the
+        # planner counts the whole graph, an upper bound)
+        c = self._context_length(p_att) if self._vlm_side_frozen() and not is_fake(p_att) else 0
         cache = PrefixCache() if c else None
         if c:  # they run once without autograd (nothing to save for backward, no backward through the VLM)
             with torch.no_grad():
