@@ -167,12 +167,7 @@ class JointLayer(nn.Module):
         q = apply_rope(torch.cat([x[0] for x in qkv], dim=1), ctx.angles)
         k = apply_rope(torch.cat([x[1] for x in qkv], dim=1), ctx.angles)
         v = torch.cat([x[2] for x in qkv], dim=1)
-        cache = ctx.cache
-        if cache is not None and prefix is not None and not ctx.extend:  # the prefix pass: keep its keys and values
-            cache.keys[self.index] = (k, v)
-        elif cache is not None:  # a suffix pass, or the prefix's rest: the cached prefix's keys and values first
-            pk, pv = cache.keys[self.index]
-            k, v = torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)
+        k, v = self._through_cache(k, v, ctx, prefix_pass=prefix is not None)
         att = attend(q, k, v, ctx.mask, self.scale)
         outs, start = [], 0
         for (block, hidden, cond), parts in zip(streams, qkv):
@@ -183,17 +178,25 @@ class JointLayer(nn.Module):
         it = iter(outs)
         return (next(it) if prefix is not None else None), (next(it) if suffix is not None else None)
 
+    def _through_cache(self, k: torch.Tensor, v: torch.Tensor, ctx: JointContext,
+                       prefix_pass: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's rotated keys and values against the cache: a prefix pass keeps them there; a suffix pass, or
+        the prefix's rest (`ctx.extend`), reads the cached prefix's and puts them first; no cache, as they are."""
+        cache = ctx.cache
+        if cache is None:
+            return k, v
+        if prefix_pass and not ctx.extend:
+            cache.keys[self.index] = (k, v)
+            return k, v
+        pk, pv = cache.keys[self.index]
+        return torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)
+
     def _prefix_alone(self, prefix: torch.Tensor, ctx: JointContext, joint: bool) -> torch.Tensor:
         """The prefix attending to itself (a cross layer's, or a layer without an expert block); its rotated keys
         and values go to the cache (the prefix pass) or to the suffix's cross attention in this pass."""
         q, k, v, _ = _qkv(self.vlm, prefix)
         angles = ctx.angles[:, :prefix.shape[1]]
-        k = apply_rope(k, angles)
-        if ctx.extend:  # the prefix's rest: after the cached prefix's keys and values
-            pk, pv = ctx.cache.keys[self.index]
-            k, v = torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)
-        elif ctx.cache is not None:
-            ctx.cache.keys[self.index] = (k, v)
+        k, v = self._through_cache(apply_rope(k, angles), v, ctx, prefix_pass=True)
         if joint and self.expert is not None:  # for `_expert_cross` in this pass
             self.__dict__["_prefix_kv"] = (k, v)
         if ctx.last_prefix == self.index:
