@@ -261,6 +261,15 @@ def latency_ratios(lerobot: list[dict], vlaforge: dict) -> dict:
     return out
 
 
+def lowest_against(ran: dict, mine: dict, field: str, goal: str, times: float) -> dict:
+    """LeRobot's lowest `field` among its settings that ran against vlaforge's lowest among its variants: their names
+    and values, LeRobot / vlaforge, and whether that is at least `times` (`goal`)."""
+    theirs, ours = min(ran, key=lambda s: ran[s][field]), min(mine, key=lambda v: mine[v][field])
+    ratio = ran[theirs][field] / mine[ours][field]
+    return {"lerobot": theirs, f"lerobot_{field}": ran[theirs][field], "vlaforge": ours,
+            f"vlaforge_{field}": mine[ours][field], "ratio": ratio, goal: ratio >= times}
+
+
 def summary(kind: str, row: dict) -> dict:
     """The issue's goals: peak memory at least 2x under LeRobot's lowest at the same batch (the resident set, and a
     step's live tensor bytes: what a GPU's allocator would hold), the fastest step at least 1.5x LeRobot's fastest,
@@ -270,21 +279,11 @@ def summary(kind: str, row: dict) -> dict:
     mine = {v: r for v, r in row["vlaforge"].items() if "peak_rss_mib" in r}
     out = {}
     if ran and mine:
-        theirs, ours = min(ran, key=lambda s: ran[s]["peak_rss_mib"]), min(mine, key=lambda v: mine[v]["peak_rss_mib"])
-        ratio = ran[theirs]["peak_rss_mib"] / mine[ours]["peak_rss_mib"]
-        out["memory"] = {"lerobot": theirs, "lerobot_peak_rss_mib": ran[theirs]["peak_rss_mib"], "vlaforge": ours,
-                         "vlaforge_peak_rss_mib": mine[ours]["peak_rss_mib"], "ratio": ratio, "goal_2x": ratio >= 2,
-                         "step_time_ratio": ran[theirs]["step_time_s"] / mine[ours]["step_time_s"]}
-        theirs, ours = (min(ran, key=lambda s: ran[s]["step_peak_mib"]),
-                        min(mine, key=lambda v: mine[v]["step_peak_mib"]))
-        ratio = ran[theirs]["step_peak_mib"] / mine[ours]["step_peak_mib"]
-        out["tensor_memory"] = {"lerobot": theirs, "lerobot_step_peak_mib": ran[theirs]["step_peak_mib"],
-                                "vlaforge": ours, "vlaforge_step_peak_mib": mine[ours]["step_peak_mib"],
-                                "ratio": ratio, "goal_2x": ratio >= 2}
-        theirs, ours = (min(ran, key=lambda s: ran[s]["step_time_s"]), min(mine, key=lambda v: mine[v]["step_time_s"]))
-        ratio = ran[theirs]["step_time_s"] / mine[ours]["step_time_s"]
-        out["step_time"] = {"lerobot": theirs, "lerobot_step_s": ran[theirs]["step_time_s"], "vlaforge": ours,
-                            "vlaforge_step_s": mine[ours]["step_time_s"], "ratio": ratio, "goal_1_5x": ratio >= 1.5}
+        out["memory"] = lowest_against(ran, mine, "peak_rss_mib", "goal_2x", 2)
+        low = out["memory"]
+        low["step_time_ratio"] = ran[low["lerobot"]]["step_time_s"] / mine[low["vlaforge"]]["step_time_s"]
+        out["tensor_memory"] = lowest_against(ran, mine, "step_peak_mib", "goal_2x", 2)
+        out["step_time"] = lowest_against(ran, mine, "step_time_s", "goal_1_5x", 1.5)
     losses = [r.get("loss_within_tolerance", False) for r in row["ratios"].values()]
     out["losses_within_tolerance"] = bool(losses) and all(losses)
     lat = row["latency"]

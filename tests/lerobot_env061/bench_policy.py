@@ -45,6 +45,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # bench/lora.py's counting (train, tensors)
 
 # ---- memory ----------------------------------------------------------------------------------------------------
 def _status_kib(field: str) -> int:
@@ -204,7 +205,6 @@ def train_steps(step, steps: int) -> dict:
     """`steps` calls of `step` (`step_of`), timed: {"step_s": seconds per step, "loss": step 1's, "losses", the
     resident-set `peaks` (read now)}; then, untimed, two more under the profiler for the second's peak live tensor
     bytes (bench/lora.py's `step_tensor_peak`)."""
-    sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
     from lora import step_tensor_peak
 
     times, losses = [], []
@@ -282,7 +282,6 @@ def predict(policy_dir: Path, inputs_path: Path, setting: str, runs: int) -> dic
 
 
 def tensors(policy_dir: Path, inputs_paths: str, setting: str) -> dict:
-    sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
     from lora import forward_backward_bytes
 
     policy, pre, _ = load(policy_dir, setting)
